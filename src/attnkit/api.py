@@ -1,0 +1,153 @@
+"""Public functions: normalise → validate (spec.py) → dispatch (backends.py).
+
+Masking keywords shared by every function (DESIGN.md §2), applied in this order::
+
+    scores = scale · q kᵀ                      scale defaults to 1/√D
+    scores = softcap · tanh(scores / softcap)  only if softcap is given
+    scores = scores + bias                     bias: float, -inf allowed
+    scores[excluded] = -inf                    keep=False / drop=True / causal / window
+    weights = softmax(scores over keys);  out = weights v
+
+- ``keep``: bool, True = may attend.  ``drop``: bool, True = masked out.  Both may
+  be given; a key is excluded if either excludes it.
+- ``causal``: key j excluded when j > diag(i).  ``window=(left, right)``: key j kept
+  only if diag(i) - left <= j <= diag(i) + right (None = unbounded on that side).
+- ``align``: "bottom_right" (default, diag(i) = i + S - L) or "top_left"
+  (diag(i) = i, PyTorch's is_causal); see attnkit.spec for the pictures.
+- A fully masked query row gives out = 0, weights = 0, lse = -inf, zero gradients.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import backends, reference
+from .spec import check_like, dtype_name, is_torch, validate
+
+
+def _head_squeeze(spec, x, tail):
+    """2-D q gives outputs without the head axis: drop axis -(tail + 1)."""
+    if not spec.two_d or x is None:
+        return x
+    return x[(Ellipsis, 0) + (slice(None),) * tail]
+
+
+def _head_unsqueeze(spec, x, tail):
+    return x[(Ellipsis, None) + (slice(None),) * tail] if spec.two_d else x
+
+
+def attention(q, k, v, *, scale=None, causal=False, window=None, align="bottom_right",
+              keep=None, drop=None, bias=None, softcap=None,
+              return_lse=False, return_weights=False, backend="auto"):
+    """Exact scaled dot-product attention, softmax(scale · q kᵀ [+ masks]) v.
+
+    Shapes: q (..., H, L, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) with H % Hkv == 0
+    → out (..., H, L, Dv), lse (..., H, L), weights (..., H, L, S). 2-D q, k, v
+    (the seed's form) give 2-D out. ``out`` and ``weights`` have q's dtype; ``lse``
+    is float32 (float64 for float64 inputs). A fully masked row gives out 0,
+    weights 0 and lse -inf.
+
+    Returns out, or a tuple (out, [lse], [weights]) in that order.
+
+    >>> import numpy as np, attnkit
+    >>> q = np.array([[1.0, 0.0]]); k = np.eye(2); v = np.array([[10.0, 0], [0, 10]])
+    >>> attnkit.attention(q, k, v).round(2)
+    array([[6.7, 3.3]])
+    >>> out, w = attnkit.attention(q, k, v, return_weights=True)
+    >>> w.round(3)
+    array([[0.67, 0.33]])
+    >>> attnkit.attention(q, k, v, drop=np.array([[False, True]]))   # key 1 masked out
+    array([[10.,  0.]])
+    >>> out, lse = attnkit.attention(q, k, v, keep=np.zeros((1, 2), bool), return_lse=True)
+    >>> out, lse                                                     # fully masked row
+    (array([[0., 0.]]), array([-inf]))
+    """
+    spec = validate(q, k, v, scale=scale, causal=causal, window=window, align=align,
+                    keep=keep, drop=drop, bias=bias, softcap=softcap, backend=backend)
+    out, lse, weights = backends.select(spec, backend).rung_forward(spec, return_weights)
+    res = (_head_squeeze(spec, out, 2),)
+    if return_lse:
+        res += (_head_squeeze(spec, lse, 1),)
+    if return_weights:
+        res += (_head_squeeze(spec, weights, 2),)
+    return res[0] if len(res) == 1 else res
+
+
+def attention_weights(q, k, *, lse=None, rows=None, scale=None, causal=False, window=None,
+                      align="bottom_right", keep=None, drop=None, bias=None, softcap=None,
+                      backend="auto"):
+    """Exact attention probabilities for the query rows ``rows`` (all if None).
+
+    With ``lse`` from a forward pass (``return_lse=True``) a row costs O(S) memory and
+    no second softmax pass: weights = exp(scores − lse). Returns (..., H, len(rows), S)
+    (2-D q: (len(rows), S)). Rows that are fully masked are all zeros.
+
+    >>> import numpy as np, attnkit
+    >>> q = np.array([[1.0, 0.0], [0.0, 1.0]]); k = np.eye(2)
+    >>> attnkit.attention_weights(q, k, rows=[1]).round(3)
+    array([[0.33, 0.67]])
+    """
+    spec = validate(q, k, None, scale=scale, causal=causal, window=window, align=align,
+                    keep=keep, drop=drop, bias=bias, softcap=softcap, backend=backend)
+    if rows is not None:
+        rows = np.arange(spec.L)[np.asarray(rows)] if not is_torch(rows) else rows
+        rows = np.atleast_1d(rows)
+    if lse is not None:
+        check_like("lse", lse, _head_squeeze(spec, np.empty(spec.lse_shape + (0,)), 2).shape[:-1])
+        lse = _head_unsqueeze(spec, lse, 1)
+    w = backends.select(spec, backend).rung_weights(spec, lse, rows)
+    return _head_squeeze(spec, w, 2)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, window=None,
+                       align="bottom_right", keep=None, drop=None, bias=None, softcap=None,
+                       backend="auto"):
+    """Gradients of attention: (dq, dk, dv), plus dbias when bias is given.
+
+    ``out`` and ``lse`` come from ``attention(..., return_lse=True)`` with the same
+    arguments; ``dout`` is the gradient of the loss with respect to out. dk and dv sum
+    over the query heads sharing a kv head (GQA) and over broadcast batch dims, so each
+    gradient has its input's shape; dbias is reduced to bias's shape. Fully masked
+    rows get zero gradients.
+
+    >>> import numpy as np, attnkit
+    >>> q = np.array([[1.0, 0.0]]); k = np.eye(2); v = np.array([[10.0, 0], [0, 10]])
+    >>> out, lse = attnkit.attention(q, k, v, return_lse=True)
+    >>> dq, dk, dv = attnkit.attention_backward(np.ones_like(out), q, k, v, out, lse)
+    >>> dv.round(3)
+    array([[0.67, 0.67],
+           [0.33, 0.33]])
+    """
+    spec = validate(q, k, v, scale=scale, causal=causal, window=window, align=align,
+                    keep=keep, drop=drop, bias=bias, softcap=softcap, backend=backend)
+    out_shape = _head_squeeze(spec, np.empty(spec.out_shape), 2).shape
+    check_like("dout", dout, out_shape)
+    check_like("out", out, out_shape)
+    check_like("lse", lse, out_shape[:-1])
+    if dtype_name(dout) != spec.dtype:
+        raise TypeError(f"dout: expected q's dtype {spec.dtype}, got {dtype_name(dout)}")
+    dout, out, lse = (_head_unsqueeze(spec, dout, 2), _head_unsqueeze(spec, out, 2),
+                      _head_unsqueeze(spec, lse, 1))
+    dq, dk, dv, dbias = backends.select(spec, backend).rung_backward(spec, dout, out, lse)
+    return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)
+
+
+def scaled_dot_product_attention(Q, K, V, mask=None):
+    """The seed's function, behaviour kept verbatim: returns (output, weights).
+
+    2-D Q (L, D), K (S, D), V (S, Dv); ``mask`` is boolean with True = masked out,
+    filled with -1e9 before the softmax — so a fully masked row gets the *mean of V*,
+    not 0 (use ``attention(..., drop=mask)`` for the contract's 0 / -inf).
+
+    >>> import numpy as np, attnkit
+    >>> out, w = attnkit.scaled_dot_product_attention(np.array([[1.0, 0.0]]), np.eye(2),
+    ...                                               np.array([[10.0, 0], [0, 10]]))
+    >>> out.round(2), w.round(3)
+    (array([[6.7, 3.3]]), array([[0.67, 0.33]]))
+    """
+    Q, K, V = (np.asarray(x) for x in (Q, K, V))
+    for name, x in (("Q", Q), ("K", K), ("V", V)):
+        if x.ndim != 2:
+            raise ValueError(f"{name}: expected a 2-D matrix, got shape {x.shape}")
+    spec = validate(Q, K, V, drop=mask)
+    return reference.seed(spec)

@@ -1,0 +1,70 @@
+"""The backend ladder: which rungs exist, what each supports, and the choice for "auto".
+
+Every rung is a module with the same four functions (all take a validated Spec)::
+
+    not_supported_reasons(spec) -> list[str]      empty = this rung can run it
+    rung_forward(spec, need_weights) -> (out, lse, weights | None)
+    rung_backward(spec, dout, out, lse) -> (dq, dk, dv, dbias | None)
+    rung_weights(spec, lse, rows) -> weights
+
+``out`` and ``weights`` have q's dtype, ``lse`` the accumulation dtype (float32, or
+float64 for float64 inputs); all in the Spec's shapes (2-D squeezing is api's job).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .spec import Spec
+
+# name -> (module, what it is); listed fastest first within each array library
+RUNGS = {
+    "flash": ("attnkit.flash", "NumPy tiled online softmax, linear memory, threaded"),
+    "reference": ("attnkit.reference", "NumPy definition, materialises L×S, the oracle"),
+    "torch": ("attnkit.torch.op", "torch autograd op: CPU via flash, CUDA via Triton"),
+    "triton": ("attnkit.torch.triton_rung", "the same torch op forced onto the Triton kernels"),
+}
+AUTO_ORDER = {"numpy": ("flash", "reference"), "torch": ("torch",)}
+
+
+def load(name):
+    """The rung's module, or (None, reason) when it cannot be imported here."""
+    try:
+        return importlib.import_module(RUNGS[name][0]), None
+    except ImportError as e:
+        return None, f"not available: {e}"
+
+
+def reasons(name, spec: Spec) -> list[str]:
+    mod, why = load(name)
+    if mod is None:
+        return [why]
+    return mod.not_supported_reasons(spec)
+
+
+def select(spec: Spec, backend: str = "auto"):
+    """The rung module to run spec on, or ValueError listing every rung's reasons."""
+    names = AUTO_ORDER["torch" if spec.torch else "numpy"] if backend == "auto" else (backend,)
+    why = {}
+    for name in names:
+        r = reasons(name, spec)
+        if not r:
+            mod, _ = load(name)
+            return mod
+        why[name] = r
+    for name in RUNGS:
+        if name not in why:
+            why[name] = reasons(name, spec) or ["supports this call (not chosen)"]
+    lines = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in why.items())
+    raise ValueError(f"backend={backend!r}: no backend can run this call:\n{lines}")
+
+
+def info(spec: Spec | None = None) -> list[tuple[str, str, str]]:
+    """(name, status, description) per rung; status is 'available' or the reason."""
+    rows = []
+    for name, (_, desc) in RUNGS.items():
+        mod, why = load(name)
+        if mod is not None and hasattr(mod, "unavailable"):
+            why = mod.unavailable()  # e.g. "no CUDA device" (None when usable)
+        rows.append((name, why or "available", desc))
+    return rows

@@ -1,0 +1,33 @@
+"""Helpers shipped for testing attnkit and code built on it: input makers and error
+metrics by the DESIGN.md §6 rule."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def make_qkv(shape_q, shape_k, Dv=None, *, dtype="float64", seed=0):
+    """Random q (shape_q), k (shape_k), v (shape_k with last dim Dv) from one seed."""
+    rng = np.random.default_rng(seed)
+    shape_v = tuple(shape_k[:-1]) + ((shape_k[-1] if Dv is None else Dv),)
+    return tuple(rng.standard_normal(s).astype(dtype) for s in (shape_q, shape_k, shape_v))
+
+
+def max_error(a, b) -> float:
+    """max |a − b| over finite and infinite entries alike: equal infinities count 0,
+    anything else non-finite counts inf. Two-sided by construction."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"max_error: shapes differ, {a.shape} vs {b.shape}")
+    same = (a == b)                     # covers equal infinities
+    with np.errstate(invalid="ignore"):
+        d = np.where(same, 0.0, np.abs(a - b))
+    d = np.where(np.isnan(d), np.inf, d)
+    return float(d.max()) if d.size else 0.0
+
+
+def error_budget(oracle, same_precision_reference) -> float:
+    """DESIGN.md §6: a backend's error against the float64 oracle may be at most 2× the
+    error of the reference run in the same precision, plus 1e-5."""
+    return 2.0 * max_error(oracle, same_precision_reference) + 1e-5
