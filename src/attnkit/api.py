@@ -151,3 +151,25 @@ def scaled_dot_product_attention(Q, K, V, mask=None):
             raise ValueError(f"{name}: expected a 2-D matrix, got shape {x.shape}")
     spec = validate(Q, K, V, drop=mask)
     return reference.seed(spec)
+
+
+def merge(outs, lses):
+    """Exact attention over the union of disjoint key blocks, from each block's
+    (out, lse): the split-KV / ring-attention combine step. Returns (out, lse).
+    Rows fully masked in every block give out 0 and lse −inf.
+
+    >>> import numpy as np, attnkit
+    >>> q = np.array([[1.0, 0.0]]); k = np.eye(2); v = np.array([[10.0, 0], [0, 10]])
+    >>> parts = [attnkit.attention(q, k[i:i+1], v[i:i+1], return_lse=True) for i in (0, 1)]
+    >>> out, lse = attnkit.merge([p[0] for p in parts], [p[1] for p in parts])
+    >>> out.round(2)
+    array([[6.7, 3.3]])
+    """
+    from .flash import merge as _merge
+    outs, lses = list(outs), list(lses)
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"merge: expected equal, non-zero numbers of outs and lses, got {len(outs)} and {len(lses)}")
+    for i, (o, l) in enumerate(zip(outs, lses)):
+        check_like(f"outs[{i}]", o, outs[0].shape, dtype_name(outs[0]))
+        check_like(f"lses[{i}]", l, outs[0].shape[:-1], dtype_name(lses[0]))
+    return _merge(outs, lses)
