@@ -1,0 +1,190 @@
+"""Public API: the worked example, the seed's function, named errors, properties."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import attnkit
+from attnkit.testing import make_qkv, max_error
+
+Q = np.array([[1.0, 0.0]])
+K = np.array([[1.0, 0.0], [0.0, 1.0]])
+V = np.array([[10.0, 0.0], [0.0, 10.0]])
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_worked_example_through_attention(backend):
+    out, w = attnkit.attention(Q, K, V, return_weights=True, backend=backend)
+    assert np.round(w, 3).tolist() == [[0.670, 0.330]]
+    assert np.round(out, 2).tolist() == [[6.70, 3.30]]
+
+
+def test_worked_example_through_the_seed_function():
+    out, w = attnkit.scaled_dot_product_attention(Q, K, V)
+    assert np.round(w, 3).tolist() == [[0.670, 0.330]]
+    assert np.round(out, 2).tolist() == [[6.70, 3.30]]
+
+
+def test_worked_example_through_the_cli(capsys):
+    from attnkit.cli import main
+    assert main(["explain"]) == 0
+    text = capsys.readouterr().out
+    for number in ("0.707", "0.670", "0.330", "(6.70, 3.30)"):
+        assert number in text
+
+
+def test_seed_function_keeps_its_minus_1e9_behaviour():
+    """A fully masked row averages V in the seed; the contract's attention gives 0."""
+    q, k, v = make_qkv((3, 4), (5, 4), 2, seed=0)
+    mask = np.zeros((3, 5), bool)
+    mask[0, 1] = True
+    mask[2] = True
+    out, w = attnkit.scaled_dot_product_attention(q, k, v, mask)
+    assert np.allclose(out[2], v.mean(0)) and w[0, 1] == 0
+    assert max_error(out[:2], attnkit.attention(q, k, v, drop=mask)[:2]) <= 1e-12
+    assert np.all(attnkit.attention(q, k, v, drop=mask)[2] == 0)
+
+
+def test_keep_and_drop_say_their_polarity():
+    q, k, v = make_qkv((2, 4), (3, 4), seed=1)
+    m = np.array([[True, False, True], [False, True, True]])
+    assert max_error(attnkit.attention(q, k, v, keep=m), attnkit.attention(q, k, v, drop=~m)) == 0
+    both = attnkit.attention(q, k, v, keep=m, drop=np.array([[True, False, False]] * 2))
+    assert max_error(both, attnkit.attention(q, k, v, keep=m & ~np.array([[True, False, False]] * 2))) == 0
+
+
+def test_two_d_and_batched_shapes():
+    q, k, v = make_qkv((5, 8), (7, 8), 3, seed=2)
+    out, lse, w = attnkit.attention(q, k, v, return_lse=True, return_weights=True)
+    assert out.shape == (5, 3) and lse.shape == (5,) and w.shape == (5, 7)
+    qb, kb, vb = make_qkv((2, 1, 6, 5, 8), (1, 3, 2, 7, 8), 3, seed=3)
+    out = attnkit.attention(qb, kb, vb)
+    assert out.shape == (2, 3, 6, 5, 3)
+    for b in range(2):
+        for c in range(3):
+            ref = attnkit.attention(qb[b, 0], kb[0, c], vb[0, c])
+            assert max_error(out[b, c], ref) <= 1e-12
+
+
+def test_attention_weights_rows_from_lse():
+    q, k, v = make_qkv((2, 9, 4), (2, 11, 4), seed=4)
+    out, lse, w = attnkit.attention(q, k, v, causal=True, return_lse=True, return_weights=True)
+    rows = [0, 8]
+    for kw in (dict(lse=lse), dict()):
+        got = attnkit.attention_weights(q, k, rows=rows, causal=True, **kw)
+        assert got.shape == (2, 2, 11) and max_error(got, w[:, rows]) <= 1e-12
+
+
+def test_merge_of_key_blocks_equals_whole():
+    q, k, v = make_qkv((3, 6, 4), (3, 10, 4), seed=5)
+    drop = np.zeros((6, 10), bool)
+    drop[2] = True                                   # a row masked in every block
+    whole, lse = attnkit.attention(q, k, v, drop=drop, return_lse=True)
+    parts = [attnkit.attention(q, k[:, a:b], v[:, a:b], drop=drop[:, a:b], return_lse=True)
+             for a, b in ((0, 3), (3, 4), (4, 10))]
+    out, mlse = attnkit.merge([p[0] for p in parts], [p[1] for p in parts])
+    assert max_error(out, whole) <= 1e-12 and max_error(mlse, lse) <= 1e-12
+
+
+# ---- named errors ----------------------------------------------------------------
+BAD = [
+    (TypeError, "q", dict(q=np.ones((2, 4), int))),
+    (TypeError, "k", dict(k=np.ones((3, 4), np.float32))),
+    (TypeError, "keep", dict(keep=np.ones((2, 3)))),
+    (TypeError, "drop", dict(drop=np.ones((2, 3), int))),
+    (TypeError, "bias", dict(bias=np.ones((2, 3), int))),
+    (ValueError, "k", dict(k=np.ones((3, 5)))),
+    (ValueError, "v", dict(v=np.ones((4, 2)))),
+    (ValueError, "H=3", dict(q=np.ones((3, 2, 4)), k=np.ones((2, 3, 4)), v=np.ones((2, 3, 2)))),
+    (ValueError, "keep", dict(keep=np.ones((2, 4), bool))),
+    (ValueError, "bias", dict(bias=np.ones((5, 2, 3)))),
+    (ValueError, "window", dict(window=(-1, 0))),
+    (ValueError, "window", dict(window=(1, 2, 3))),
+    (ValueError, "align", dict(align="center", causal=True)),
+    (ValueError, "backend", dict(backend="cuda")),
+    (ValueError, "scale", dict(scale=float("nan"))),
+    (ValueError, "softcap", dict(softcap=0.0)),
+    (ValueError, "q", dict(q=np.ones(4))),
+    (ValueError, "batch", dict(q=np.ones((2, 1, 2, 4)), k=np.ones((3, 1, 3, 4)), v=np.ones((3, 1, 3, 2)))),
+]
+
+
+@pytest.mark.parametrize("error,name,kw", BAD, ids=[f"{e.__name__}-{n}-{i}" for i, (e, n, _) in enumerate(BAD)])
+def test_bad_input_gets_a_named_error(error, name, kw):
+    args = dict(q=np.ones((2, 4)), k=np.ones((3, 4)), v=np.ones((3, 2)))
+    args.update(kw)
+    with pytest.raises(error, match=name):
+        attnkit.attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_backward_checks_dout_shape():
+    out, lse = attnkit.attention(Q, K, V, return_lse=True)
+    with pytest.raises(ValueError, match="dout"):
+        attnkit.attention_backward(np.ones((2, 2)), Q, K, V, out, lse)
+    with pytest.raises(ValueError, match="lse"):
+        attnkit.attention_backward(np.ones_like(out), Q, K, V, out, lse[None])
+
+
+def test_no_backend_fits_lists_every_rung():
+    with pytest.raises(ValueError) as e:
+        attnkit.attention(Q, K, V, backend="triton")
+    for name in ("flash", "reference", "torch", "triton"):
+        assert f"  {name}:" in str(e.value)
+
+
+# ---- properties ------------------------------------------------------------------
+cases = st.tuples(st.integers(1, 6), st.integers(1, 6), st.integers(1, 5), st.integers(0, 2**31 - 1))
+
+
+def draw(L, S, D, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = make_qkv((2, L, D), (2, S, D), 3, seed=seed)
+    keep = rng.random((L, S)) < 0.7
+    return rng, q, k, v, keep
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases)
+def test_weights_are_a_distribution_or_zero(c):
+    rng, q, k, v, keep = draw(*c)
+    _, w = attnkit.attention(q, k, v, keep=keep, return_weights=True)
+    assert np.all(w >= 0)
+    sums = w.sum(-1)
+    assert np.allclose(sums, np.where(keep.any(-1), 1.0, 0.0), atol=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases)
+def test_permuting_keys_and_values_together_leaves_out_unchanged(c):
+    rng, q, k, v, keep = draw(*c)
+    p = rng.permutation(k.shape[-2])
+    a = attnkit.attention(q, k, v, keep=keep)
+    b = attnkit.attention(q, k[:, p], v[:, p], keep=keep[:, p])
+    assert max_error(a, b) <= 1e-12
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases, st.floats(-50, 50))
+def test_adding_a_constant_to_a_row_leaves_out_unchanged(c, const):
+    rng, q, k, v, keep = draw(*c)
+    L, S = keep.shape
+    row_const = np.zeros((L, S))
+    row_const[rng.integers(L)] = const
+    a = attnkit.attention(q, k, v, keep=keep)
+    b = attnkit.attention(q, k, v, keep=keep, bias=row_const)
+    assert max_error(a, b) <= 1e-10
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases)
+def test_a_key_with_minus_inf_bias_contributes_nothing(c):
+    rng, q, k, v, keep = draw(*c)
+    L, S = keep.shape
+    j = rng.integers(S)
+    bias = np.zeros((L, S))
+    bias[:, j] = -np.inf
+    v2 = v.copy()
+    v2[:, j] = 1e6                                    # would dominate if it leaked in
+    a = attnkit.attention(q, k, v, keep=keep, bias=bias)
+    b = attnkit.attention(q, k, v2, keep=keep, bias=bias)
+    assert max_error(a, b) == 0

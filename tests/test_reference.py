@@ -1,0 +1,159 @@
+"""The reference rung against PyTorch's SDPA (float64 ≤ 1e-12), finite differences,
+and the contract's edge cases."""
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit.testing import make_qkv, max_error
+from peers import torch_sdpa
+
+torch = pytest.importorskip("torch")
+
+R = dict(backend="reference")
+
+
+def random_case(seed):
+    """One randomized case over the grid: shapes, GQA, masks, alignment."""
+    rng = np.random.default_rng(seed)
+    L, S = rng.choice([1, 2, 15, 97], size=2)
+    D = int(rng.choice([8, 59, 64]))
+    Dv = int(rng.choice([D, 5, 12]))
+    Hkv = int(rng.choice([1, 2]))
+    H = Hkv * int(rng.choice([1, 2, 3]))
+    batch_q = [(), (2,), (3, 1)][rng.integers(3)]
+    batch_k = batch_q if rng.random() < 0.6 else (1,) * len(batch_q)
+    q, k, v = make_qkv(batch_q + (H, L, D), batch_k + (Hkv, S, D), Dv, seed=seed)
+    kw = {}
+    kind = rng.integers(8)
+    align = ["bottom_right", "top_left"][rng.integers(2)]
+    if kind in (1, 5, 7):
+        kw["causal"] = True
+    if kind in (2, 5):
+        kw["window"] = (int(rng.integers(0, 4)) if rng.random() < 0.8 else None,
+                        int(rng.integers(0, 4)) if rng.random() < 0.8 else None)
+    if kind in (3, 6, 7):
+        kw["keep"] = rng.random((L, S)) < 0.8
+    if kind in (4, 6):
+        kw["drop"] = rng.random((H, 1, S)) < 0.2
+    if kind in (4, 7) or rng.random() < 0.3:
+        b = rng.standard_normal((H, L, S))
+        b[rng.random(b.shape) < 0.1] = -np.inf
+        kw["bias"] = b
+    if "causal" in kw or "window" in kw:
+        kw["align"] = align
+    return q, k, v, kw
+
+
+def compare_rows(ours, peer):
+    """Peer gives NaN on fully masked rows; ours gives 0 there. Compare the rest."""
+    peer = peer.detach().numpy()
+    bad = np.isnan(peer).any(axis=-1)
+    assert np.all(ours[bad] == 0)
+    return max_error(ours[~bad], peer[~bad])
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_forward_matches_torch(seed):
+    q, k, v, kw = random_case(seed)
+    out = attnkit.attention(q, k, v, **kw, **R)
+    peer, _ = torch_sdpa(q, k, v, **kw)
+    assert compare_rows(out, peer) <= 1e-12
+
+
+@pytest.mark.parametrize("seed", range(0, 60, 3))
+def test_backward_matches_torch_autograd(seed):
+    q, k, v, kw = random_case(seed)
+    out, lse = attnkit.attention(q, k, v, return_lse=True, **kw, **R)
+    peer, leaves = torch_sdpa(q, k, v, requires_grad=True, **kw)
+    dout = np.random.default_rng(seed + 1).standard_normal(out.shape)
+    dead = np.isnan(peer.detach().numpy()).any(-1)
+    dout[dead] = 0                                         # peer's NaN rows carry no gradient
+    peer.masked_fill(torch.tensor(dead)[..., None], 0).backward(torch.tensor(dout))
+    grads = attnkit.attention_backward(dout, q, k, v, out, lse, **kw, **R)
+    for ours, leaf in zip(grads, leaves):
+        assert ours.shape == tuple(leaf.shape)
+        assert max_error(ours, leaf.grad.numpy()) <= 1e-12
+
+
+def central_difference(f, x, eps=1e-6):
+    g = np.zeros_like(x)
+    it = np.nditer(x, flags=["multi_index"])
+    for _ in it:
+        i = it.multi_index
+        old = x[i]
+        x[i] = old + eps
+        fp = f()
+        x[i] = old - eps
+        fm = f()
+        x[i] = old
+        g[i] = (fp - fm) / (2 * eps)
+    return g
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True, align="top_left"), dict(softcap=1.5),
+                                dict(window=(1, 0), drop=np.array([[False, True, False, False]]))])
+def test_backward_matches_finite_differences(kw):
+    q, k, v = make_qkv((2, 3, 5), (1, 4, 5), 3, seed=3)
+    bias = np.random.default_rng(4).standard_normal((3, 4))
+    w = np.random.default_rng(5).standard_normal((2, 3, 3))   # loss = Σ w ∘ out
+    loss = lambda: float((w * attnkit.attention(q, k, v, bias=bias, **kw, **R)).sum())
+    out, lse = attnkit.attention(q, k, v, bias=bias, return_lse=True, **kw, **R)
+    grads = attnkit.attention_backward(w, q, k, v, out, lse, bias=bias, **kw, **R)
+    for ours, x in zip(grads, (q, k, v, bias)):
+        assert ours.shape == x.shape
+        assert max_error(ours, central_difference(loss, x)) < 1e-7
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf_without_warnings():
+    q, k, v = make_qkv((2, 4, 8), (2, 3, 8), seed=1)
+    keep = np.ones((4, 3), bool)
+    keep[1] = False
+    with np.errstate(all="raise"):
+        out, lse, w = attnkit.attention(q, k, v, keep=keep, return_lse=True, return_weights=True, **R)
+        grads = attnkit.attention_backward(np.ones_like(out), q, k, v, out, lse, keep=keep, **R)
+    assert np.all(out[:, 1] == 0) and np.all(w[:, 1] == 0) and np.all(lse[:, 1] == -np.inf)
+    assert np.all(np.isfinite(out)) and np.all(grads[0][:, 1] == 0)
+    assert np.all(np.isfinite(lse[:, [0, 2, 3]]))
+
+
+def test_causal_alignment_when_queries_outnumber_keys():
+    """L > S, bottom-right: the first L − S queries see nothing; top-left: all see key 0."""
+    q, k, v = make_qkv((4, 2), (2, 2), seed=2)
+    _, lse_br = attnkit.attention(q, k, v, causal=True, return_lse=True, **R)
+    _, lse_tl = attnkit.attention(q, k, v, causal=True, align="top_left", return_lse=True, **R)
+    assert np.all(lse_br[:2] == -np.inf) and np.all(np.isfinite(lse_br[2:]))
+    assert np.all(np.isfinite(lse_tl))
+
+
+def test_decoding_row_sees_every_key_bottom_right():
+    q, k, v = make_qkv((1, 4), (6, 4), seed=3)
+    full = attnkit.attention(q, k, v, **R)
+    assert max_error(attnkit.attention(q, k, v, causal=True, **R), full) == 0
+    w = attnkit.attention(q, k, v, causal=True, align="top_left", return_weights=True, **R)[1]
+    assert np.all(w[0, 1:] == 0)
+
+
+def test_lse_is_log_sum_exp_of_final_scores():
+    q, k, v = make_qkv((3, 5, 4), (3, 6, 4), seed=4)
+    bias = np.random.default_rng(0).standard_normal((5, 6))
+    _, lse = attnkit.attention(q, k, v, bias=bias, softcap=2.0, return_lse=True, **R)
+    s = np.einsum("hld,hsd->hls", q, k) / 2.0
+    s = 2.0 * np.tanh(s / 2.0) + bias
+    assert max_error(lse, np.log(np.exp(s).sum(-1))) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_low_precision_accumulates_wide_and_returns_q_dtype(dtype):
+    q, k, v = make_qkv((2, 33, 16), (2, 40, 16), seed=5)
+    oracle = attnkit.attention(q, k, v, **R)
+    out, lse = attnkit.attention(*(x.astype(dtype) for x in (q, k, v)), return_lse=True, **R)
+    assert out.dtype == dtype and lse.dtype == np.float32
+    assert max_error(out, oracle) < (2e-3 if dtype == "float16" else 1e-5)
+
+
+def test_deterministic_bits():
+    q, k, v, kw = random_case(7)
+    a = attnkit.attention(q, k, v, return_lse=True, **kw, **R)
+    b = attnkit.attention(q, k, v, return_lse=True, **kw, **R)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
