@@ -6,6 +6,8 @@ array([[6.7, 3.3]])
 """
 
 from .api import attention, attention_backward, attention_weights, merge, scaled_dot_product_attention
+from .explain import explain
 
-__all__ = ["attention", "attention_backward", "attention_weights", "merge", "scaled_dot_product_attention"]
+__all__ = ["attention", "attention_backward", "attention_weights", "explain", "merge",
+           "scaled_dot_product_attention"]
 __version__ = "0.1.0"

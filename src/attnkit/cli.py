@@ -1,14 +1,210 @@
-"""The `attnkit` command: explain | info."""
+"""The `attnkit` command: explain | info.
+
+    attnkit explain                          the seed's worked example, step by step
+    attnkit explain --q "1,0" --k "1,0;0,1" --v "10,0;0,10" --labels apple,cheese
+    attnkit explain --random 4 6 8 --seed 1 --causal --plot weights.png
+    attnkit explain --report out/            a self-contained HTML page
+    attnkit explain --mistakes [--plot entropy.png]
+    attnkit info                             which backends run here
+
+Matrices are written as text, rows separated by ";" and values by "," (or spaces):
+"1,0;0,1" is the 2 × 2 identity. Masks use 1/0 (or t/f, x/.): for --drop 1 = masked
+out, for --keep 1 = may attend. Bad input gives a one-line error and exit status 1.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import os
+import re
 import sys
+
+import numpy as np
+
+TRUE = {"1", "t", "true", "x", "y", "yes"}
+FALSE = {"0", "f", "false", ".", "n", "no"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def parse_matrix(text, name, kind=float):
+    """A 2-D array from text like "1,0;0,1" (rows by ";", values by "," or spaces).
+    ``kind`` is float (finite values; "-inf" allowed for --bias) or bool.
+
+    >>> parse_matrix("1,0;0,1", "--q").tolist()
+    [[1.0, 0.0], [0.0, 1.0]]
+    >>> parse_matrix("1,0;1", "--q")
+    Traceback (most recent call last):
+    ...
+    ValueError: --q: row 2 has 1 value but row 1 has 2 in '1,0;1'
+    >>> parse_matrix("0 1; x .", "--drop", bool).tolist()
+    [[False, True], [True, False]]
+    """
+    rows = [r.strip() for r in text.strip().strip(";").split(";")]
+    cells = [[c for c in re.split(r"[,\s]+", r) if c] for r in rows]
+    if not cells or not all(cells):
+        raise ValueError(f"{name}: expected rows of numbers like '1,0;0,1', got {text!r}")
+    for i, r in enumerate(cells[1:], start=2):
+        if len(r) != len(cells[0]):
+            n = len(r)
+            raise ValueError(f"{name}: row {i} has {n} value{'s' if n != 1 else ''} but row 1 "
+                             f"has {len(cells[0])} in {text!r}")
+    if kind is bool:
+        out = []
+        for r in cells:
+            for c in r:
+                if c.lower() not in TRUE | FALSE:
+                    raise ValueError(f"{name}: {c!r} is not a mask value (use 1/0, t/f or x/.)")
+            out.append([c.lower() in TRUE for c in r])
+        return np.array(out, dtype=bool)
+    try:
+        a = np.array([[float(c) for c in r] for r in cells], dtype=np.float64)
+    except ValueError:
+        bad = next(c for r in cells for c in r if not _is_float(c))
+        raise ValueError(f"{name}: {bad!r} is not a number (in {text!r})") from None
+    ok = np.isfinite(a) | (np.isneginf(a) if name == "--bias" else False)
+    if not ok.all():
+        raise ValueError(f"{name}: values must be finite, got {text!r}")
+    return a
+
+
+def _is_float(c):
+    try:
+        float(c)
+    except ValueError:
+        return False
+    return True
+
+
+def _int(text, name, lo=0, none_ok=False):
+    if none_ok and text.lower() in ("none", "-", "inf"):
+        return None
+    try:
+        x = int(text)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer{' or none' if none_ok else ''}, got {text!r}") from None
+    if x < lo:
+        raise ValueError(f"{name}: expected an integer >= {lo}, got {x}")
+    return x
+
+
+def _inputs(args):
+    """(q, k, v, labels, query_labels, is_example) from the command line."""
+    from .explain import EXAMPLE
+    given = [x is not None for x in (args.q, args.k, args.v)]
+    if args.random is not None and any(given):
+        raise ValueError("--random: give either --random L S D or --q/--k/--v, not both")
+    if args.random is not None:
+        L, S, D = (_int(x, "--random", lo=1) for x in args.random)
+        rng = np.random.default_rng(args.seed)
+        q, k, v = (rng.standard_normal(shape) for shape in ((L, D), (S, D), (S, D)))
+        example = False
+    elif any(given):
+        q, k, v = (None if t is None else parse_matrix(t, n)
+                   for t, n in ((args.q, "--q"), (args.k, "--k"), (args.v, "--v")))
+        missing = [n for n, g in zip(("--q", "--k", "--v"), given) if not g]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: required with --q/--k/--v (or use --random L S D)")
+        example = False
+    else:
+        q, k, v = (np.array(EXAMPLE[n]) for n in ("q", "k", "v"))
+        example = True
+    labels = args.labels.split(",") if args.labels else (EXAMPLE["labels"] if example else None)
+    qlabels = args.query_labels.split(",") if args.query_labels else (
+        EXAMPLE["query_labels"] if example else None)
+    return q, k, v, labels, qlabels, example
+
+
+def _options(args) -> dict:
+    opts = {"causal": args.causal, "align": args.align}
+    if args.scale is not None:
+        opts["scale"] = args.scale
+    if args.softcap is not None:
+        opts["softcap"] = args.softcap
+    if args.window is not None:
+        opts["window"] = tuple(_int(x, "--window", none_ok=True) for x in args.window)
+    for name in ("keep", "drop"):
+        if getattr(args, name) is not None:
+            opts[name] = parse_matrix(getattr(args, name), f"--{name}", bool)
+    if args.bias is not None:
+        opts["bias"] = parse_matrix(args.bias, "--bias")
+    return opts
+
+
+def _progress(i, n, d_k):
+    """A progress bar on stderr when it is a terminal (nothing in pipes and logs)."""
+    if not sys.stderr.isatty():
+        return
+    bar = "#" * (20 * i // n)
+    sys.stderr.write(f"\r  d_k sweep [{bar:<20}] {i}/{n}  d_k = {d_k:<5}")
+    if i == n:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def _say(args, text):
+    print(text, file=sys.stderr if args.json else sys.stdout)
 
 
 def _cmd_explain(args) -> int:
-    from .explain import worked_example
-    print(worked_example())
+    ex = importlib.import_module("attnkit.explain")  # the module (attnkit.explain, the name, is the function)
+    if args.plot or args.report:
+        from . import plot
+        plot.require()
+        if args.plot:
+            plot.check_path(args.plot)
+        if args.report:
+            plot.check_folder(args.report)
+    if args.mistakes:
+        return _mistakes(args)
+    q, k, v, labels, qlabels, example = _inputs(args)
+    opts = _options(args)
+    trace = ex.explain(q, k, v, labels=labels, query_labels=qlabels, **opts)
+    plain = example and not (args.labels or args.query_labels) and opts == {
+        "causal": False, "align": "bottom_right"}
+    story = ex.worked_example() if plain else trace.render()
+    if args.json:
+        data = trace.to_dict()
+        data["inputs"] = {"q": q.tolist(), "k": k.tolist(), "v": v.tolist()}
+        print(json.dumps(data))
+    else:
+        print(story)
+    if args.plot:
+        from . import plot
+        _say(args, f"wrote {plot.save(plot.trace_figure(trace), args.plot)}")
+    if args.report:
+        from . import plot
+        m = ex.mistakes(progress=_progress)
+        page = plot.report_html(trace, "attnkit explain: attention, step by step", story,
+                                m, ex.mistakes_text(m))
+        _say(args, f"wrote {plot.write_report(args.report, page)}")
+    return 0
+
+
+def _mistakes(args) -> int:
+    ex = importlib.import_module("attnkit.explain")  # the module (attnkit.explain, the name, is the function)
+    m = ex.mistakes(progress=_progress)
+    if args.json:
+        print(json.dumps(m))
+    else:
+        print(ex.mistakes_text(m))
+    if args.plot:
+        from . import plot
+        _say(args, f"wrote {plot.save(plot.entropy_figure(m['entropy']), args.plot)}")
+    if args.report:
+        from . import plot
+        trace = ex.explain(*(ex.EXAMPLE[n] for n in ("q", "k", "v")), labels=ex.EXAMPLE["labels"],
+                           query_labels=ex.EXAMPLE["query_labels"])
+        page = plot.report_html(trace, "attnkit explain: attention, step by step",
+                                ex.worked_example(), m, ex.mistakes_text(m))
+        _say(args, f"wrote {plot.write_report(args.report, page)}")
     return 0
 
 
@@ -20,13 +216,59 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _explain_parser(sub):
+    p = sub.add_parser(
+        "explain", help="the four steps of attention on a worked example or your numbers",
+        description="Attention step by step on real numbers, computed by attnkit's reference "
+                    "code. With no arguments: the seed's worked example.",
+        epilog='Matrices: rows by ";", values by "," -- e.g. --q "1,0" --k "1,0;0,1". '
+               "Masks: 1/0 per (query, key). Figures need matplotlib: pip install 'attnkit[plot]'.")
+    src = p.add_argument_group("inputs (default: the seed's worked example)")
+    src.add_argument("--q", metavar="MATRIX", help='queries, L rows of D values: "1,0;0,1"')
+    src.add_argument("--k", metavar="MATRIX", help="keys, S rows of D values")
+    src.add_argument("--v", metavar="MATRIX", help="values, S rows of Dv values")
+    src.add_argument("--random", nargs=3, metavar=("L", "S", "D"), help="random normal q, k, v")
+    src.add_argument("--seed", type=int, default=0, help="seed for --random (default 0)")
+    src.add_argument("--labels", metavar="A,B,...", help="names of the S keys (e.g. apple,cheese)")
+    src.add_argument("--query-labels", metavar="A,B,...", help="names of the L queries")
+    m = p.add_argument_group("masks and options (as in attnkit.attention)")
+    m.add_argument("--causal", action="store_true", help="key j excluded when j > diag(i)")
+    m.add_argument("--window", nargs=2, metavar=("LEFT", "RIGHT"),
+                   help="keep keys diag(i)-LEFT..diag(i)+RIGHT; 'none' = unbounded side")
+    m.add_argument("--align", choices=("bottom_right", "top_left"), default="bottom_right",
+                   help="diagonal for causal/window when L != S (default bottom_right)")
+    m.add_argument("--keep", metavar="MASK", help='L x S, 1 = may attend: "1,0;1,1"')
+    m.add_argument("--drop", metavar="MASK", help="L x S, 1 = masked out")
+    m.add_argument("--bias", metavar="MATRIX", help="L x S additive bias (-inf allowed)")
+    m.add_argument("--scale", type=float, help="score scale (default 1/sqrt(D))")
+    m.add_argument("--softcap", type=float, help="softcap · tanh(scores / softcap)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="machine-readable: every step (-inf as null)")
+    o.add_argument("--plot", metavar="FILE", help="heatmaps of scores, weights and outputs "
+                   "(.png/.svg/.pdf); with --mistakes, entropy against d_k")
+    o.add_argument("--report", metavar="DIR", help="write DIR/index.html, a self-contained page")
+    o.add_argument("--mistakes", action="store_true",
+                   help="common mistakes with numbers: no √d_k scaling, Q/K/V roles, blend "
+                        "not copy, order blindness")
+    p.set_defaults(fn=_cmd_explain)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="attnkit", description="Exact scaled dot-product attention.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("explain", help="the four steps of attention on a worked example").set_defaults(fn=_cmd_explain)
+    p = _Parser(prog="attnkit", description="Exact scaled dot-product attention.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    _explain_parser(sub)
     sub.add_parser("info", help="which backends run here, and why the others do not").set_defaults(fn=_cmd_info)
     args = p.parse_args(argv)
-    return args.fn(args)
+    from .plot import PlotUnavailable
+    try:
+        return args.fn(args)
+    except BrokenPipeError:                        # `attnkit explain | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (ValueError, TypeError, OSError, PlotUnavailable) as e:
+        msg = " ".join(str(e).split())             # one line, whatever the message
+        print(f"attnkit {args.cmd}: error: {msg}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,263 @@
+"""The `attnkit` command: explain (worked example, --json, --plot, --report,
+--mistakes, errors) and info. main(argv) runs in-process; a few cases run the real
+command line in a subprocess."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit.cli import main, parse_matrix
+from attnkit.testing import max_error
+
+WORKED = ["q·apple  = 1·1 + 0·0 = 1", "q·cheese = 1·0 + 0·1 = 0",   # dot products 1 and 0
+          "√2 ≈ 1.414", "1 / 1.414 ≈ 0.707", "0 / 1.414 = 0",         # scaled: 0.707 and 0
+          "e^0.707 ≈ 2.028", "e^0 = 1", "total 3.028",
+          "weights: apple 0.670, cheese 0.330",
+          "0.670·(10, 0) + 0.330·(0, 10) = (6.70, 3.30)"]
+
+
+def run(capsys, *argv):
+    """(exit status, stdout, stderr) of main(argv); argparse's usage errors exit."""
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def cli(*argv):
+    """The real command line, in a fresh interpreter."""
+    return subprocess.run([sys.executable, "-m", "attnkit.cli", *argv], capture_output=True,
+                          text=True, timeout=120)
+
+
+# ---- the worked example ------------------------------------------------------------
+def test_worked_example_numbers_exactly(capsys):
+    rc, out, err = run(capsys, "explain")
+    assert rc == 0 and err == ""
+    for s in WORKED:
+        assert s in out, s
+    reading = [line for line in out.splitlines() if line.startswith("Reading:")]
+    assert len(reading) == 1 and "apple" in reading[0]
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_worked_example_from_the_real_command_line():
+    r = cli("explain")
+    assert r.returncode == 0, r.stderr
+    for s in WORKED:
+        assert s in r.stdout, s
+
+
+def test_matrices_from_text_give_the_same_numbers(capsys):
+    rc, out, _ = run(capsys, "explain", "--q", "1,0", "--k", "1,0;0,1", "--v", "10,0;0,10",
+                     "--labels", "apple,cheese")
+    assert rc == 0
+    for s in WORKED:
+        assert s.replace("q·", "q0·") in out, s
+
+
+def test_parse_matrix():
+    assert parse_matrix(" 1 2 ; 3,4; ", "--q").tolist() == [[1, 2], [3, 4]]
+    assert parse_matrix("0,-inf", "--bias").tolist() == [[0, -np.inf]]
+    with pytest.raises(ValueError, match="finite"):
+        parse_matrix("0,-inf", "--q")
+    with pytest.raises(ValueError, match="'a' is not a number"):
+        parse_matrix("1,a", "--k")
+    with pytest.raises(ValueError, match="not a mask value"):
+        parse_matrix("1,2", "--drop", bool)
+
+
+# ---- --json ---------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,kw", [
+    (["--random", "5", "7", "4", "--seed", "3", "--causal"], {"causal": True}),
+    (["--random", "6", "3", "8", "--causal", "--align", "top_left"], {"causal": True, "align": "top_left"}),
+    (["--random", "4", "9", "2", "--window", "1", "none"], {"window": (1, None)}),
+    (["--q", "1,0;0,1;1,1", "--k", "1,0;0,1", "--v", "10,0;0,10", "--drop", "0,1;1,1;0,0"],
+     {"drop": np.array([[0, 1], [1, 1], [0, 0]], bool)}),
+    (["--q", "1,2;3,4", "--k", "1,0;0,1;1,1", "--v", "1;2;3", "--keep", "1,1,0;1,1,1",
+      "--bias", "0,-inf,1;0.5,0,0", "--scale", "0.3", "--softcap", "2"],
+     {"keep": np.array([[1, 1, 0], [1, 1, 1]], bool),
+      "bias": np.array([[0, -np.inf, 1], [0.5, 0, 0]]), "scale": 0.3, "softcap": 2.0}),
+])
+def test_json_parses_and_matches_attention(capsys, argv, kw):
+    rc, out, err = run(capsys, "explain", "--json", *argv)
+    assert rc == 0, err
+    d = json.loads(out)
+    q, k, v = (np.array(d["inputs"][n]) for n in "qkv")
+    ref_out, ref_lse, ref_w = attnkit.attention(q, k, v, return_lse=True, return_weights=True, **kw)
+    steps = d["steps"]
+    lse = np.array([-np.inf if x is None else x for x in steps["lse"]])
+    assert max_error(np.array(steps["out"]), ref_out) <= 1e-12
+    assert max_error(np.array(steps["weights"]), ref_w) <= 1e-12
+    assert max_error(lse, ref_lse) <= 1e-12
+    assert d["scale"] == pytest.approx(kw.get("scale", 1 / np.sqrt(q.shape[-1])), rel=1e-15)
+
+
+def test_json_of_the_worked_example(capsys):
+    rc, out, _ = run(capsys, "explain", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["labels"]["keys"] == ["apple", "cheese"]
+    assert np.allclose(d["steps"]["out"], [[6.7, 3.3]], atol=0.005)
+
+
+def test_random_is_seeded(capsys):
+    a = run(capsys, "explain", "--random", "2", "3", "4", "--seed", "7", "--json")[1]
+    b = run(capsys, "explain", "--random", "2", "3", "4", "--seed", "7", "--json")[1]
+    c = run(capsys, "explain", "--random", "2", "3", "4", "--seed", "8", "--json")[1]
+    assert a == b != c
+
+
+# ---- figures and the report -----------------------------------------------------------
+def _check_png(path, min_h, min_w):
+    import matplotlib.image as mpimg
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and img.shape[0] >= min_h and img.shape[1] >= min_w
+    rgb = img[..., :3].reshape(-1, 3)
+    assert rgb.std() > 0.05                                  # not blank, not one colour
+    assert len(np.unique((rgb * 255).round().astype(np.uint8), axis=0)) > 20
+    dark = (rgb.mean(axis=1) < 0.5).mean()
+    assert 0.01 < dark < 0.9                                 # real ink on a light page
+    return img
+
+
+def test_plot_png_of_the_worked_example(capsys, tmp_path):
+    path = tmp_path / "apple.png"
+    rc, out, err = run(capsys, "explain", "--plot", str(path))
+    assert rc == 0, err
+    assert "(6.70, 3.30)" in out and f"wrote {path}" in out
+    img = _check_png(path, 200, 600)
+    # the weights panel: apple's cell darker (higher weight) than cheese's, Blues colormap
+    h, w = img.shape[:2]
+    row = img[h // 2, w // 3: 2 * w // 3, :3]
+    assert row.min() < 0.6 and row.max() > 0.6
+
+
+def test_plot_png_random_causal_and_svg(capsys, tmp_path):
+    png = tmp_path / "r.png"
+    assert run(capsys, "explain", "--random", "5", "7", "4", "--causal", "--plot", str(png))[0] == 0
+    _check_png(png, 300, 800)
+    svg = tmp_path / "r.svg"
+    assert run(capsys, "explain", "--random", "30", "40", "8", "--plot", str(svg))[0] == 0
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml") and "<svg" in text and len(text) > 10_000
+
+
+def test_plot_with_json_keeps_stdout_pure_json(capsys, tmp_path):
+    path = tmp_path / "x.png"
+    rc, out, err = run(capsys, "explain", "--json", "--plot", str(path))
+    assert rc == 0 and json.loads(out) and f"wrote {path}" in err and path.stat().st_size > 1000
+
+
+def test_report_is_self_contained_html(capsys, tmp_path):
+    folder = tmp_path / "report" / "nested"
+    rc, out, err = run(capsys, "explain", "--report", str(folder))
+    assert rc == 0, err
+    page = (folder / "index.html").read_text(encoding="utf-8")
+    assert page.startswith("<!doctype html>") and page.rstrip().endswith("</html>")
+    for s in WORKED + ["Common mistakes", "entropy"]:
+        assert s in page.replace("&#x27;", "'"), s
+    images = re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", page)
+    assert len(images) == 2
+    for b64 in images:
+        data = base64.b64decode(b64)
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert "src='http" not in page and 'src="http' not in page     # nothing fetched
+
+
+# ---- --mistakes ---------------------------------------------------------------------------
+def test_mistakes_table_shows_entropy_falling_only_without_scaling(capsys):
+    rc, out, _ = run(capsys, "explain", "--mistakes")
+    assert rc == 0
+    rows = [line.split() for line in out.splitlines()
+            if re.fullmatch(r"\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+", line)]
+    d_k = [int(r[0]) for r in rows]
+    scaled, unscaled = (np.array([float(r[i]) for r in rows]) for i in (1, 2))
+    assert d_k == [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    assert np.all(np.diff(unscaled) < 0) and unscaled[-1] < 0.2 and unscaled[0] > 3.0
+    assert np.ptp(scaled) < 0.2 and scaled.min() > 3.0            # ln 64 = 4.16
+    for s in ("Mixing up the roles", "(6.70, 3.30)", "keys and values swapped", "blend",
+              "Order blindness", "positional"):
+        assert s in out, s
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_mistakes_json_and_plot(capsys, tmp_path):
+    rc, out, _ = run(capsys, "explain", "--mistakes", "--json")
+    e = json.loads(out)["entropy"]
+    assert rc == 0 and e["d_k"][0] == 2 and e["d_k"][-1] == 1024
+    assert e["unscaled"][-1] < 0.1 * e["unscaled"][0]
+    path = tmp_path / "entropy.png"
+    rc, out, _ = run(capsys, "explain", "--mistakes", "--plot", str(path))
+    assert rc == 0 and f"wrote {path}" in out
+    _check_png(path, 300, 500)
+
+
+# ---- errors: one line on stderr, non-zero exit, never a traceback --------------------------
+BAD = [
+    (["--q", "1,0;1", "--k", "1,0", "--v", "1,0"], "--q: row 2 has 1 value but row 1 has 2"),
+    (["--q", "1,0", "--k", "1,0,0;0,1,0", "--v", "1;2"], "k: expected last dim D=2"),
+    (["--q", "1,0", "--k", "1,0;0,1", "--v", "1;2;3"], "v: expected shape"),
+    (["--q", "1,0", "--k", "1,0"], "--v: required"),
+    (["--q", "1,x", "--k", "1,0", "--v", "1"], "'x' is not a number"),
+    (["--random", "2", "3"], "expected 3 arguments"),
+    (["--random", "2", "0", "3"], "--random: expected an integer >= 1"),
+    (["--random", "2", "3", "4", "--q", "1,0"], "not both"),
+    (["--drop", "1,1;0,0"], "drop: expected a shape that broadcasts"),
+    (["--keep", "1,2"], "not a mask value"),
+    (["--window", "1", "x"], "--window: expected an integer or none"),
+    (["--window", "-1", "2"], "--window: expected an integer >= 0"),
+    (["--labels", "a,b,c"], "labels: expected 2 labels, got 3"),
+    (["--plot", "weights.txt"], "expected a file ending in .png, .svg or .pdf"),
+    (["--plot", "/nonexistent/folder/x.png"], "cannot write /nonexistent/folder/x.png"),
+    (["--align", "middle"], "invalid choice"),
+]
+
+
+@pytest.mark.parametrize("argv,msg", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_one_line_error(capsys, argv, msg):
+    rc, out, err = run(capsys, "explain", *argv)
+    assert rc != 0 and out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert msg in err and "Traceback" not in err
+
+
+def test_unwritable_outputs(capsys, tmp_path):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("not a folder")
+    rc, out, err = run(capsys, "explain", "--report", str(blocker / "sub"))
+    assert rc != 0 and out == "" and "cannot write" in err and len(err.strip().splitlines()) == 1
+    rc, out, err = run(capsys, "explain", "--plot", str(blocker / "x.png"))
+    assert rc != 0 and "cannot write" in err and out == ""       # checked before any output
+
+
+def test_bad_matrix_from_the_real_command_line():
+    r = cli("explain", "--q", "1,0;1", "--k", "1,0;0,1", "--v", "1,0;0,1")
+    assert r.returncode != 0 and r.stdout == ""
+    assert r.stderr.strip() == "attnkit explain: error: --q: row 2 has 1 value but row 1 has 2 in '1,0;1'"
+
+
+def test_missing_matplotlib_says_how_to_install(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # import matplotlib -> ImportError
+    for argv in (["--plot", str(tmp_path / "x.png")], ["--report", str(tmp_path / "r")],
+                 ["--mistakes", "--plot", str(tmp_path / "e.png")]):
+        rc, out, err = run(capsys, "explain", *argv)
+        assert rc != 0 and out == "" and "pip install 'attnkit[plot]'" in err
+        assert len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())
+    rc, out, _ = run(capsys, "explain")                            # the base package still explains
+    assert rc == 0 and "(6.70, 3.30)" in out
+
+
+def test_info_still_works(capsys):
+    rc, out, _ = run(capsys, "info")
+    assert rc == 0 and out.startswith("attnkit backends on this machine:") and "reference" in out
