@@ -14,6 +14,7 @@ float64 for float64 inputs); all in the Spec's shapes (2-D squeezing is api's jo
 from __future__ import annotations
 
 import importlib
+import sys
 
 from .spec import Spec
 
@@ -28,9 +29,14 @@ AUTO_ORDER = {"numpy": ("flash", "reference"), "torch": ("torch",)}
 
 
 def load(name):
-    """The rung's module, or (None, reason) when it cannot be imported here."""
+    """The rung's module, or (None, reason) when it cannot be imported here. An
+    already imported rung comes from sys.modules: torch.compile traces this function
+    and cannot trace importlib."""
+    path = RUNGS[name][0]
+    if path in sys.modules:
+        return sys.modules[path], None
     try:
-        return importlib.import_module(RUNGS[name][0]), None
+        return importlib.import_module(path), None
     except ImportError as e:
         return None, f"not available: {e}"
 

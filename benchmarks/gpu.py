@@ -1,0 +1,420 @@
+"""GPU benchmark for attnkit's Triton kernels against PyTorch SDPA's fused backends.
+
+Validates first, then times, all in one run:
+
+1. correctness: for each (dtype, D, causal) in the grid, attnkit's kernels and each
+   SDPA backend at B=1, H=4, L=S=1024 against attnkit's float64 reference, by
+   DESIGN.md §6's rule (error ≤ 2× the reference's own error in that precision +
+   1e-5) for out, lse, dq, dk, dv; SDPA's errors are reported for comparison only;
+2. timing: forward and forward+backward of attnkit (the kernels called directly,
+   through ``attnkit.attention`` + autograd when that path exists, and with
+   ``SPLIT=False``, FlashAttention-2 rounding, for bf16 D=128) and of SDPA's
+   flash, efficient and cuDNN backends (each when available), bf16 and fp16,
+   D ∈ {64, 128}, L = S ∈ {1k, 2k, 4k, 8k, 16k} with B·L = 16k tokens and
+   H·D = 2048, causal and not.
+
+Prints TFLOP/s from one formula (attnkit.spec.flops: 4·B·H·L·S·D forward, ×0.5
+causal, backward 2.5× forward, so forward+backward counts 3.5×) and attnkit's ratio
+to each peer measured in the same run; writes every row to the CSV given by --out.
+A time budget (--budget-s, default 280 s) skips the remaining timing configurations
+when reached, so the run stays under 5 minutes; skipped ones are listed.
+
+    python benchmarks/gpu.py --out gpu.csv            # full grid
+    python benchmarks/gpu.py --quick --out quick.csv  # bf16, D=128, L ∈ {4k, 8k}
+    python benchmarks/gpu.py --compile-only 8.0,9.0   # no GPU needed: compile + smem
+    python benchmarks/gpu.py --sweep                  # try tuning candidates, print best
+    TRITON_INTERPRET=1 python benchmarks/gpu.py --dry-run --out /tmp/dry.csv   # CPU
+
+Standalone: needs torch, triton and numpy; attnkit is imported from ../src.
+"""
+
+import argparse
+import csv
+import os
+import platform
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+
+TOKENS = 16 * 1024
+WIDTH = 2048                 # H · D
+PEERS = ("flash", "efficient", "cudnn")
+
+
+# ---- inputs and implementations -----------------------------------------------------
+def make_inputs(torch, B, H, L, S, D, dtype, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v, dout = (torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+                     for shape in ((B, H, L, D), (B, H, S, D), (B, H, S, D), (B, H, L, D)))
+    return q, k, v, dout
+
+
+def sdpa_backend(name):
+    from torch.nn.attention import SDPBackend
+    return {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": getattr(SDPBackend, "CUDNN_ATTENTION", None), "math": SDPBackend.MATH}[name]
+
+
+def sdpa_runner(torch, name, causal):
+    """(forward(q, k, v) -> out, fwd_bwd(q, k, v, dout) -> grads) for one SDPA backend."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+    backend = sdpa_backend(name)
+    if backend is None:
+        raise RuntimeError(f"this torch has no SDPA backend {name}")
+
+    def forward(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def fwd_bwd(q, k, v, dout):
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    return forward, fwd_bwd
+
+
+def attnkit_runner(torch, causal, split=None):
+    """attnkit's kernels called directly (no autograd), optionally forcing SPLIT."""
+    from attnkit.spec import validate
+    from attnkit.torch import triton_kernels as tk
+    from attnkit.torch import triton_tuning
+
+    def with_split(fn):
+        def run(*args):
+            saved = triton_tuning.override
+            if split is not None:
+                triton_tuning.override = lambda *a: {"SPLIT": split}
+            try:
+                return fn(*args)
+            finally:
+                triton_tuning.override = saved
+        return run
+
+    @with_split
+    def forward(q, k, v):
+        return tk.forward(validate(q, k, v, causal=causal))[0]
+
+    @with_split
+    def fwd_bwd(q, k, v, dout):
+        spec = validate(q, k, v, causal=causal)
+        out, lse = tk.forward(spec)
+        return tk.backward(spec, dout, out, lse)[:3]
+
+    return forward, fwd_bwd
+
+
+def attnkit_autograd_runner(torch, causal):
+    """attnkit.attention(..., backend="triton") with autograd: the public path
+    through the torch op onto the same kernels."""
+    import attnkit
+
+    def forward(q, k, v):
+        return attnkit.attention(q, k, v, causal=causal, backend="triton")
+
+    def fwd_bwd(q, k, v, dout):
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        out = attnkit.attention(q, k, v, causal=causal, backend="triton")
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    return forward, fwd_bwd
+
+
+# ---- correctness ------------------------------------------------------------------------
+def check(torch, dtype_name, D, causal, device, L=1024, H=4):
+    """Rows of max errors vs attnkit's float64 reference, with the 2× budget. attnkit
+    rows must pass; peers are informative."""
+    import numpy as np
+    from attnkit import reference
+    from attnkit.spec import validate
+    from attnkit.testing import error_budget, max_error
+    from attnkit.torch import triton_kernels as tk
+    dtype = getattr(torch, dtype_name)
+    q, k, v, dout = make_inputs(torch, 1, H, L, L, D, dtype, device, seed=1)
+    host = [x.detach().cpu() for x in (q, k, v, dout)]
+    spec64 = validate(*(x.double().numpy() for x in host[:3]), causal=causal)
+    spec32 = validate(*(x.float().numpy() for x in host[:3]), causal=causal)
+    o64, l64, _ = reference.forward(spec64)
+    o32, l32, _ = reference.forward(spec32)
+
+    def rounded(a):  # the reference's float32 result in the benchmark dtype
+        return torch.from_numpy(np.asarray(a, dtype=np.float32)).to(dtype).double().numpy()
+
+    rows = []
+    spec = validate(q, k, v, causal=causal)
+    out, lse = tk.forward(spec)
+    grads = tk.backward(spec, dout, out, lse)[:3]
+    given = [x.detach().cpu() for x in (dout, out, lse)]
+    r64 = reference.backward(spec64, *(x.double().numpy() for x in given))
+    r32 = reference.backward(spec32, *(x.float().numpy() for x in given))
+    ours = {"out": (out, o64, rounded(o32)), "lse": (lse, l64, l32)}
+    for name, got, a, b in zip(("dq", "dk", "dv"), grads, r64, r32):
+        ours[name] = (got, a, rounded(b))
+    # peers: their own out; gradients against the reference run on their out/lse-free path
+    peer_out = {}
+    for peer in PEERS:
+        try:
+            fwd, fb = sdpa_runner(torch, peer, causal)
+            po = fwd(q, k, v)
+            pg = fb(q, k, v, dout)
+            peer_out[peer] = (po, pg)
+        except RuntimeError as e:
+            peer_out[peer] = str(e).splitlines()[0][:80]
+    ok = True
+    for name, (got, a, b) in ours.items():
+        err = max_error(got.detach().double().cpu().numpy(), a)
+        budget = error_budget(a, b)
+        ok &= err <= budget
+        row = dict(kind="check", impl="attnkit", dtype=dtype_name, D=D, L=L, S=L, B=1, H=H,
+                   causal=causal, what=name, max_error=err, budget=budget,
+                   status="ok" if err <= budget else "FAIL")
+        rows.append(row)
+    # peers against the ordinary gradient (reference on their own forward is not defined),
+    # so use the oracle's out and the oracle gradient of the same dout
+    g64 = reference.backward(spec64, host[3].double().numpy(), o64, l64)
+    for peer, res in peer_out.items():
+        if isinstance(res, str):
+            rows.append(dict(kind="check", impl=peer, dtype=dtype_name, D=D, L=L, S=L, B=1, H=H,
+                             causal=causal, what="-", status=f"unavailable: {res}"))
+            continue
+        po, pg = res
+        for name, got, a in (("out", po, o64),) + tuple(zip(("dq", "dk", "dv"), pg, g64)):
+            rows.append(dict(kind="check", impl=peer, dtype=dtype_name, D=D, L=L, S=L, B=1, H=H,
+                             causal=causal, what=name,
+                             max_error=max_error(got.detach().double().cpu().numpy(), a),
+                             status="info"))
+    return ok, rows
+
+
+# ---- timing -------------------------------------------------------------------------------
+def timer(torch, device, fn, min_time=0.15, max_reps=50):
+    """Median milliseconds of fn() over repetitions (CUDA events on GPU)."""
+    fn()                                            # warm-up: compiles, allocates
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    start_all = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start_all < min_time and len(times) < max_reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def grid(args):
+    if args.dry_run:
+        return [("float32", 64, 64, c) for c in (False, True)]
+    if args.quick:
+        return [("bfloat16", 128, L, c) for L in (4096, 8192) for c in (False, True)]
+    return [(dt, D, L, c) for dt in ("bfloat16", "float16") for D in (64, 128)
+            for L in (1024, 2048, 4096, 8192, 16384) for c in (False, True)]
+
+
+def run_benchmark(args):
+    import torch
+    from attnkit.spec import flops
+    from attnkit.torch import triton_kernels as tk
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: use --dry-run (with TRITON_INTERPRET=1) or --compile-only")
+    why = tk.not_supported_reasons(__import__("attnkit.spec", fromlist=["validate"]).validate(
+        torch.zeros(1, 16, 16, device=device), torch.zeros(1, 16, 16, device=device),
+        torch.zeros(1, 16, 16, device=device)))
+    if why:
+        sys.exit(f"attnkit's Triton kernels cannot run here: {why}")
+    env = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+               torch=torch.__version__, triton=__import__("triton").__version__,
+               python=platform.python_version())
+    print("# " + ", ".join(f"{k} {v}" for k, v in env.items()))
+    t0 = time.perf_counter()
+    rows, failed, skipped = [], [], []
+
+    # 1. correctness, once per (dtype, D, causal) of the grid
+    seen = set()
+    for dt, D, _, causal in grid(args):
+        if (dt, D, causal) in seen:
+            continue
+        seen.add((dt, D, causal))
+        ok, r = check(torch, dt, D, causal, device, L=64 if args.dry_run else 1024,
+                      H=2 if args.dry_run else 4)
+        rows += r
+        for row in r:
+            if row["impl"] == "attnkit" or row["what"] == "out":
+                err = row.get("max_error")
+                extra = f" (budget {row['budget']:.2e})" if "budget" in row else ""
+                print(f"check {dt:8} D={D:3} causal={causal!s:5} {row['impl']:9} {row['what']:3} "
+                      f"{'' if err is None else f'{err:.2e}'}{extra} {row['status']}")
+        if not ok:
+            failed.append((dt, D, causal))
+    print(f"# checks done in {time.perf_counter() - t0:.0f} s")
+
+    # 2. timing
+    for dt, D, L, causal in grid(args):
+        if time.perf_counter() - t0 > args.budget_s:
+            skipped.append((dt, D, L, causal))
+            continue
+        H = WIDTH // D if not args.dry_run else 2
+        B = max(1, TOKENS // L) if not args.dry_run else 1
+        dtype = getattr(torch, dt)
+        q, k, v, dout = make_inputs(torch, B, H, L, L, D, dtype, device)
+        impls = {"attnkit": attnkit_runner(torch, causal)}
+        if dt == "bfloat16" and D == 128 and not args.dry_run:
+            impls["attnkit-nosplit"] = attnkit_runner(torch, causal, split=False)
+        impls["attnkit-autograd"] = attnkit_autograd_runner(torch, causal)
+        for peer in PEERS:
+            impls[peer] = sdpa_runner(torch, peer, causal)
+        f_fwd = flops(B, H, L, L, D, causal=causal)
+        measured = {}
+        for mode in ("fwd", "fwd+bwd"):
+            f = f_fwd if mode == "fwd" else f_fwd + flops(B, H, L, L, D, causal=causal, backward=True)
+            for name, (fwd, fb) in impls.items():
+                call = (lambda: fwd(q, k, v)) if mode == "fwd" else (lambda: fb(q, k, v, dout))
+                try:
+                    ms = timer(torch, device, call)
+                except (RuntimeError, ValueError, TypeError, ImportError) as e:
+                    measured[(mode, name)] = None
+                    rows.append(dict(kind="time", impl=name, mode=mode, dtype=dt, D=D, L=L, S=L, B=B,
+                                     H=H, causal=causal, status=f"unavailable: {str(e).splitlines()[0][:80]}"))
+                    continue
+                tf = f / ms / 1e9
+                measured[(mode, name)] = tf
+                rows.append(dict(kind="time", impl=name, mode=mode, dtype=dt, D=D, L=L, S=L, B=B, H=H,
+                                 causal=causal, ms=ms, tflops=tf, status="ok"))
+            line = f"{dt:8} D={D:3} L={L:5} B={B:2} H={H:2} causal={causal!s:5} {mode:7} TFLOP/s:"
+            for name in impls:
+                tf = measured.get((mode, name))
+                line += f" {name} {'n/a' if tf is None else f'{tf:7.1f}'}"
+            ours = measured.get((mode, "attnkit"))
+            for row in rows:
+                if row.get("kind") == "time" and row.get("mode") == mode and row["impl"].startswith("attnkit") \
+                        and (row["dtype"], row["D"], row["L"], row["causal"]) == (dt, D, L, causal):
+                    for peer in PEERS:
+                        p = measured.get((mode, peer))
+                        if row.get("tflops") and p:
+                            row[f"ratio_vs_{peer}"] = row["tflops"] / p
+            for peer in PEERS:
+                p = measured.get((mode, peer))
+                if ours and p:
+                    line += f" | x{ours / p:.2f} vs {peer}"
+            print(line, flush=True)
+        del q, k, v, dout
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    fields = ["kind", "impl", "mode", "what", "dtype", "D", "L", "S", "B", "H", "causal", "ms", "tflops",
+              "ratio_vs_flash", "ratio_vs_efficient", "ratio_vs_cudnn", "max_error", "budget", "status"]
+    fields += list(env)
+    with open(args.out, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields)
+        w.writeheader()
+        for row in rows:
+            w.writerow({**env, **row})
+    print(f"# wrote {len(rows)} rows to {args.out} in {time.perf_counter() - t0:.0f} s")
+    if skipped:
+        print(f"# budget reached, not timed: {skipped}")
+    if failed:
+        print(f"# CORRECTNESS FAILED for {failed}")
+        sys.exit(1)
+
+
+# ---- tools without a GPU: compile-only; with one: a small tuning sweep ---------------------
+SMEM = {(8, 0): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448, (10, 0): 232448,
+        (12, 0): 101376}
+
+
+def compile_only(caps):
+    """Compile every kernel with the tuning table for each target and compare shared
+    memory to the target's per-block limit (no GPU needed)."""
+    from attnkit.torch import triton_kernels as tk
+    bad = 0
+    for cap in caps:
+        for dt in ("bfloat16", "float32"):           # float16 tiles are bfloat16's size
+            for D in (64, 128, 256):
+                t = time.perf_counter()
+                shared = tk.compile_only(cap, dt, D)
+                limit = SMEM.get(cap)
+                over = [k for k, v in shared.items() if limit is not None and v > limit]
+                bad += bool(over)
+                print(f"sm_{cap[0]}{cap[1]} {dt:8} D={D:3} shared {shared} limit {limit} "
+                      f"{'OVER: ' + ', '.join(over) if over else 'ok'} ({time.perf_counter() - t:.0f} s)",
+                      flush=True)
+    sys.exit(1 if bad else 0)
+
+
+def sweep(args):
+    """Time a few candidate configurations per kernel kind through triton_tuning.override
+    (bf16, L=S=8k, B=2, non-causal) and print the fastest; update triton_tuning's table
+    from the output."""
+    import torch
+    from attnkit.spec import validate
+    from attnkit.torch import triton_kernels as tk
+    from attnkit.torch import triton_tuning
+    cands = {
+        "forward": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)],
+        "backward_dkdv": [(32, 128, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (16, 128, 4, 2)],
+        "backward_dq": [(128, 32, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 16, 4, 2)],
+    }
+    t0 = time.perf_counter()
+    for D in (64, 128):
+        H, L, B = WIDTH // D, 8192, 2
+        q, k, v, dout = make_inputs(torch, B, H, L, L, D, torch.bfloat16, "cuda")
+        spec = validate(q, k, v)
+        out, lse = tk.forward(spec)
+        for kind, cs in cands.items():
+            best = None
+            for bm, bn, w, s in cs:
+                if time.perf_counter() - t0 > args.budget_s:
+                    break
+                triton_tuning.override = (lambda D_, dt, cap, kd, c=(bm, bn, w, s), want=kind:
+                                          dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), c))
+                                          if kd == want else None)
+                fn = (lambda: tk.forward(spec)) if kind == "forward" else (lambda: tk.backward(spec, dout, out, lse))
+                try:
+                    ms = timer(torch, "cuda", fn)
+                except RuntimeError as e:           # e.g. out of shared memory
+                    print(f"D={D} {kind} {(bm, bn, w, s)} failed: {str(e).splitlines()[0][:80]}")
+                    continue
+                finally:
+                    triton_tuning.override = None
+                print(f"D={D} {kind:13} BLOCK_M={bm:3} BLOCK_N={bn:3} warps={w} stages={s}: {ms:.3f} ms", flush=True)
+                if best is None or ms < best[0]:
+                    best = (ms, (bm, bn, w, s))
+            print(f"best D={D} {kind}: {best}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="gpu_benchmark.csv", help="CSV path")
+    ap.add_argument("--quick", action="store_true", help="bf16, D=128, L in {4k, 8k} only")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU through Triton's interpreter at tiny sizes (sets TRITON_INTERPRET=1)")
+    ap.add_argument("--budget-s", type=float, default=280.0, help="stop starting new timings after this")
+    ap.add_argument("--compile-only", metavar="CAPS", help="e.g. 8.0,9.0: compile for these targets, no GPU")
+    ap.add_argument("--sweep", action="store_true", help="time tuning candidates (GPU)")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.compile_only:
+        compile_only([tuple(int(x) for x in c.split(".")) for c in args.compile_only.split(",")])
+    elif args.sweep:
+        sweep(args)
+    else:
+        run_benchmark(args)
+
+
+if __name__ == "__main__":
+    main()

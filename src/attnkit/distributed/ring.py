@@ -1,0 +1,520 @@
+"""Ring attention: exact attention over a sequence split across the ranks of a
+``torch.distributed`` process group (context parallelism).
+
+Each of the P ranks holds one shard of the sequence — ``q`` of length L/P and
+``k``, ``v`` (and key-padding masks) of length S/P along dim -2. The K/V shards
+travel once around the ring with point-to-point sends that overlap the block
+compute; every block is computed by :func:`attnkit.attention` on the rank's own
+device and the partial ``(out, lse)`` pairs are combined with
+:func:`attnkit.merge`. The backward pass runs :func:`attnkit.attention_backward`
+per block with the *global* ``out`` and ``lse`` (which gives exactly that block's
+share of ``dq`` and the block's ``dk``, ``dv``) and sends the ``dk``/``dv``
+accumulators around the ring back to the ranks that own them.
+
+Layouts (``layout=``), shown for P = 2 ranks and a sequence cut into 4 chunks::
+
+    contiguous   rank 0: chunks 0 1        rank 1: chunks 2 3
+    zigzag       rank 0: chunks 0 3        rank 1: chunks 1 2
+
+With ``causal=True`` the contiguous layout leaves rank 0 almost idle (its queries
+see only its own keys) while the last rank sees everything; zigzag (rank r holds
+chunks r and 2P-1-r) gives every rank the same amount of work. Use
+:func:`shard` / :func:`unshard` (or :func:`zigzag_shard` / :func:`zigzag_unshard`)
+to cut and reassemble sequences in either layout.
+
+Masks: ``causal`` and ``window`` are applied from *global* positions (each block
+pair is then full, partial or empty; empty blocks are skipped, and a partial
+block becomes a window in the block's own coordinates — no mask is built).
+``keep`` / ``drop`` are key-padding masks only, shape ``(..., 1 or H, 1, S/P)``
+(or ``(S/P,)``), sharded like ``k``; they travel with ``k`` and ``v``.
+``align`` is the global alignment (``diag(i) = i + S − L`` for bottom-right);
+for self-attention (L == S) both alignments agree. ``bias`` is not supported.
+
+Memory per rank: the local shards, two K/V(/mask) buffers (the one in use and
+the one arriving), the float32/float64 ``(out, lse)`` accumulators and, in the
+backward pass, two ``dk``/``dv`` buffers — all O(L/P); plus whatever one block
+costs on the rung that computes it (linear in the block for the flash-style
+rungs). No rank ever holds a tensor of the full sequence length.
+
+Not verified here: NCCL on GPUs. The code path is the same (tensors stay on the
+rank's device, ``batch_isend_irecv`` is NCCL's grouped P2P), but the project's CI
+machines have no GPU, so only gloo on CPU is tested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+import attnkit
+from attnkit.spec import ALIGNS, dtype_name, validate
+
+LAYOUTS = ("contiguous", "zigzag")
+_DTYPE_CODE = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
+_META_LEN = 96  # ints per rank in the one metadata all_gather
+
+
+# ---------------------------------------------------------------------------
+# sharding helpers
+# ---------------------------------------------------------------------------
+def _chunk_ids(rank: int, world: int, layout: str) -> tuple[int, ...]:
+    """Which of the 2·world equal chunks of the sequence rank ``rank`` holds."""
+    if layout == "contiguous":
+        return (2 * rank, 2 * rank + 1)
+    if layout == "zigzag":
+        return (rank, 2 * world - 1 - rank)
+    raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+
+
+def _check_world(rank, world):
+    if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
+        raise ValueError(f"rank, world: expected 0 <= rank < world, got rank={rank!r}, world={world!r}")
+
+
+def shard(x, rank: int, world: int, *, layout: str = "contiguous", dim: int = -2):
+    """Rank ``rank``'s shard of the full sequence ``x`` (length N along ``dim``).
+
+    ``contiguous``: the rank-th of ``world`` equal pieces. ``zigzag``: the sequence
+    is cut into 2·world chunks and rank r gets chunks r and 2·world−1−r, concatenated.
+    N must be divisible by ``world`` (by ``2·world`` for zigzag); the result is a
+    view for contiguous and a new tensor for zigzag.
+
+    >>> import torch
+    >>> x = torch.arange(8)
+    >>> shard(x, 0, 2, dim=0), shard(x, 0, 2, layout="zigzag", dim=0)
+    (tensor([0, 1, 2, 3]), tensor([0, 1, 6, 7]))
+    """
+    _check_world(rank, world)
+    n = x.shape[dim]
+    parts = 2 * world if layout == "zigzag" else world
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if n % parts:
+        raise ValueError(f"x: length {n} along dim {dim} is not divisible by {parts} "
+                         f"({'2 · ' if layout == 'zigzag' else ''}world={world}) for layout={layout!r}")
+    if layout == "contiguous":
+        return x.narrow(dim, rank * (n // world), n // world)
+    c = n // parts
+    a, b = _chunk_ids(rank, world, layout)
+    return torch.cat([x.narrow(dim, a * c, c), x.narrow(dim, b * c, c)], dim=dim)
+
+
+def unshard(parts, *, layout: str = "contiguous", dim: int = -2):
+    """Reassemble the full sequence from every rank's shard, in rank order (the list
+    ``torch.distributed.all_gather`` fills). Inverse of :func:`shard`.
+
+    >>> import torch
+    >>> x = torch.arange(8)
+    >>> unshard([shard(x, r, 2, layout="zigzag", dim=0) for r in range(2)], layout="zigzag", dim=0)
+    tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    """
+    parts = list(parts)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if layout == "contiguous":
+        return torch.cat(parts, dim=dim)
+    world = len(parts)
+    chunks = [None] * (2 * world)
+    for r, p in enumerate(parts):
+        if p.shape[dim] % 2:
+            raise ValueError(f"parts[{r}]: zigzag shard length {p.shape[dim]} along dim {dim} is odd")
+        a, b = _chunk_ids(r, world, layout)
+        chunks[a], chunks[b] = p.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+def zigzag_shard(x, rank: int, world: int, dim: int = -2):
+    """``shard(x, rank, world, layout="zigzag", dim=dim)``: chunks r and 2·world−1−r."""
+    return shard(x, rank, world, layout="zigzag", dim=dim)
+
+
+def zigzag_unshard(parts, dim: int = -2):
+    """``unshard(parts, layout="zigzag", dim=dim)``."""
+    return unshard(parts, layout="zigzag", dim=dim)
+
+
+# ---------------------------------------------------------------------------
+# block planning: which part of a (query shard, key shard) pair is visible
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Block:
+    """One attention call: local query rows [r0, r1) against keys [c0, c1) of the
+    key shard in hand, with ``window`` in the block's own top-left coordinates
+    (None = no index mask: every pair is visible apart from key padding)."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    window: tuple | None
+
+
+def _segments(rank, world, n, layout):
+    """(global start, local start, length) of each contiguous piece of a shard of
+    length n."""
+    if layout == "contiguous":
+        return ((rank * n, 0, n),)
+    c = n // 2
+    a, b = _chunk_ids(rank, world, layout)
+    return ((a * c, 0, c), (b * c, c, c))
+
+
+def _plan_pair(gq, lq, m, gk, lk, n, offset, left, right):
+    """Block for query rows [gq, gq+m) (global) stored at local lq, against keys
+    [gk, gk+n) stored at local lk, when key j is visible to query i iff
+    i + offset − left <= j <= i + offset + right (None = unbounded). None if empty."""
+    if left is None and right is None:
+        return Block(lq, lq + m, lk, lk + n, None)
+    d = gq - gk + offset                       # query ii sees keys jj in [ii + lo, ii + hi]
+    lo = None if left is None else d - left
+    hi = None if right is None else d + right
+    r0 = 0 if hi is None else max(0, -hi)      # rows before r0 see no key of this block
+    r1 = m if lo is None else min(m, n - lo)   # rows from r1 on see no key either
+    if r0 >= r1:
+        return None
+    c0 = 0 if lo is None else max(0, r0 + lo)  # keys no row in [r0, r1) can see are cut
+    c1 = n if hi is None else min(n, r1 + hi)
+    if c0 >= c1:
+        return None
+    full = (lo is None or r1 - 1 + lo <= c0) and (hi is None or r0 + hi >= c1 - 1)
+    if full:
+        window = None
+    else:                                      # shift to the block's own top-left diagonal
+        window = (None if lo is None else c0 - r0 - lo, None if hi is None else r0 - c0 + hi)
+    return Block(lq + r0, lq + r1, lk + c0, lk + c1, window)
+
+
+def _join(blocks, same, touch, joined):
+    out = []
+    for b in blocks:
+        p = out[-1] if out else None
+        if p is not None and p.window is None and b.window is None and same(p, b) and touch(p, b):
+            out[-1] = joined(p, b)
+        else:
+            out.append(b)
+    return out
+
+
+def _coalesce(blocks):
+    """Join full blocks over the same keys whose rows touch, then full blocks over
+    the same rows whose keys touch, so a zigzag step is one call where it can be."""
+    blocks = _join(sorted(blocks, key=lambda b: (b.c0, b.c1, b.r0)),
+                   lambda p, b: (p.c0, p.c1) == (b.c0, b.c1), lambda p, b: p.r1 == b.r0,
+                   lambda p, b: Block(p.r0, b.r1, p.c0, p.c1, None))
+    return _join(sorted(blocks, key=lambda b: (b.r0, b.r1, b.c0)),
+                 lambda p, b: (p.r0, p.r1) == (b.r0, b.r1), lambda p, b: p.c1 == b.c0,
+                 lambda p, b: Block(p.r0, p.r1, p.c0, b.c1, None))
+
+
+def plan(rank, src, world, Lr, Sr, *, L=None, S=None, causal=False, window=None,
+         align="bottom_right", layout="contiguous"):
+    """The attention calls rank ``rank`` makes for the key shard of rank ``src``:
+    a list of :class:`Block` (empty when causal/window hide that shard entirely).
+
+    ``Lr``/``Sr`` are the shard lengths; ``L``/``S`` the global lengths (default
+    world·Lr, world·Sr). Causal blocks in the contiguous layout, P = 2:
+
+    >>> plan(1, 0, 2, 4, 4, causal=True)        # keys before the queries: full
+    [Block(r0=0, r1=4, c0=0, c1=4, window=None)]
+    >>> plan(0, 0, 2, 4, 4, causal=True)        # the diagonal block
+    [Block(r0=0, r1=4, c0=0, c1=4, window=(None, 0))]
+    >>> plan(0, 1, 2, 4, 4, causal=True)        # keys after the queries: skipped
+    []
+    """
+    L = world * Lr if L is None else L
+    S = world * Sr if S is None else S
+    offset = S - L if align == "bottom_right" else 0
+    left, right = (None, None) if window is None else window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is None and right is None:         # no index mask: positions do not matter
+        qsegs, ksegs = ((0, 0, Lr),), ((0, 0, Sr),)
+    else:
+        qsegs, ksegs = _segments(rank, world, Lr, layout), _segments(src, world, Sr, layout)
+    blocks = [b for gq, lq, m in qsegs for gk, lk, n in ksegs
+              if (b := _plan_pair(gq, lq, m, gk, lk, n, offset, left, right)) is not None]
+    return _coalesce(blocks)
+
+
+# ---------------------------------------------------------------------------
+# communication
+# ---------------------------------------------------------------------------
+class _Ring:
+    """Neighbours in ``group`` and one asynchronous "send to next, receive from
+    previous" exchange of a flat buffer."""
+
+    def __init__(self, group):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = (self.rank + 1) % self.world
+        self.prev = (self.rank - 1) % self.world
+
+    def exchange(self, buf, tag):
+        """Post send(buf → next) and recv(← prev); returns (recv buffer, works)."""
+        recv = torch.empty_like(buf)
+        ops = [dist.P2POp(dist.isend, buf, group=self.group, group_peer=self.next, tag=tag),
+               dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.prev, tag=tag)]
+        return recv, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works):
+        for w in works:
+            w.wait()
+
+
+def _pack(*tensors, dtype):
+    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+
+
+def _unpack(buf, shapes):
+    out, i = [], 0
+    for s in shapes:
+        n = 1
+        for x in s:
+            n *= x
+        out.append(buf[i:i + n].view(s))
+        i += n
+    return out
+
+
+# ---------------------------------------------------------------------------
+# validation: local checks, then one all_gather so every rank raises together
+# ---------------------------------------------------------------------------
+def _meta(q, k, v, keep, cfg):
+    ints = [_DTYPE_CODE.get(dtype_name(q), 0), int(cfg.causal), LAYOUTS.index(cfg.layout),
+            ALIGNS.index(cfg.align)]
+    ints += [-1 if w is None else w for w in (cfg.window or (None, None))]
+    for t in (q, k, v, keep):
+        shape = () if t is None else tuple(t.shape)
+        ints += [len(shape), *shape]
+    return ints
+
+
+def _validate(q, k, v, keep, drop, cfg, ring):
+    """Validate the local shard, then agree across the ring (one small all_gather,
+    so a bad input on one rank raises on every rank instead of hanging the others).
+    Returns (cfg with the normalised window, combined key-padding keep mask or None)."""
+    err, key_keep = None, None
+    try:
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+            raise TypeError("q, k, v: ring_attention takes torch tensors (each rank's shard)")
+        if cfg.layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS}, got {cfg.layout!r}")
+        spec = validate(q, k, v, scale=cfg.scale, causal=cfg.causal, window=cfg.window,
+                        align=cfg.align, keep=keep, drop=drop, softcap=cfg.softcap)
+        for name, m in (("keep", keep), ("drop", drop)):
+            if m is not None and m.ndim >= 2 and m.shape[-2] != 1:
+                raise ValueError(f"{name}: ring_attention takes key-padding masks of shape "
+                                 f"(..., 1 or H, 1, S_shard={spec.S}) sharded like k, got {tuple(m.shape)}")
+        if cfg.layout == "zigzag":
+            for name, n in (("q", spec.L), ("k", spec.S)):
+                if n % 2:
+                    raise ValueError(f"{name}: layout='zigzag' needs an even shard length along dim -2 "
+                                     f"(two chunks per rank), got {n}")
+        cfg = replace(cfg, window=spec.window)
+        if keep is not None or drop is not None:
+            key_keep = keep if drop is None else (~drop if keep is None else keep & ~drop)
+    except (TypeError, ValueError) as e:
+        err = e
+    meta = [int(err is not None)]
+    if err is None:
+        meta += _meta(q, k, v, key_keep, cfg)
+    if len(meta) > _META_LEN:
+        err = err or ValueError(f"q, k, v: too many dims for ring_attention ({[t.ndim for t in (q, k, v)]})")
+        meta = [1]
+    meta += [-2] * (_META_LEN - len(meta))
+    if ring.world > 1:
+        device = q.device if isinstance(q, torch.Tensor) else "cpu"
+        mine = torch.tensor(meta, dtype=torch.int64, device=device)
+        everyone = [torch.empty_like(mine) for _ in range(ring.world)]
+        dist.all_gather(everyone, mine, group=ring.group)
+        everyone = [t.tolist() for t in everyone]
+    else:
+        everyone = [meta]
+    if err is not None:
+        raise err
+    bad = [r for r, m in enumerate(everyone) if m[0]]
+    if bad:
+        raise ValueError(f"ring_attention: rank(s) {bad} rejected their inputs (their error says why)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        lengths = [_shape_of(m, name)[-2] for m in everyone]
+        if len(set(lengths)) > 1:
+            raise ValueError(f"{name}: ring_attention needs equal shard lengths along dim -2 on every rank; "
+                             f"got lengths {lengths} on ranks 0..{ring.world - 1}")
+    if any(m != everyone[0] for m in everyone):
+        diff = [r for r, m in enumerate(everyone) if m != everyone[0]]
+        raise ValueError(f"ring_attention: rank(s) {diff} pass different shapes, dtype or options than "
+                         "rank 0 (q, k, v, keep/drop shapes, causal, window, align, layout must match)")
+    return cfg, key_keep
+
+
+def _shape_of(meta, name):
+    i = 7  # flag, dtype, causal, layout, align, window left, window right
+    for n in ("q", "k", "v", "keep"):
+        nd = meta[i]
+        if n == name:
+            return tuple(meta[i + 1:i + 1 + nd])
+        i += 1 + nd
+    raise KeyError(name)
+
+
+# ---------------------------------------------------------------------------
+# the autograd function
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Config:
+    group: object
+    causal: bool
+    window: tuple | None
+    align: str
+    scale: float | None
+    softcap: float | None
+    layout: str
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rows(x, b, tail):
+    """x[..., b.r0:b.r1, <tail full dims>]."""
+    return x[(Ellipsis, slice(b.r0, b.r1)) + (slice(None),) * tail]
+
+
+def _blocks(cfg, ring, src, Lr, Sr):
+    return plan(ring.rank, src, ring.world, Lr, Sr, causal=cfg.causal, window=cfg.window,
+                align=cfg.align, layout=cfg.layout)
+
+
+def _block_kwargs(cfg, b, keep):
+    kw = dict(scale=cfg.scale, softcap=cfg.softcap, window=b.window, align="top_left")
+    if keep is not None:
+        kw["keep"] = keep[..., b.c0:b.c1]
+    return kw
+
+
+def _forward(q, k, v, keep, cfg, ring):
+    Lr, Sr = q.shape[-2], k.shape[-2]
+    acc = _acc_dtype(q.dtype)
+    spec = validate(q, k, v)                        # shapes only (checked by _validate)
+    lse_shape = spec.lse_shape[:-2] + (() if spec.two_d else (spec.H,)) + (Lr,)
+    out = torch.zeros(lse_shape + (spec.Dv,), dtype=acc, device=q.device)
+    lse = torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
+    shapes = [k.shape, v.shape] + ([keep.shape] if keep is not None else [])
+    cur = _pack(k, v, *([keep] if keep is not None else []), dtype=q.dtype) if ring.world > 1 else None
+    kb, vb, mb = k, v, keep
+    for step in range(ring.world):
+        src = (ring.rank - step) % ring.world
+        if step < ring.world - 1:                   # the next shard travels while this one computes
+            nxt, works = ring.exchange(cur, tag=0)
+        if step > 0:
+            parts = _unpack(cur, shapes)
+            kb, vb = parts[0], parts[1]
+            mb = parts[2] > 0.5 if keep is not None else None
+        for b in _blocks(cfg, ring, src, Lr, Sr):
+            o, l = attnkit.attention(_rows(q, b, 1), kb[..., b.c0:b.c1, :], vb[..., b.c0:b.c1, :],
+                                     return_lse=True, **_block_kwargs(cfg, b, mb))
+            ob, lb = _rows(out, b, 1), _rows(lse, b, 0)
+            ob[...], lb[...] = attnkit.merge([ob, o.to(acc)], [lb, l.to(acc)])
+        if step < ring.world - 1:
+            ring.wait(works)
+            cur = nxt
+    return out.to(q.dtype), lse
+
+
+def _backward(dout, q, k, v, out, lse, keep, cfg, ring):
+    Lr, Sr = q.shape[-2], k.shape[-2]
+    acc = _acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    shapes = [k.shape, v.shape] + ([keep.shape] if keep is not None else [])
+    cur = _pack(k, v, *([keep] if keep is not None else []), dtype=q.dtype) if ring.world > 1 else None
+    kb, vb, mb = k, v, keep
+    dkv_in = dkv_works = None
+    for step in range(ring.world):
+        src = (ring.rank - step) % ring.world
+        if step < ring.world - 1:
+            nxt, works = ring.exchange(cur, tag=0)
+        if step > 0:
+            parts = _unpack(cur, shapes)
+            kb, vb = parts[0], parts[1]
+            mb = parts[2] > 0.5 if keep is not None else None
+        dkv = torch.zeros(k.numel() + v.numel(), dtype=acc, device=q.device)
+        dk, dv = _unpack(dkv, [k.shape, v.shape])
+        for b in _blocks(cfg, ring, src, Lr, Sr):
+            gq, gk, gv = attnkit.attention_backward(
+                _rows(dout, b, 1), _rows(q, b, 1), kb[..., b.c0:b.c1, :], vb[..., b.c0:b.c1, :],
+                _rows(out, b, 1), _rows(lse, b, 0), **_block_kwargs(cfg, b, mb))
+            _rows(dq, b, 1).add_(gq)
+            dk[..., b.c0:b.c1, :] += gk
+            dv[..., b.c0:b.c1, :] += gv
+        if dkv_works is not None:                   # this shard's dk/dv so far, from the previous rank
+            ring.wait(dkv_works)
+            dkv += dkv_in
+        if ring.world > 1:                          # hand it on; it reaches its owner after the last step
+            dkv_in, dkv_works = ring.exchange(dkv, tag=1)
+        if step < ring.world - 1:
+            ring.wait(works)
+            cur = nxt
+    if dkv_works is not None:
+        ring.wait(dkv_works)
+        dkv = dkv_in
+    dk, dv = _unpack(dkv, [k.shape, v.shape])
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, keep, cfg, ring):
+        out, lse = _forward(q, k, v, keep, cfg, ring)
+        ctx.save_for_backward(q, k, v, out, lse, keep)
+        ctx.cfg, ctx.ring = cfg, ring
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, keep = ctx.saved_tensors
+        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, keep, ctx.cfg, ctx.ring)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q, k, v, group=None, *, scale=None, causal=False, window=None,
+                   align="bottom_right", keep=None, drop=None, softcap=None,
+                   layout="contiguous", return_lse=False):
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    Every rank calls this with its own shard: ``q (..., H, L/P, D)``,
+    ``k (..., Hkv, S/P, D)``, ``v (..., Hkv, S/P, Dv)``, cut from the full sequences
+    with :func:`shard` in the chosen ``layout`` (``"contiguous"`` or ``"zigzag"``,
+    the load-balanced layout for causal attention). Returns this rank's rows of the
+    single-device result: ``out (..., H, L/P, Dv)`` and, with ``return_lse=True``,
+    ``lse (..., H, L/P)`` (float32; float64 for float64 inputs). Differentiable
+    with respect to q, k and v (``lse`` is not). All ranks must pass the same shapes
+    and options; equal shard lengths are required (``ValueError`` otherwise, raised
+    on every rank).
+
+    Masking keywords follow :func:`attnkit.attention` with global positions:
+    ``causal``, ``window``, ``align`` (L ≠ S is allowed; for L == S both alignments
+    agree), ``scale``, ``softcap``; ``keep``/``drop`` must be key-padding masks of
+    shape ``(..., 1 or H, 1, S/P)`` sharded like ``k``. A query row that sees no
+    key gives out 0, lse −inf and zero gradients. ``group`` defaults to the world.
+
+    Example (each of P processes, after ``torch.distributed.init_process_group``)::
+
+        from attnkit.distributed import ring_attention, shard, unshard
+        rank, P = dist.get_rank(), dist.get_world_size()
+        q_r, k_r, v_r = (shard(x, rank, P, layout="zigzag") for x in (q, k, v))
+        out_r = ring_attention(q_r, k_r, v_r, causal=True, layout="zigzag")
+        # out_r == shard(attnkit.attention(q, k, v, causal=True), rank, P, layout="zigzag")
+
+    ``examples/ring_attention.py`` runs this end to end on 4 CPU processes.
+    """
+    cfg = _Config(group=group, causal=causal, window=window, align=align, scale=scale,
+                  softcap=softcap, layout=layout)
+    ring = _Ring(group)
+    cfg, key_keep = _validate(q, k, v, keep, drop, cfg, ring)
+    out, lse = _RingAttention.apply(q, k, v, key_keep, cfg, ring)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,26 @@
+"""attnkit for PyTorch: the autograd op behind ``attnkit.attention(tensors)`` and the
+``MultiheadAttention`` module.
+
+``attnkit.attention`` (and ``attention_backward``, ``attention_weights``) take torch
+tensors directly and return tensors on the same device with q's dtype; this package
+holds what makes that work (``op``: the ``torch.library`` custom ops, CPU through the
+NumPy ladder, CUDA through Triton; ``triton_rung``: the same op forced onto the Triton
+kernels) and :class:`MultiheadAttention`, a drop-in for
+``torch.nn.MultiheadAttention(batch_first=True)``.
+
+Importing this package registers the custom ops (``torch.ops.attnkit.attention_fwd``,
+``attention_bwd``, ``attention_weights``). Under ``torch.compile`` import it before
+compiling (or make one eager call): Dynamo traces ``attnkit.attention`` down to the
+op but cannot trace the first import of a rung module.
+
+>>> import torch, attnkit.torch
+>>> mha = attnkit.torch.MultiheadAttention(8, 2)
+>>> out, _ = mha(torch.randn(1, 3, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8), need_weights=False)
+>>> out.shape
+torch.Size([1, 3, 8])
+"""
+
+from . import op
+from .mha import MultiheadAttention
+
+__all__ = ["MultiheadAttention", "op"]

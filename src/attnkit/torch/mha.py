@@ -1,0 +1,180 @@
+"""``MultiheadAttention``: the seed's projection matrices W^Q, W^K, W^V as a module.
+
+A drop-in for ``torch.nn.MultiheadAttention`` in the common case, with attnkit's
+exact attention inside (linear memory, fully masked rows give 0 instead of NaN) and
+grouped-query attention (``num_kv_heads``)::
+
+    q = x W^Qᵀ + b^Q   (B, L, E) -> (B, H, L, E/H)
+    k = y W^Kᵀ + b^K   (B, S, kdim) -> (B, Hkv, S, E/H)
+    v = z W^Vᵀ + b^V   (B, S, vdim) -> (B, Hkv, S, E/H)
+    out = attention(q, k, v) -> (B, L, E) -> out_proj
+
+Parameters carry ``torch.nn.MultiheadAttention``'s names (``in_proj_weight``,
+``in_proj_bias``, ``q_proj_weight``/``k_proj_weight``/``v_proj_weight`` when kdim or
+vdim differ from embed_dim, ``out_proj.weight``, ``out_proj.bias``), so its
+``state_dict`` loads as is; :meth:`MultiheadAttention.from_torch` does that in one
+call. With ``num_kv_heads < num_heads`` the packed ``in_proj_weight`` has
+``E + 2 · num_kv_heads · E/H`` rows (q rows, then k, then v).
+
+Masks keep torch's polarity: a boolean ``attn_mask`` or ``key_padding_mask`` is True
+where attention is *not* allowed (passed to attnkit as ``drop=`` / ``keep=``), a float
+one is added to the scores (``bias=``). ``is_causal=True`` applies a causal mask with
+torch's top-left alignment (query i sees keys 0..i), on its own or together with
+``attn_mask``.
+
+Differences from torch: ``batch_first`` defaults to True; the returned weights are
+exact but carry no gradient (they are recomputed from the forward's lse, so the output
+path is the same with or without them — pass ``need_weights=False`` to skip the
+extra L × S work); attention-weight dropout, ``add_bias_kv`` and ``add_zero_attn``
+are not supported; a fully masked query row gives 0, not NaN.
+
+>>> import torch
+>>> from attnkit.torch import MultiheadAttention
+>>> torch.manual_seed(0) and None
+>>> mha = MultiheadAttention(16, 4, num_kv_heads=2)
+>>> x = torch.randn(2, 5, 16)
+>>> out, w = mha(x, x, x, is_causal=True)
+>>> out.shape, w.shape
+(torch.Size([2, 5, 16]), torch.Size([2, 5, 5]))
+>>> ref = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+>>> ours = MultiheadAttention.from_torch(ref)
+>>> bool(torch.allclose(ours(x, x, x)[0], ref(x, x, x)[0], atol=1e-6))
+True
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .. import api
+
+
+class MultiheadAttention(nn.Module):
+    """Multi-head (and grouped-query) attention on attnkit; see the module docstring.
+
+    Args: ``embed_dim`` E, ``num_heads`` H (E % H == 0), ``dropout`` (must be 0 while
+    training), ``bias`` (projection biases), ``add_bias_kv``/``add_zero_attn`` (must
+    be False), ``kdim``/``vdim`` (key/value feature sizes, default E),
+    ``batch_first`` (default True), ``num_kv_heads`` Hkv (default H; H % Hkv == 0).
+    """
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
+                 add_zero_attn=False, kdim=None, vdim=None, batch_first=True, device=None,
+                 dtype=None, *, num_kv_heads=None):
+        super().__init__()
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim: must be divisible by num_heads={num_heads}, got {embed_dim}")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads: must divide num_heads={num_heads}, got {num_kv_heads}")
+        if add_bias_kv or add_zero_attn:
+            raise ValueError("add_bias_kv and add_zero_attn are not supported by attnkit.torch.MultiheadAttention")
+        if dropout < 0 or dropout >= 1:
+            raise ValueError(f"dropout: expected 0 <= dropout < 1, got {dropout}")
+        kw = {"device": device, "dtype": dtype}
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.kdim = embed_dim if kdim is None else kdim
+        self.vdim = embed_dim if vdim is None else vdim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.dropout, self.batch_first = dropout, batch_first
+        self.bias_k = self.bias_v = None
+        self.add_zero_attn = False
+        ekv = num_kv_heads * self.head_dim
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty(embed_dim + 2 * ekv, embed_dim, **kw))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **kw))
+            self.k_proj_weight = nn.Parameter(torch.empty(ekv, self.kdim, **kw))
+            self.v_proj_weight = nn.Parameter(torch.empty(ekv, self.vdim, **kw))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(embed_dim + 2 * ekv, **kw))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
+        self._reset_parameters()
+
+    def _reset_parameters(self):
+        """torch.nn.MultiheadAttention's initialisation."""
+        for w in (self.in_proj_weight, self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+            if w is not None:
+                nn.init.xavier_uniform_(w)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+            nn.init.zeros_(self.out_proj.bias)
+
+    @classmethod
+    def from_torch(cls, mha: nn.MultiheadAttention) -> MultiheadAttention:
+        """A copy of ``torch.nn.MultiheadAttention`` ``mha`` (weights, batch_first,
+        dtype and device) running on attnkit."""
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError("from_torch: add_bias_kv and add_zero_attn are not supported")
+        w = mha.out_proj.weight
+        new = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
+                  kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first, device=w.device, dtype=w.dtype)
+        new.load_state_dict(mha.state_dict())
+        return new
+
+    def _weights(self):
+        """(W^Q, W^K, W^V) and their biases (None without bias)."""
+        E, ekv = self.embed_dim, self.num_kv_heads * self.head_dim
+        if self._qkv_same_embed_dim:
+            ws = self.in_proj_weight.split([E, ekv, ekv])
+        else:
+            ws = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+        bs = (None,) * 3 if self.in_proj_bias is None else self.in_proj_bias.split([E, ekv, ekv])
+        return ws, bs
+
+    def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights=True,
+                attn_mask=None, average_attn_weights=True, is_causal=False):
+        """``query`` (B, L, E), ``key`` (B, S, kdim) and ``value`` (B, S, vdim) (or
+        (L, B, E) etc. with batch_first=False; unbatched (L, E) works too; key and value
+        default to query and key). ``key_padding_mask`` (B, S) and ``attn_mask`` (L, S)
+        or (B·H, L, S): bool True = not allowed, float = added. Returns (out (B, L, E),
+        weights (B, L, S) averaged over heads, (B, H, L, S) with
+        ``average_attn_weights=False``, or None with ``need_weights=False``)."""
+        if self.training and self.dropout > 0:
+            raise ValueError("dropout: attnkit computes exact attention without weight dropout; "
+                             "set dropout=0 (and drop out the output instead) or call .eval()")
+        key = query if key is None else key
+        value = key if value is None else value
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query[None], key[None], value[None]
+            key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
+        elif not self.batch_first:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        B, L, _ = query.shape
+        S = key.shape[1]
+        (wq, wk, wv), (bq, bk, bv) = self._weights()
+        q = F.linear(query, wq, bq).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+        k = F.linear(key, wk, bk).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = F.linear(value, wv, bv).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
+        masks = {"keep": None, "drop": None, "bias": None}
+        if attn_mask is not None:
+            m = attn_mask if attn_mask.dim() == 2 else attn_mask.view(-1, self.num_heads, L, S)
+            masks["drop" if m.dtype == torch.bool else "bias"] = m
+        if key_padding_mask is not None:
+            m = key_padding_mask[:, None, None, :]                   # (B, 1, 1, S)
+            if m.dtype == torch.bool:
+                masks["keep"] = ~m                                   # drop may hold attn_mask
+            else:
+                masks["bias"] = m if masks["bias"] is None else masks["bias"] + m
+        res = api.attention(q, k, v, causal=bool(is_causal), align="top_left",
+                            return_weights=need_weights, **masks)
+        out, w = res if need_weights else (res, None)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))
+        if w is not None and average_attn_weights:
+            w = w.mean(dim=1)
+        if unbatched:
+            return out[0], None if w is None else w[0]
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, w

@@ -1,0 +1,111 @@
+"""Block sizes, warps and pipeline stages for the Triton kernels: a plain table.
+
+``config(D, dtype, capability, kind)`` returns ``dict(BLOCK_M, BLOCK_N, num_warps,
+num_stages, SPLIT)`` for one kernel launch. No autotuning runs in the default path: the
+table is read once per call, so a run is reproducible and starts without a search.
+
+- ``D``: the larger of the query-key and value head dims (before padding).
+- ``dtype``: "float16", "bfloat16" or "float32".
+- ``capability``: the CUDA compute capability as ``(major, minor)``, or ``None`` for
+  Triton's CPU interpreter (``TRITON_INTERPRET=1``).
+- ``kind``: "forward", "backward_dkdv" (one program per key block, looping over query
+  blocks), "backward_dq" (one program per query block, looping over key blocks) or
+  "backward_preprocess" (delta = rowsum(dout ∘ out)).
+
+``SPLIT`` (half types only): the float32 weights p and score gradients dS enter the
+tensor-core dots as hi + lo, two float16/bfloat16 parts, instead of one rounded
+value. That costs one more dot per product (forward 3 dots instead of 2, backward 8
+instead of 5) and keeps the error within DESIGN.md §6's 2× rule; with
+``SPLIT=False`` the kernels round like FlashAttention-2 (faster, and on random
+inputs their backward error exceeds 2× the reference's, measured in the tests' rule).
+
+To override, assign a function with the same signature to ``override``; it returns a
+dict (any subset of the four keys; the rest come from the table) or ``None`` to keep
+the table's entry::
+
+    >>> from attnkit.torch import triton_tuning
+    >>> triton_tuning.override = lambda D, dtype, cap, kind: (
+    ...     {"BLOCK_N": 32} if kind == "forward" else None)
+    >>> triton_tuning.config(128, "bfloat16", (9, 0), "forward")["BLOCK_N"]
+    32
+    >>> triton_tuning.override = None
+
+The GPU entries are starting points from the FlashAttention-2 Triton designs, not
+measured on this project's hardware yet; ``benchmarks/gpu.py --sweep`` times a few
+candidates through ``override`` and prints the best per head dim and kind.
+"""
+
+from __future__ import annotations
+
+KINDS = ("forward", "backward_dkdv", "backward_dq", "backward_preprocess")
+KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "SPLIT")
+
+override = None  # user hook: (D, dtype, capability, kind) -> dict | None
+
+
+def _entry(BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT=True):
+    return {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": num_warps,
+            "num_stages": num_stages, "SPLIT": SPLIT}
+
+
+def default_config(D: int, dtype: str, capability, kind: str) -> dict:
+    """The built-in table (see the module docstring for the arguments)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    if capability is None:
+        # CPU interpreter: its cost is per tile operation, not per element, so
+        # mid-size tiles are fastest; tests override to 16 to get more tiles.
+        return _entry(32, 32, 1, 1)
+    if kind == "backward_preprocess":
+        return _entry(64, 64, 4, 1)
+    big_smem = capability in ((8, 0), (9, 0), (10, 0))   # A100, H100/H200, B200: >= 164 KB
+    hopper = capability in ((9, 0), (10, 0))              # 227 KB: room for a 4th stage
+    if dtype == "float32" and (D > 64 or not big_smem):
+        # 4-byte operands without tensor-core speed: a correctness path, so small
+        # tiles that fit ~100 KB of shared memory even at D = 256
+        small = D > 128
+        return {"forward": _entry(32 if small else 64, 16 if small else 32, 4, 1),
+                "backward_dkdv": _entry(16, 16 if small else 32, 4, 1),
+                "backward_dq": _entry(16 if small else 32, 16 if small else 32, 4, 1)}[kind]
+    if kind == "forward":
+        if D <= 64:
+            cfg = _entry(128, 64, 4, 4 if hopper else (3 if big_smem else 2))
+        elif D <= 128:
+            cfg = _entry(128, 64 if big_smem else 32, 8, 3 if big_smem else 2)
+        else:
+            cfg = _entry(64, 32, 4, 2)
+    elif kind == "backward_dkdv":
+        if D <= 64:
+            cfg = _entry(32, 128, 4, 3 if big_smem else 2)
+        elif D <= 128:
+            cfg = _entry(32, 128 if big_smem else 64, 8, 2)
+        else:
+            cfg = _entry(16, 64, 4, 1)
+    else:  # backward_dq
+        if D <= 64:
+            cfg = _entry(128, 32, 4, 3 if big_smem else 2)
+        elif D <= 128:
+            cfg = _entry(128 if big_smem else 64, 32, 8, 2)
+        else:
+            cfg = _entry(64, 16, 4, 1)
+    if dtype == "float32":                  # D <= 64 on A100 / H100 / B200
+        cfg["BLOCK_N" if kind != "backward_dkdv" else "BLOCK_M"] = 32
+        cfg["num_stages"] = min(cfg["num_stages"], 2)
+    return cfg
+
+
+def config(D: int, dtype: str, capability, kind: str) -> dict:
+    """The launch configuration: the table's entry updated by ``override``'s dict."""
+    cfg = default_config(D, dtype, capability, kind)
+    if override is not None:
+        extra = override(D, dtype, capability, kind)
+        if extra is not None:
+            bad = set(extra) - set(KEYS)
+            if bad:
+                raise ValueError(f"triton_tuning.override: unknown keys {sorted(bad)}; expected a subset of {KEYS}")
+            cfg.update(extra)
+    for name in ("BLOCK_M", "BLOCK_N"):
+        b = cfg[name]
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"triton_tuning: {name} must be a power of two >= 16, got {b}")
+    return cfg

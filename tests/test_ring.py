@@ -1,0 +1,333 @@
+"""Ring attention (attnkit.distributed) on 2 and 4 local gloo processes against
+single-process attention.
+
+One spawn per world size runs every case inside (starting a process that imports
+torch costs seconds on the 2-core CI machine); the processes return their shards
+and the test process unshards them and compares with the single-process result
+computed here. Runtime on 2 cores: about 25 s (P=2) and 50 s (P=4).
+
+Checks: forward (out, lse) and backward (dq, dk, dv) for non-causal, causal
+(contiguous and zigzag layouts), GQA/MQA, key padding (keep and drop, including
+query rows that see no key), windows, cross-attention L ≠ S with both alignments,
+softcap, 2-D inputs, float32/float16 by the DESIGN.md §6 2× rule; errors for uneven
+shard lengths, odd zigzag shards and non-padding masks, raised on every rank (no
+hang); per-rank peak memory set by L/P (see test_ring_memory_is_set_by_shard_length).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not (dist.is_available() and dist.is_gloo_available()):
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import attnkit  # noqa: E402
+from attnkit.testing import error_budget, make_qkv, max_error  # noqa: E402
+
+# name: (B, H, Hkv, Lc, Sc, D, Dv, dtype, layout, kwargs, mask); L = 2·P·Lc, S = 2·P·Sc.
+# B None = 2-D inputs. mask: None, "keep" (random key padding), "drop_first" (drop the
+# first 3 keys: with causal, the first queries see no key at all).
+CASES = {
+    "full": (2, 4, 4, 5, 5, 16, 12, "float64", "contiguous", {}, None),
+    "full_zigzag": (2, 4, 4, 5, 5, 16, 12, "float64", "zigzag", {}, None),
+    "causal": (2, 4, 4, 5, 5, 16, 16, "float64", "contiguous", dict(causal=True), None),
+    "causal_zigzag": (2, 4, 4, 5, 5, 16, 16, "float64", "zigzag", dict(causal=True), None),
+    "gqa_causal_zigzag": (2, 4, 2, 5, 5, 16, 8, "float64", "zigzag", dict(causal=True), None),
+    "mqa_causal": (1, 4, 1, 4, 4, 8, 8, "float64", "contiguous", dict(causal=True), None),
+    "padding": (2, 4, 2, 5, 5, 16, 16, "float64", "contiguous", {}, "keep"),
+    "padding_causal_zigzag": (2, 4, 2, 5, 5, 16, 16, "float64", "zigzag", dict(causal=True), "keep"),
+    "masked_rows_causal": (1, 2, 2, 3, 3, 8, 8, "float64", "contiguous", dict(causal=True), "drop_first"),
+    "window": (1, 4, 4, 6, 6, 8, 8, "float64", "contiguous", dict(window=(3, 2)), None),
+    "window_zigzag": (1, 4, 4, 6, 6, 8, 8, "float64", "zigzag", dict(window=(3, 2)), None),
+    "window_causal_zigzag": (1, 4, 2, 6, 6, 8, 8, "float64", "zigzag", dict(window=(7, None), causal=True), "keep"),
+    "window_right_only": (1, 2, 2, 6, 6, 8, 8, "float64", "zigzag", dict(window=(None, 1)), None),
+    "cross_bottom_right": (1, 2, 2, 3, 6, 8, 8, "float64", "contiguous", dict(causal=True), None),
+    "cross_top_left_zigzag": (1, 2, 2, 6, 3, 8, 8, "float64", "zigzag", dict(causal=True, align="top_left"), None),
+    "cross_bottom_right_zigzag": (1, 2, 2, 6, 3, 8, 8, "float64", "zigzag", dict(causal=True), None),
+    "softcap_scale": (2, 2, 2, 4, 4, 8, 8, "float64", "contiguous", dict(softcap=2.0, scale=0.7), None),
+    "two_d_causal_zigzag": (None, 1, 1, 5, 5, 8, 6, "float64", "zigzag", dict(causal=True), None),
+    "f32_gqa_causal_zigzag": (2, 4, 2, 8, 8, 32, 32, "float32", "zigzag", dict(causal=True), "keep"),
+    "f32_full": (2, 4, 4, 8, 8, 32, 16, "float32", "contiguous", {}, None),
+    "f16_causal": (1, 4, 4, 8, 8, 32, 32, "float16", "contiguous", dict(causal=True), None),
+}
+
+
+def _inputs(case, P, seed=0):
+    """Full-sequence NumPy inputs (q, k, v, dout, keep) for a case and world size."""
+    B, H, Hkv, Lc, Sc, D, Dv, dtype, _, kw, mask = CASES[case]
+    L, S = 2 * P * Lc, 2 * P * Sc
+    lead_q, lead_k = ((), ()) if B is None else ((B, H), (B, Hkv))
+    q, k, v = make_qkv(lead_q + (L, D), lead_k + (S, D), Dv, dtype=dtype, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    dout = rng.standard_normal(lead_q + (L, Dv)).astype(dtype)
+    keep = None
+    if mask is not None:
+        keep = np.ones(((1,) if B is None else (B, 1, 1)) + (S,), bool)
+        if mask == "keep":
+            keep &= rng.random(keep.shape) > 0.3
+        else:
+            keep[..., :3] = False
+    return q, k, v, dout, keep
+
+
+def _run_cases(rank, world):
+    """In each process: every case through ring_attention, forward and backward;
+    returns {case: dict of this rank's NumPy shards}."""
+    from attnkit.distributed import ring_attention, shard
+
+    res = {}
+    for case, (*_, dtype, layout, kw, mask) in CASES.items():
+        q, k, v, dout, keep = (None if a is None else torch.from_numpy(a) for a in _inputs(case, world))
+        q, k, v = (shard(x, rank, world, layout=layout).clone().requires_grad_() for x in (q, k, v))
+        dout = shard(dout, rank, world, layout=layout)
+        masks = {}
+        if keep is not None:
+            keep = shard(keep, rank, world, layout=layout, dim=-1)
+            masks = {"keep": keep} if mask == "keep" else {"drop": ~keep}
+        out, lse = ring_attention(q, k, v, layout=layout, return_lse=True, **kw, **masks)
+        out.backward(dout)
+        again = ring_attention(q.detach(), k.detach(), v.detach(), layout=layout, **kw, **masks)
+        res[case] = dict(out=out.detach().numpy(), lse=lse.numpy(), dq=q.grad.numpy(),
+                         dk=k.grad.numpy(), dv=v.grad.numpy(),
+                         deterministic=bool(torch.equal(out.detach(), again)))
+    return res
+
+
+def _errors(rank, world):
+    """Bad inputs: every rank must raise (a hang here would time the test out)."""
+    from attnkit.distributed import ring_attention
+
+    def catch(fn):
+        try:
+            fn()
+        except (ValueError, TypeError) as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    t = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
+    n = 4 + (rank == world - 1)                          # the last rank's shard is longer
+    return {
+        "uneven_q": catch(lambda: ring_attention(t(2, n, 8), t(2, 4, 8), t(2, 4, 8))),
+        "uneven_kv": catch(lambda: ring_attention(t(2, 4, 8), t(2, n, 8), t(2, n, 8))),
+        "odd_zigzag": catch(lambda: ring_attention(t(2, 5, 8), t(2, 5, 8), t(2, 5, 8), layout="zigzag")),
+        "one_rank_bad_dtype": catch(lambda: ring_attention(
+            t(2, 4, 8).float() if rank == 0 else t(2, 4, 8), t(2, 4, 8), t(2, 4, 8))),
+        "query_mask": catch(lambda: ring_attention(t(2, 4, 8), t(2, 4, 8), t(2, 4, 8),
+                                                   keep=torch.ones(4, 4, dtype=torch.bool))),
+        "bad_layout": catch(lambda: ring_attention(t(2, 4, 8), t(2, 4, 8), t(2, 4, 8), layout="striped")),
+    }
+
+
+# ---- memory ---------------------------------------------------------------------
+MEM = dict(B=2, H=8, D=128, n=256)   # per-rank shard: q, k, v 4 MiB each in float64
+
+
+def _rss_peak(fn):
+    """Peak resident memory growth (bytes) of this process while fn() runs: Linux's
+    VmHWM after resetting it through /proc/self/clear_refs, minus VmRSS before."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+    def read(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    before = read("VmRSS")
+    fn()
+    return read("VmHWM") - before
+
+
+def _ring_step(group, size, n, rank_in_group):
+    """Forward and backward of (non-causal: every step the same shapes) ring attention with shard length n in a
+    group of ``size`` ranks (inputs made inside: their bytes count too)."""
+    from attnkit.distributed import ring_attention
+
+    def run():
+        g = torch.Generator().manual_seed(rank_in_group)
+        q, k, v = (torch.randn(MEM["B"], MEM["H"], n, MEM["D"], dtype=torch.float64, generator=g,
+                               requires_grad=True) for _ in range(3))
+        out = ring_attention(q, k, v, group)
+        out.backward(torch.ones_like(out))
+        dist.barrier(group=group)
+    return run
+
+
+def _memory(rank, world):
+    """Peak RSS growth per rank: the whole world (L = world·n) vs pairs of ranks
+    (L = 2·n, and L = 4·n to show the measure follows the shard length)."""
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    pair = pairs[rank // 2]
+    n = MEM["n"]
+    _ring_step(pair, 2, n, rank % 2)()                  # warm up: first calls, gloo buffers
+    _ring_step(None, world, n, rank)()
+    # the peak depends a little on how sends and receives interleave (a buffer freed
+    # a moment earlier or later): take the larger of two runs
+    return dict(
+        pair_n=max(_rss_peak(_ring_step(pair, 2, n, rank % 2)) for _ in range(2)),
+        world_n=max(_rss_peak(_ring_step(None, world, n, rank)) for _ in range(2)),
+        pair_2n=_rss_peak(_ring_step(pair, 2, 2 * n, rank % 2)),
+        shard_bytes=MEM["B"] * MEM["H"] * n * MEM["D"] * 8,
+    )
+
+
+def _worker(rank, world):
+    return dict(cases=_run_cases(rank, world), errors=_errors(rank, world),
+                memory=_memory(rank, world) if world == 4 else None)
+
+
+# ---- the single-process oracle and the comparisons -------------------------------
+def _single(case, P):
+    """Single-process results: float64 reference (the oracle) and, for low precision,
+    the reference in the case's own dtype (the 2× rule's yardstick)."""
+    *_, dtype, layout, kw, mask = CASES[case]
+    q, k, v, dout, keep = _inputs(case, P)
+    masks = {} if keep is None else ({"keep": keep} if mask == "keep" else {"drop": ~keep})
+
+    def run(dt):
+        a = [x.astype(dt) for x in (q, k, v, dout)]
+        out, lse = attnkit.attention(*a[:3], return_lse=True, backend="reference", **kw, **masks)
+        grads = attnkit.attention_backward(a[3], *a[:3], out, lse, backend="reference", **kw, **masks)
+        return dict(zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + tuple(grads)))
+
+    return run("float64"), (None if dtype == "float64" else run(dtype))
+
+
+def _plan_mask(world, Lr, Sr, rank, src, layout, kw):
+    """Dense (Lr, Sr) keep mask that the blocks of plan() cover, each block's window
+    drawn by the independent peer (torch tril/triu, top-left); None if blocks overlap."""
+    from attnkit.distributed import plan
+    from peers import torch_index_keep
+
+    got = torch.zeros(Lr, Sr, dtype=torch.int32)
+    for b in plan(rank, src, world, Lr, Sr, layout=layout, **kw):
+        R, C = b.r1 - b.r0, b.c1 - b.c0
+        m = torch_index_keep(R, C, False, b.window, "top_left")
+        got[b.r0:b.r1, b.c0:b.c1] += 1
+        got[b.r0:b.r1, b.c0:b.c1] -= (~m).int()     # excluded inside a block: back to 0
+    return got
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_plan_covers_exactly_the_visible_pairs(layout):
+    """No processes: for every (rank, key shard) pair, the blocks plan() computes
+    cover exactly the (query, key) pairs that causal/window leave visible in the full
+    sequence (mask from the torch tril/triu peer), each once, and skip empty ones."""
+    from attnkit.distributed import plan, shard
+    from peers import torch_index_keep
+
+    options = [dict(), dict(causal=True), dict(window=(3, 2)), dict(window=(None, 1)),
+               dict(window=(5, None), causal=True), dict(window=(0, 0)), dict(causal=True, align="top_left")]
+    for world in (1, 2, 3, 4):
+        for Lr, Sr in ((4, 4), (6, 2), (2, 6)):
+            for kw in options:
+                L, S = world * Lr, world * Sr
+                full = torch_index_keep(L, S, kw.get("causal", False), kw.get("window"),
+                                        kw.get("align", "bottom_right")).int()
+                for rank in range(world):
+                    rows = shard(torch.arange(L), rank, world, layout=layout, dim=0)
+                    for src in range(world):
+                        cols = shard(torch.arange(S), src, world, layout=layout, dim=0)
+                        want = full[rows][:, cols]
+                        got = _plan_mask(world, Lr, Sr, rank, src, layout, kw)
+                        assert torch.equal(got, want), (world, Lr, Sr, kw, rank, src, layout)
+                        if not want.any():
+                            assert plan(rank, src, world, Lr, Sr, layout=layout, **kw) == []
+
+
+def test_zigzag_balances_causal_work():
+    """Causal zigzag: every rank computes the same number of visible pairs (contiguous
+    does not), and shard/unshard are inverse."""
+    from attnkit.distributed import plan, shard, unshard, zigzag_shard, zigzag_unshard
+
+    def work(rank, layout, world=4, n=8):
+        return sum((b.r1 - b.r0) * (b.c1 - b.c0) for src in range(world)
+                   for b in plan(rank, src, world, n, n, causal=True, layout=layout))
+    assert len({work(r, "zigzag") for r in range(4)}) == 1
+    assert work(0, "contiguous") < work(3, "contiguous")
+    x = torch.arange(2 * 3 * 24).reshape(2, 3, 24)
+    for layout in ("contiguous", "zigzag"):
+        assert torch.equal(unshard([shard(x, r, 4, layout=layout, dim=-1) for r in range(4)],
+                                   layout=layout, dim=-1), x)
+    assert torch.equal(zigzag_unshard([zigzag_shard(x, r, 3, dim=2) for r in range(3)], dim=2), x)
+    with pytest.raises(ValueError, match="not divisible by 8"):
+        zigzag_shard(x, 0, 4, dim=1)
+
+
+def _check_cases(results, world):
+    from attnkit.distributed import unshard
+
+    failures = []
+    for case in CASES:
+        layout = CASES[case][8]
+        got = {key: unshard([torch.from_numpy(r["cases"][case][key]) for r in results],
+                            layout=layout, dim=-1 if key == "lse" else -2).numpy()
+               for key in ("out", "lse", "dq", "dk", "dv")}
+        oracle, same_precision = _single(case, world)
+        for key in got:
+            err = max_error(got[key], oracle[key])
+            tol = 1e-10 if same_precision is None else error_budget(oracle[key], same_precision[key])
+            if not err <= tol:
+                failures.append(f"{case} P={world} {key}: error {err:.3g} > {tol:.3g}")
+        if not all(r["cases"][case]["deterministic"] for r in results):
+            failures.append(f"{case} P={world}: two identical calls gave different bits")
+        if case == "masked_rows_causal":      # queries 0..2 see no key: out 0, lse -inf, dq 0
+            o, lse, dq = got["out"][..., :3, :], got["lse"][..., :3], got["dq"][..., :3, :]
+            if not (np.all(o == 0) and np.all(lse == -np.inf) and np.all(dq == 0)):
+                failures.append(f"{case} P={world}: fully masked rows are not out 0, lse -inf, dq 0")
+    return failures
+
+
+def _check_errors(results, world):
+    failures = []
+    lengths = f"lengths [{', '.join(['4'] * (world - 1) + ['5'])}]"
+    for rank, e in enumerate(r["errors"] for r in results):
+        want = {
+            "uneven_q": ["ValueError: q:", "equal shard lengths", lengths],
+            "uneven_kv": ["ValueError: k:", "equal shard lengths", lengths],
+            "odd_zigzag": ["ValueError: q:", "zigzag", "even", "got 5"],
+            "query_mask": ["ValueError: keep:", "key-padding", "(4, 4)"],
+            "bad_layout": ["ValueError: layout:", "'striped'"],
+            "one_rank_bad_dtype": ["TypeError: k:", "dtype"] if rank == 0 else ["rank(s) [0]"],
+        }
+        for name, parts in want.items():
+            if e[name] is None or not all(p in e[name] for p in parts):
+                failures.append(f"rank {rank} {name}: expected an error with {parts}, got {e[name]!r}")
+    return failures
+
+
+def _check_memory(results):
+    """Per-rank peak RSS growth for one forward+backward step with shard length n is
+    the same whether the sequence is 2·n long (pairs of ranks) or 4·n (all four), and
+    it doubles when the shard doubles: memory follows L/P, not L. RSS is the honest
+    process-wide measure (torch's CPU allocator keeps no statistics and tracemalloc
+    sees only NumPy); the children run with glibc's mmap threshold at 64 KiB (set by
+    the test) so freed buffers leave RSS and each peak is that step's own. A rank
+    holding one extra full-sequence K or V (4 shards) would break the second bound."""
+    failures = []
+    for rank, m in enumerate(r["memory"] for r in results):
+        note = f"rank {rank}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in m.items())
+        checks = [m["pair_n"] > 4 * m["shard_bytes"],            # the measure sees the step's buffers
+                  m["world_n"] <= 1.1 * m["pair_n"],                # a full-L K alone adds 4 shards
+                  m["pair_2n"] > 1.6 * m["pair_n"]]
+        if not all(checks):
+            failures.append(f"memory {checks}: {note}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_on_gloo(world, monkeypatch):
+    """Everything for one world size from one spawn (see the module docstring)."""
+    from attnkit.distributed.launch import spawn
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")   # inherited by the spawned children
+    results = spawn(_worker, world, threads=1)
+    failures = _check_cases(results, world) + _check_errors(results, world)
+    if world == 4:
+        failures += _check_memory(results)
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,411 @@
+"""The torch rung: autograd op, gradcheck, SDPA and reference peers, torch.compile,
+MultiheadAttention against torch.nn.MultiheadAttention."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import attnkit  # noqa: E402
+import attnkit.torch  # noqa: E402
+from attnkit.testing import max_error  # noqa: E402
+from peers import torch_index_keep  # noqa: E402
+
+MaskKinds = {
+    "none": {},
+    "causal_br": {"causal": True},
+    "causal_tl": {"causal": True, "align": "top_left"},
+    "window": {"window": (1, 2)},
+    "window_causal_tl": {"window": (2, None), "causal": True, "align": "top_left"},
+    "keep": {"keep": "keep"},
+    "drop": {"drop": "drop"},
+    "keep_and_drop": {"keep": "keep", "drop": "drop"},
+    "bias": {"bias": "bias"},
+    "softcap": {"softcap": 0.7},
+    "everything": {"causal": True, "window": (3, None), "drop": "drop", "bias": "bias", "softcap": 2.0},
+}
+
+
+def make(shape_q, shape_k, Dv=None, *, dtype=torch.float64, seed=0, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    shape_v = tuple(shape_k[:-1]) + ((shape_k[-1] if Dv is None else Dv),)
+    return tuple(torch.randn(s, generator=g, dtype=dtype).requires_grad_(grad) for s in (shape_q, shape_k, shape_v))
+
+
+def masks_for(kind, L, S, H, dtype=torch.float64, seed=1):
+    """The keyword arguments of mask kind ``kind``, with random boolean masks."""
+    g = torch.Generator().manual_seed(seed)
+    kw = dict(MaskKinds[kind])
+    if "keep" in kw:
+        keep = torch.rand(H, L, S, generator=g) > 0.3
+        keep[..., 0] = True
+        kw["keep"] = keep
+    if "drop" in kw:
+        drop = torch.rand(1, L, S, generator=g) > 0.7
+        drop[..., -1] = False
+        kw["drop"] = drop
+    if "bias" in kw:                             # broadcast over batch and heads: dbias is reduced
+        kw["bias"] = torch.randn(1, L, S, generator=g, dtype=dtype).requires_grad_(True)
+    return kw
+
+
+def has_empty_rows(kw, L, S):
+    keep = torch_index_keep(L, S, kw.get("causal", False), kw.get("window"), kw.get("align", "bottom_right"))
+    if kw.get("keep") is not None:
+        keep = keep & kw["keep"]
+    if kw.get("drop") is not None:
+        keep = keep & ~kw["drop"]
+    return not bool(keep.any(-1).all())
+
+
+# ---- gradcheck ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", list(MaskKinds))
+@pytest.mark.parametrize("L,S", [(3, 5), (5, 3)])
+def test_gradcheck_every_mask_kind(kind, L, S):
+    """float64 gradients of out (and of lse where every row has a key) for q, k, v and
+    bias, with GQA (4 query heads on 2 kv heads), D != Dv and L != S both ways."""
+    q, k, v = make((1, 4, L, 3), (2, S, 3), Dv=2, seed=L)
+    kw = masks_for(kind, L, S, 4)
+    bias = kw.pop("bias", None)
+    with_lse = not has_empty_rows(kw, L, S)
+
+    def f(q, k, v, bias):
+        return attnkit.attention(q, k, v, bias=bias, return_lse=with_lse, **kw)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, bias), atol=1e-8)
+
+
+def test_gradcheck_two_d_inputs_and_full_bias():
+    q, k, v = make((4, 3), (6, 3), Dv=5)
+    bias = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: attnkit.attention(*a[:3], bias=a[3], causal=True,
+                                                                 return_lse=True), (q, k, v, bias))
+
+
+def test_lse_gradient_makes_merge_differentiable():
+    """Attention over two key blocks merged with attnkit.merge has the gradients of
+    attention over all keys: the lse output carries its gradient."""
+    q, k, v = make((2, 2, 5, 4), (2, 2, 9, 4), seed=3)
+    full = attnkit.attention(q, k, v, causal=True)
+    gfull = torch.autograd.grad(full.square().sum(), (q, k, v))
+    keep = torch_index_keep(5, 9, True, None, "bottom_right")    # causal, as a mask to slice
+    parts = [attnkit.attention(q, k[..., s, :], v[..., s, :], keep=keep[:, s], return_lse=True)
+             for s in (slice(0, 4), slice(4, 9))]
+    out, _ = attnkit.merge([p[0] for p in parts], [p[1] for p in parts])
+    assert max_error(out.detach(), full.detach()) <= 1e-12
+    gmerged = torch.autograd.grad(out.square().sum(), (q, k, v))
+    for x, y in zip(gmerged, gfull):
+        assert max_error(x, y) <= 1e-12
+
+
+# ---- peers: F.scaled_dot_product_attention and attnkit.reference ------------------------
+SDPA_CASES = {
+    "plain": dict(),
+    "causal_top_left": dict(causal=True, align="top_left"),
+    "causal_bottom_right": dict(causal=True),
+    "window": dict(window=(2, 1)),
+    "keep": dict(keep="keep"),
+    "bias": dict(bias="bias"),
+}
+
+
+def sdpa_peer(q, k, v, L, S, kw):
+    """SDPA with an additive mask built from torch.tril/triu and the raw keep/bias."""
+    mask = None
+    if kw.get("causal") or kw.get("window"):
+        ik = torch_index_keep(L, S, kw.get("causal", False), kw.get("window"), kw.get("align", "bottom_right"))
+        mask = torch.zeros(L, S, dtype=q.dtype).masked_fill(~ik, float("-inf"))
+    if kw.get("keep") is not None:
+        mask = torch.zeros(kw["keep"].shape, dtype=q.dtype).masked_fill(~kw["keep"], float("-inf"))
+    if kw.get("bias") is not None:
+        mask = kw["bias"] if mask is None else mask + kw["bias"]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[-3] != k.shape[-3])
+
+
+@pytest.mark.parametrize("case", list(SDPA_CASES))
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float64, 1e-12)])
+def test_forward_and_backward_match_sdpa(case, dtype, tol):
+    L, S = 6, 10
+    q, k, v = make((2, 4, L, 16), (2, 2, S, 16), Dv=16, dtype=dtype, seed=4)
+    kw = masks_for(case, L, S, 4, dtype) if case in ("keep", "bias") else dict(SDPA_CASES[case])
+    ours = attnkit.attention(q, k, v, **kw)
+    peer = sdpa_peer(q, k, v, L, S, kw)
+    assert ours.dtype == dtype and ours.shape == peer.shape
+    assert max_error(ours.detach(), peer.detach()) <= tol
+    dout = torch.randn_like(ours)
+    xs = (q, k, v) + ((kw["bias"],) if "bias" in kw else ())
+    for a, b in zip(torch.autograd.grad(ours, xs, dout), torch.autograd.grad(peer, xs, dout)):
+        assert a.shape == b.shape and max_error(a, b) <= 10 * tol
+
+
+@pytest.mark.parametrize("kind", list(MaskKinds))
+@pytest.mark.parametrize("L,S", [(7, 4), (1, 9), (15, 15)])
+def test_forward_backward_weights_match_reference(kind, L, S):
+    """Tensors through the torch rung against NumPy arrays through the reference rung:
+    out, lse, weights, and attention_backward's gradients, float64."""
+    q, k, v = make((2, 2, L, 5), (2, 1, S, 5), Dv=3, seed=5, grad=False)
+    kw = masks_for(kind, L, S, 2)
+    if "bias" in kw:
+        kw["bias"] = kw["bias"].detach()
+    npkw = {n: (x.numpy() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    out, lse, w = attnkit.attention(q, k, v, return_lse=True, return_weights=True, **kw)
+    rout, rlse, rw = attnkit.attention(q.numpy(), k.numpy(), v.numpy(), return_lse=True, return_weights=True,
+                                       backend="reference", **npkw)
+    assert (out.dtype, lse.dtype, w.dtype) == (torch.float64,) * 3
+    for a, b in ((out, rout), (lse, rlse), (w, rw)):
+        assert isinstance(a, torch.Tensor) and max_error(a, b) <= 1e-12
+    dout = torch.randn_like(out)
+    grads = attnkit.attention_backward(dout, q, k, v, out, lse, **kw)
+    rgrads = attnkit.attention_backward(dout.numpy(), q.numpy(), k.numpy(), v.numpy(), rout, rlse,
+                                        backend="reference", **npkw)
+    assert len(grads) == len(rgrads)
+    for a, b in zip(grads, rgrads):
+        assert isinstance(a, torch.Tensor) and a.shape == b.shape and max_error(a, b) <= 1e-12
+    rows = sorted({0, L - 1})
+    wr = attnkit.attention_weights(q, k, lse=lse, rows=rows, **kw)
+    assert isinstance(wr, torch.Tensor) and max_error(wr, rw[..., rows, :]) <= 1e-12
+
+
+def test_fully_masked_rows_give_zeros_and_minus_inf_without_nan():
+    """L > S bottom-right causal: the first L - S rows see no key."""
+    q, k, v = make((2, 6, 4), (2, 3, 4), seed=6)
+    out, lse, w = attnkit.attention(q, k, v, causal=True, return_lse=True, return_weights=True)
+    (out.sum() + lse[:, 3:].sum()).backward()
+    assert torch.all(out[:, :3] == 0) and torch.all(lse[:, :3] == -np.inf) and torch.all(w[:, :3] == 0)
+    assert torch.all(q.grad[:, :3] == 0)
+    for g in (q.grad, k.grad, v.grad):
+        assert torch.isfinite(g).all()
+
+
+def test_gradients_of_a_block_with_global_out_and_lse():
+    """attention_backward on a block of keys with the GLOBAL out and lse gives that
+    block's share: dq sums over blocks, dk/dv are the slices (ring attention's use)."""
+    q, k, v = make((1, 2, 5, 4), (1, 2, 8, 4), seed=7, grad=False)
+    out, lse = attnkit.attention(q, k, v, return_lse=True)
+    dout = torch.randn_like(out)
+    dq, dk, dv = attnkit.attention_backward(dout, q, k, v, out, lse)
+    parts = [attnkit.attention_backward(dout, q, k[..., s, :], v[..., s, :], out, lse)
+             for s in (slice(0, 3), slice(3, 8))]
+    assert max_error(parts[0][0] + parts[1][0], dq) <= 1e-12
+    assert max_error(torch.cat([parts[0][1], parts[1][1]], -2), dk) <= 1e-12
+    assert max_error(torch.cat([parts[0][2], parts[1][2]], -2), dv) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_low_precision_dtypes_and_devices(dtype):
+    """out/weights keep q's dtype and device, lse is float32; bfloat16 (no NumPy dtype)
+    runs upcast to float32; gradients come back in the inputs' dtypes."""
+    q, k, v = make((2, 9, 16), (2, 13, 16), dtype=dtype, seed=8)
+    bias = torch.randn(9, 13, dtype=dtype, requires_grad=True)
+    out, lse, w = attnkit.attention(q, k, v, bias=bias, causal=True, return_lse=True, return_weights=True)
+    assert (out.dtype, w.dtype, lse.dtype) == (dtype, dtype, torch.float32)
+    assert out.device == q.device
+    oracle = attnkit.attention(*(x.detach().double().numpy() for x in (q, k, v)),
+                               bias=bias.detach().double().numpy(), causal=True)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}[dtype]
+    assert max_error(out.detach().float(), oracle) <= tol
+    out.float().sum().backward()
+    assert (q.grad.dtype, k.grad.dtype, v.grad.dtype, bias.grad.dtype) == (dtype,) * 4
+    assert bias.grad.shape == bias.shape
+
+
+def test_non_contiguous_inputs_and_broadcast_batch():
+    base_q, k, v = make((2, 3, 7, 8), (1, 3, 5, 8), seed=9, grad=False)
+    q = base_q.transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_(True)   # strided
+    assert not q.is_contiguous()
+    kt = k.expand(2, 3, 5, 8)                                                          # stride 0
+    out = attnkit.attention(q, kt, v, causal=True)
+    ref = attnkit.attention(q.detach().numpy(), k.numpy(), v.numpy(), causal=True, backend="reference")
+    assert out.shape == (2, 3, 7, 8) and max_error(out.detach(), ref) <= 1e-12
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+def test_deterministic_bits():
+    q, k, v = make((2, 4, 33, 16), (2, 4, 40, 16), dtype=torch.float32, seed=10)
+    runs = []
+    for _ in range(2):
+        out = attnkit.attention(q, k, v, causal=True)
+        runs.append((out,) + torch.autograd.grad(out.sum(), (q, k, v)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_weights_carry_no_gradient_and_bias_without_grad_gets_none():
+    q, k, v = make((3, 4), (5, 4), seed=11)
+    bias = torch.randn(3, 5, dtype=torch.float64)
+    out, w = attnkit.attention(q, k, v, bias=bias, return_weights=True)
+    assert out.requires_grad and not w.requires_grad
+    out.sum().backward()
+    assert bias.grad is None and q.grad is not None
+
+
+def test_no_backend_error_lists_reasons():
+    q = torch.randn(1, 2, 4, device="meta")
+    with pytest.raises(ValueError, match=r"no backend can run this call(.|\n)*torch: device meta"):
+        attnkit.attention(q, q, q)
+    q, k, v = make((2, 4), (3, 4), grad=False)
+    with pytest.raises(ValueError, match=r"keep is on meta but q is on cpu"):
+        attnkit.attention(q, k, v, keep=torch.ones(2, 3, dtype=torch.bool, device="meta"))
+    with pytest.raises(TypeError, match="keep"):
+        attnkit.attention(q, k, v, keep=torch.ones(2, 3))
+
+
+def test_custom_ops_pass_opcheck():
+    """Schema, fake (meta) implementation and autograd registration of the custom ops."""
+    q, k, v = make((1, 2, 3, 4), (1, 1, 5, 4), Dv=2, dtype=torch.float32, seed=12)
+    keep = torch.rand(3, 5) > 0.2
+    bias = torch.randn(2, 3, 5, requires_grad=True)
+    args = (q, k, v, keep, None, bias, 0.5, True, None, 1, "top_left", 3.0, "auto")
+    torch.library.opcheck(torch.ops.attnkit.attention_fwd.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    """A function calling attnkit compiles without graph breaks, forward and backward.
+    backend="aot_eager" runs Dynamo (fullgraph: no graph breaks) and AOTAutograd over
+    the ops' fake implementations, the parts attnkit provides; Inductor's code
+    generation adds nothing about attnkit and takes long on 2 cores."""
+    def f(q, k, v, keep, bias):
+        out, lse = attnkit.attention(q, k, v, causal=True, window=(3, None), keep=keep, bias=bias,
+                                     return_lse=True)
+        return out.square().sum() + lse.sum()
+
+    q, k, v = make((1, 2, 6, 8), (1, 1, 6, 8), dtype=torch.float32, seed=13)
+    keep = torch.rand(6, 6) > 0.2
+    bias = torch.randn(6, 6, requires_grad=True)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = compiled(q, k, v, keep, bias)
+    g_got = torch.autograd.grad(got, (q, k, v, bias))
+    want = f(q, k, v, keep, bias)
+    g_want = torch.autograd.grad(want, (q, k, v, bias))
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g_got, g_want):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ---- MultiheadAttention ------------------------------------------------------------------
+def pair(E=16, H=4, seed=0, **kw):
+    torch.manual_seed(seed)
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True, **kw).double()
+    with torch.no_grad():                        # non-zero biases so they are tested too
+        for p in ref.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return ref, attnkit.torch.MultiheadAttention.from_torch(ref)
+
+
+def inputs(B=2, L=5, S=7, E=16, kdim=None, vdim=None, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, L, E, generator=g, dtype=torch.float64),
+            torch.randn(B, S, kdim or E, generator=g, dtype=torch.float64),
+            torch.randn(B, S, vdim or E, generator=g, dtype=torch.float64))
+
+
+MHA_MASKS = {
+    "none": lambda L, S, B, H: {},
+    "attn_bool": lambda L, S, B, H: {"attn_mask": torch.rand(L, S) > 0.7},
+    "attn_float_per_head": lambda L, S, B, H: {"attn_mask": torch.randn(B * H, L, S, dtype=torch.float64)},
+    "padding_bool": lambda L, S, B, H: {"key_padding_mask": torch.arange(S)[None, :] >= torch.tensor([[S], [S - 3]])},
+    "padding_float": lambda L, S, B, H: {"key_padding_mask": torch.randn(B, S, dtype=torch.float64)},
+    "both_bool": lambda L, S, B, H: {"attn_mask": torch.rand(L, S) > 0.7,
+                                      "key_padding_mask": torch.arange(S)[None, :] >= torch.tensor([[S], [S - 2]])},
+}
+
+
+@pytest.mark.parametrize("mask", list(MHA_MASKS))
+@pytest.mark.parametrize("average", [True, False])
+def test_mha_matches_torch(mask, average):
+    ref, ours = pair()
+    q, k, v = inputs()
+    torch.manual_seed(2)
+    kw = MHA_MASKS[mask](5, 7, 2, 4)
+    if "attn_mask" in kw and kw["attn_mask"].dtype == torch.bool:
+        kw["attn_mask"][:, 0] = False            # no fully masked rows: torch gives NaN there
+    o1, w1 = ref(q, k, v, average_attn_weights=average, **kw)
+    o2, w2 = ours(q, k, v, average_attn_weights=average, **kw)
+    assert max_error(o1.detach(), o2.detach()) <= 1e-12 and max_error(w1.detach(), w2) <= 1e-12
+    g1 = torch.autograd.grad(o1.square().sum(), list(ref.parameters()))
+    g2 = torch.autograd.grad(o2.square().sum(), list(ours.parameters()))
+    for a, b in zip(g1, g2):
+        assert max_error(a, b) <= 1e-12
+    o3, w3 = ours(q, k, v, need_weights=False, **kw)
+    assert w3 is None and torch.equal(o3, o2)
+
+
+def test_mha_causal_cross_dims_batch_first_false_and_unbatched():
+    ref, ours = pair(kdim=6, vdim=10)
+    assert ours.in_proj_weight is None and ours.k_proj_weight.shape == (16, 6)
+    q, k, v = inputs(L=6, S=6, kdim=6, vdim=10)
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    o1, w1 = ref(q, k, v, attn_mask=causal, is_causal=True)
+    o2, w2 = ours(q, k, v, is_causal=True)
+    assert max_error(o1.detach(), o2.detach()) <= 1e-12 and max_error(w1.detach(), w2) <= 1e-12
+    ref.batch_first = False
+    ours_tf = attnkit.torch.MultiheadAttention.from_torch(ref)
+    assert not ours_tf.batch_first
+    qt, kt, vt = (x.transpose(0, 1) for x in (q, k, v))
+    assert max_error(ref(qt, kt, vt)[0].detach(), ours_tf(qt, kt, vt)[0].detach()) <= 1e-12
+    o1, w1 = ref(q[0], k[0], v[0])
+    o2, w2 = ours_tf(q[0], k[0], v[0])
+    assert o2.shape == (6, 16) and max_error(o1.detach(), o2.detach()) <= 1e-12
+    assert max_error(w1.detach(), w2) <= 1e-12
+
+
+def test_mha_gqa_equals_full_heads_with_repeated_kv_weights():
+    """num_kv_heads=2 of 4 heads is a full MHA whose k/v projections repeat each kv
+    head's rows for the query heads that read it."""
+    torch.manual_seed(3)
+    E, H, Hkv, hd = 16, 4, 2, 4
+    ours = attnkit.torch.MultiheadAttention(E, H, num_kv_heads=Hkv).double()
+    assert ours.in_proj_weight.shape == (E + 2 * Hkv * hd, E)
+    with torch.no_grad():
+        ours.in_proj_bias.normal_()
+    wq, wk, wv = ours.in_proj_weight.split([E, Hkv * hd, Hkv * hd])
+    bq, bk, bv = ours.in_proj_bias.split([E, Hkv * hd, Hkv * hd])
+
+    def rep(x):
+        return x.reshape(Hkv, hd, *x.shape[1:]).repeat_interleave(H // Hkv, 0).reshape(E, *x.shape[1:])
+
+    full = torch.nn.MultiheadAttention(E, H, batch_first=True).double()
+    with torch.no_grad():
+        full.in_proj_weight.copy_(torch.cat([wq, rep(wk), rep(wv)]))
+        full.in_proj_bias.copy_(torch.cat([bq, rep(bk), rep(bv)]))
+        full.out_proj.load_state_dict(ours.out_proj.state_dict())
+    q, k, v = inputs()
+    o1, w1 = full(q, k, v, average_attn_weights=False)
+    o2, w2 = ours(q, k, v, average_attn_weights=False)
+    assert max_error(o1.detach(), o2.detach()) <= 1e-12 and max_error(w1.detach(), w2) <= 1e-12
+
+
+def test_mha_state_dict_names_match_torch_and_unsupported_options_raise():
+    ref = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    ours = attnkit.torch.MultiheadAttention(8, 2)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        attnkit.torch.MultiheadAttention(8, 2, add_bias_kv=True)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        attnkit.torch.MultiheadAttention(8, 4, num_kv_heads=3)
+    drop = attnkit.torch.MultiheadAttention(8, 2, dropout=0.1)
+    x = torch.randn(1, 3, 8)
+    with pytest.raises(ValueError, match="dropout"):
+        drop(x, x, x)
+    assert drop.eval()(x, x, x)[0].shape == (1, 3, 8)
+
+
+def test_triton_rung_through_the_same_op(monkeypatch):
+    """backend="triton" runs the same autograd op on the Triton kernels (on the CPU under
+    TRITON_INTERPRET=1), out, lse and every gradient — lse's included — as the CPU path."""
+    from attnkit.torch import triton_rung
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if triton_rung.unavailable() is not None:
+        pytest.skip(triton_rung.unavailable())
+    q, k, v = make((1, 2, 5, 16), (1, 1, 7, 16), Dv=8, dtype=torch.float32, seed=14)
+    bias = torch.randn(5, 7, requires_grad=True)
+    res = []
+    for backend in ("triton", "auto"):
+        out, lse = attnkit.attention(q, k, v, causal=True, bias=bias, return_lse=True, backend=backend)
+        res.append((out, lse) + torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v, bias)))
+    for a, b in zip(*res):
+        assert a.shape == b.shape and max_error(a.detach(), b.detach()) <= 1e-5
