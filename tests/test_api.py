@@ -188,3 +188,59 @@ def test_a_key_with_minus_inf_bias_contributes_nothing(c):
     a = attnkit.attention(q, k, v, keep=keep, bias=bias)
     b = attnkit.attention(q, k, v2, keep=keep, bias=bias)
     assert max_error(a, b) == 0
+
+
+def test_rows_are_checked():
+    for rows, err in (([9], ValueError), ([[0, 1]], TypeError), ([0.5], TypeError)):
+        with pytest.raises(err, match="rows"):
+            attnkit.attention_weights(np.ones((5, 4)), np.ones((3, 4)), rows=rows)
+    w = attnkit.attention_weights(np.eye(3), np.eye(3), rows=[-1])
+    assert max_error(w, attnkit.attention_weights(np.eye(3), np.eye(3))[[2]]) == 0
+
+
+def test_saved_lse_and_out_are_checked():
+    out, lse = attnkit.attention(Q, K, V, return_lse=True)
+    with pytest.raises(TypeError, match="lse"):
+        attnkit.attention_backward(np.ones_like(out), Q, K, V, out, lse.astype(int))
+    with pytest.raises(TypeError, match="dout"):
+        attnkit.attention_backward(np.ones_like(out, dtype=np.float32), Q, K, V, out, lse)
+    with pytest.raises(TypeError, match="lse"):
+        attnkit.attention_weights(Q, K, lse=lse.astype(int))
+
+
+def test_torch_q_with_numpy_companions_gets_named_errors():
+    torch = pytest.importorskip("torch")
+    tq, tk, tv = (torch.tensor(x) for x in (Q, K, V))
+    out, lse = attnkit.attention(tq, tk, tv, return_lse=True)
+    with pytest.raises(TypeError, match="dout"):
+        attnkit.attention_backward(np.ones((1, 2)), tq, tk, tv, out, lse)
+    with pytest.raises(TypeError, match="lse"):
+        attnkit.attention_weights(tq, tk, lse=lse.numpy())
+    with pytest.raises(TypeError, match="keep"):
+        attnkit.attention(tq, tk, tv, keep=np.ones((1, 2), bool))
+    with pytest.raises(ValueError, match="k: expected a tensor on q's device"):
+        attnkit.attention(tq, tk.to("meta"), tv)
+    with pytest.raises(TypeError, match="outs"):
+        attnkit.merge([out, out.numpy()], [lse, lse.numpy()])
+
+
+def test_zero_sizes_and_numpy_bools():
+    with pytest.raises(ValueError, match="positive"):
+        attnkit.attention(np.ones((2, 3, 4)), np.ones((0, 3, 4)), np.ones((0, 3, 2)))
+    with pytest.raises(ValueError, match="positive"):
+        attnkit.attention(np.ones((3, 4)), np.ones((3, 4)), np.ones((3, 0)))
+    a = attnkit.attention(np.eye(3), np.eye(3), np.eye(3), causal=np.True_)
+    assert max_error(a, attnkit.attention(np.eye(3), np.eye(3), np.eye(3), causal=True)) == 0
+
+
+def test_merge_rejects_integer_blocks():
+    with pytest.raises(TypeError, match="lses"):
+        attnkit.merge([np.ones((2, 3))], [np.zeros(2, int)])
+
+
+def test_seed_mask_names_itself_and_reads_truthy_values_like_the_seed():
+    with pytest.raises(ValueError, match="mask"):
+        attnkit.scaled_dot_product_attention(Q, K, V, mask=np.ones((3, 3), bool))
+    a = attnkit.scaled_dot_product_attention(Q, K, V, mask=np.array([[0, 1]]))
+    b = attnkit.scaled_dot_product_attention(Q, K, V, mask=np.array([[False, True]]))
+    assert max_error(a[0], b[0]) == 0 and a[0][0].tolist() == [10.0, 0.0]

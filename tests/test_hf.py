@@ -54,7 +54,8 @@ def batch():
 
 def run(model, **kw):
     with torch.no_grad():
-        out = model(**kw, output_attentions=kw.pop("attn", False))
+        attn = kw.pop("attn", False)
+        out = model(**kw, output_attentions=attn)
     return out
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import backends, reference
-from .spec import check_like, dtype_name, is_torch, validate
+from .spec import check_grad_inputs, check_lse, check_merge, check_rows, validate, validate_seed
 
 
 def _head_squeeze(spec, x, tail):
@@ -78,8 +78,10 @@ def attention_weights(q, k, *, lse=None, rows=None, scale=None, causal=False, wi
                       backend="auto"):
     """Exact attention probabilities for the query rows ``rows`` (all if None).
 
-    With ``lse`` from a forward pass (``return_lse=True``) a row costs O(S) memory and
-    no second softmax pass: weights = exp(scores − lse). Returns (..., H, len(rows), S)
+    With ``lse`` from a forward pass (``return_lse=True``) the weights are
+    exp(scores − lse), with no second softmax pass; on the flash rung (the default for
+    NumPy arrays and torch CPU tensors) the requested rows cost O(rows · S) memory and
+    the full L × S matrix is never built (the reference rung, the definition, builds it). Returns (..., H, len(rows), S)
     (2-D q: (len(rows), S)). Rows that are fully masked are all zeros.
 
     >>> import numpy as np, attnkit
@@ -90,10 +92,9 @@ def attention_weights(q, k, *, lse=None, rows=None, scale=None, causal=False, wi
     spec = validate(q, k, None, scale=scale, causal=causal, window=window, align=align,
                     keep=keep, drop=drop, bias=bias, softcap=softcap, backend=backend)
     if rows is not None:
-        rows = np.arange(spec.L)[np.asarray(rows)] if not is_torch(rows) else rows
-        rows = np.atleast_1d(rows)
+        rows = check_rows(spec, rows)
     if lse is not None:
-        check_like("lse", lse, _head_squeeze(spec, np.empty(spec.lse_shape + (0,)), 2).shape[:-1])
+        check_lse(spec, lse, _head_squeeze(spec, np.empty(spec.lse_shape + (0,)), 2).shape[:-1])
         lse = _head_unsqueeze(spec, lse, 1)
     w = backends.select(spec, backend).rung_weights(spec, lse, rows)
     return _head_squeeze(spec, w, 2)
@@ -121,11 +122,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
     spec = validate(q, k, v, scale=scale, causal=causal, window=window, align=align,
                     keep=keep, drop=drop, bias=bias, softcap=softcap, backend=backend)
     out_shape = _head_squeeze(spec, np.empty(spec.out_shape), 2).shape
-    check_like("dout", dout, out_shape)
-    check_like("out", out, out_shape)
-    check_like("lse", lse, out_shape[:-1])
-    if dtype_name(dout) != spec.dtype:
-        raise TypeError(f"dout: expected q's dtype {spec.dtype}, got {dtype_name(dout)}")
+    check_grad_inputs(spec, dout, out, lse, out_shape)
     dout, out, lse = (_head_unsqueeze(spec, dout, 2), _head_unsqueeze(spec, out, 2),
                       _head_unsqueeze(spec, lse, 1))
     dq, dk, dv, dbias = backends.select(spec, backend).rung_backward(spec, dout, out, lse)
@@ -145,12 +142,7 @@ def scaled_dot_product_attention(Q, K, V, mask=None):
     >>> out.round(2), w.round(3)
     (array([[6.7, 3.3]]), array([[0.67, 0.33]]))
     """
-    Q, K, V = (np.asarray(x) for x in (Q, K, V))
-    for name, x in (("Q", Q), ("K", K), ("V", V)):
-        if x.ndim != 2:
-            raise ValueError(f"{name}: expected a 2-D matrix, got shape {x.shape}")
-    spec = validate(Q, K, V, drop=mask)
-    return reference.seed(spec)
+    return reference.seed(validate_seed(Q, K, V, mask))
 
 
 def merge(outs, lses):
@@ -166,10 +158,4 @@ def merge(outs, lses):
     array([[6.7, 3.3]])
     """
     from .flash import merge as _merge
-    outs, lses = list(outs), list(lses)
-    if not outs or len(outs) != len(lses):
-        raise ValueError(f"merge: expected equal, non-zero numbers of outs and lses, got {len(outs)} and {len(lses)}")
-    for i, (o, l) in enumerate(zip(outs, lses)):
-        check_like(f"outs[{i}]", o, outs[0].shape, dtype_name(outs[0]))
-        check_like(f"lses[{i}]", l, outs[0].shape[:-1], dtype_name(lses[0]))
-    return _merge(outs, lses)
+    return _merge(*check_merge(outs, lses))

@@ -306,6 +306,7 @@ def explain(q, k, v, *, scale=None, causal=False, window=None, align="bottom_rig
     [[1.0, 0.0], [0.33, 0.67]]
     """
     q, k, v = (_float_array(x) for x in (q, k, v))
+    keep, drop, bias = (None if m is None else np.asarray(m) for m in (keep, drop, bias))
     spec = validate(q, k, v, scale=scale, causal=causal, window=window, align=align,
                     keep=keep, drop=drop, bias=bias, softcap=softcap)
     labels = _labels("labels", labels, spec.S, "k")

@@ -273,6 +273,11 @@ def validate(q, k, v, *, scale=None, causal=False, window=None, align="bottom_ri
         if d != dt:
             raise TypeError(f"{name}: dtype {d} differs from q's dtype {dt}; cast them to one dtype")
 
+    if want_torch:
+        for name, x in (("k", k), ("v", v), ("keep", keep), ("drop", drop), ("bias", bias)):
+            if is_torch(x) and x.device != q.device:
+                raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {x.device}")
+
     # shapes
     two_d = q.ndim == 2
     q = _as_4d("q", q, "H, L, D")
@@ -287,10 +292,11 @@ def validate(q, k, v, *, scale=None, causal=False, window=None, align="bottom_ri
         Hv, Sv, Dv = v.shape[-3:]
         if Sv != S or Hv != Hkv:
             raise ValueError(f"v: expected shape (..., Hkv={Hkv}, S={S}, Dv) like k, got {shapes['v']}")
+    if 0 in (H, Hkv, L, S, D, Dv):
+        raise ValueError(f"q, k, v: H, Hkv, L, S, D and Dv must be positive, got q {shapes['q']}, "
+                         f"k {shapes['k']}" + (f", v {shapes['v']}" if v is not None else ""))
     if H % Hkv != 0:
         raise ValueError(f"k: query heads H={H} must be a multiple of key-value heads Hkv={Hkv} (k shape {shapes['k']})")
-    if L == 0 or S == 0 or D == 0:
-        raise ValueError(f"q, k: L, S and D must be positive, got q {shapes['q']}, k {shapes['k']}")
     lead = [q.shape[:-3], k.shape[:-3]] + ([v.shape[:-3]] if v is not None else [])
     batch = _broadcast_shapes("q, k, v", *lead)
     score_shape = batch + (H, L, S)
@@ -322,8 +328,9 @@ def validate(q, k, v, *, scale=None, causal=False, window=None, align="bottom_ri
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
                                 or not softcap > 0 or not math.isfinite(softcap)):
         raise ValueError(f"softcap: expected a positive finite number or None, got {softcap!r}")
-    if not isinstance(causal, bool):
+    if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal: expected True or False, got {causal!r}")
+    causal = bool(causal)
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise ValueError(f"window: expected (left, right) with ints or None, got {window!r}")
@@ -340,6 +347,76 @@ def validate(q, k, v, *, scale=None, causal=False, window=None, align="bottom_ri
                 keep=masks["keep"], drop=masks["drop"], bias=masks["bias"],
                 softcap=None if softcap is None else float(softcap), dtype=dt,
                 two_d=two_d, shapes=shapes)
+
+
+def _same_library(name, x, like):
+    if is_torch(x) != is_torch(like) or not hasattr(x, "shape"):
+        want = "a torch.Tensor" if is_torch(like) else "a NumPy array"
+        raise TypeError(f"{name}: expected {want} like q, got {type(x).__name__}")
+    if is_torch(x) and x.device != like.device:
+        raise ValueError(f"{name}: expected a tensor on q's device {like.device}, got {x.device}")
+
+
+def check_lse(spec: Spec, lse, shape):
+    """A saved lse: same array library as q, a float dtype, exactly ``shape``."""
+    _same_library("lse", lse, spec.q)
+    if dtype_name(lse) not in FLOAT_DTYPES:
+        raise TypeError(f"lse: expected a float dtype {FLOAT_DTYPES}, got {dtype_name(lse)}")
+    check_like("lse", lse, shape)
+
+
+def check_grad_inputs(spec: Spec, dout, out, lse, out_shape):
+    """attention_backward's dout, out (q's dtype, out's shape) and lse."""
+    for name, x in (("dout", dout), ("out", out)):
+        _same_library(name, x, spec.q)
+        check_like(name, x, out_shape, spec.dtype)
+    check_lse(spec, lse, tuple(out_shape)[:-1])
+
+
+def check_rows(spec: Spec, rows):
+    """``rows`` for attention_weights: 1-D integers in [-L, L) -> a NumPy int array of
+    non-negative row indices."""
+    r = np.asarray(rows.detach().cpu() if is_torch(rows) else rows)
+    if r.ndim > 1 or (r.size and r.dtype.kind not in "iu"):
+        raise TypeError(f"rows: expected an int or a 1-D sequence of ints, got {r.dtype} of shape {r.shape}")
+    r = np.atleast_1d(r).astype(np.int64)
+    if r.size and (r.min() < -spec.L or r.max() >= spec.L):
+        raise ValueError(f"rows: expected indices in [-{spec.L}, {spec.L}) (L={spec.L}), got {r.tolist()}")
+    return r % spec.L
+
+
+def check_merge(outs, lses):
+    """merge's blocks: equal numbers, one array library, float dtypes, matching shapes."""
+    outs, lses = list(outs), list(lses)
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"merge: expected equal, non-zero numbers of outs and lses, got {len(outs)} and {len(lses)}")
+    for i, (o, l) in enumerate(zip(outs, lses)):
+        _same_library(f"outs[{i}]", o, outs[0])
+        _same_library(f"lses[{i}]", l, outs[0])
+        for name, x, ref in ((f"outs[{i}]", o, outs[0]), (f"lses[{i}]", l, lses[0])):
+            if dtype_name(x) not in FLOAT_DTYPES:
+                raise TypeError(f"{name}: expected a float dtype {FLOAT_DTYPES}, got {dtype_name(x)}")
+            check_like(name, x, ref.shape if x is not l else tuple(outs[0].shape)[:-1], dtype_name(ref))
+    return outs, lses
+
+
+def validate_seed(Q, K, V, mask):
+    """The seed function's inputs: 2-D NumPy matrices; ``mask`` any truthy array (True
+    or nonzero = masked out), as the seed's np.where read it."""
+    Q, K, V = (np.asarray(x) for x in (Q, K, V))
+    for name, x in (("Q", Q), ("K", K), ("V", V)):
+        if x.ndim != 2:
+            raise ValueError(f"{name}: expected a 2-D matrix, got shape {x.shape}")
+    if mask is not None:
+        mask = np.asarray(mask)
+        if mask.dtype.kind not in "biuf":
+            raise TypeError(f"mask: expected a boolean or numeric array (True = masked out), got {mask.dtype}")
+        mask = mask.astype(bool)
+        try:
+            return validate(Q, K, V, drop=mask)
+        except ValueError as e:
+            raise ValueError(str(e).replace("drop:", "mask:", 1)) from None
+    return validate(Q, K, V)
 
 
 def check_like(name, x, shape, dtype=None):

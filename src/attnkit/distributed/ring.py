@@ -306,7 +306,7 @@ def _validate(q, k, v, keep, drop, cfg, ring):
         spec = validate(q, k, v, scale=cfg.scale, causal=cfg.causal, window=cfg.window,
                         align=cfg.align, keep=keep, drop=drop, softcap=cfg.softcap)
         for name, m in (("keep", keep), ("drop", drop)):
-            if m is not None and m.ndim >= 2 and m.shape[-2] != 1:
+            if m is not None and (m.shape[-1] != spec.S or (m.ndim >= 2 and m.shape[-2] != 1)):
                 raise ValueError(f"{name}: ring_attention takes key-padding masks of shape "
                                  f"(..., 1 or H, 1, S_shard={spec.S}) sharded like k, got {tuple(m.shape)}")
         if cfg.layout == "zigzag":
