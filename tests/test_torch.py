@@ -246,7 +246,7 @@ def test_no_backend_error_lists_reasons():
     with pytest.raises(ValueError, match=r"no backend can run this call(.|\n)*torch: device meta"):
         attnkit.attention(q, q, q)
     q, k, v = make((2, 4), (3, 4), grad=False)
-    with pytest.raises(ValueError, match=r"keep is on meta but q is on cpu"):
+    with pytest.raises(ValueError, match=r"keep: expected a tensor on q's device cpu, got meta"):
         attnkit.attention(q, k, v, keep=torch.ones(2, 3, dtype=torch.bool, device="meta"))
     with pytest.raises(TypeError, match="keep"):
         attnkit.attention(q, k, v, keep=torch.ones(2, 3))

@@ -68,15 +68,6 @@ def triton_reasons(spec) -> list[str]:
         return [f"attnkit.torch.triton_kernels.not_supported_reasons failed: {e}"]
 
 
-def _devices(spec) -> list[str]:
-    """Reasons about devices: all tensors of one call must share q's device."""
-    dev = spec.q.device
-    return [f"{name} is on {x.device} but q is on {dev}; move them to one device"
-            for name, x in (("k", spec.k), ("v", spec.v), ("keep", spec.keep),
-                            ("drop", spec.drop), ("bias", spec.bias))
-            if x is not None and x.device != dev]
-
-
 def _uses_triton(q, kernel: str) -> bool:
     return kernel == "triton" or q.device.type == "cuda"
 
@@ -85,9 +76,6 @@ def reasons_for(spec, kernel: str) -> list[str]:
     """not_supported_reasons of the op run with ``kernel`` ("auto" or "triton")."""
     if not spec.torch:
         return ["takes torch tensors (NumPy arrays use the flash or reference rung)"]
-    why = _devices(spec)
-    if why:
-        return why
     if _uses_triton(spec.q, kernel):
         return triton_reasons(spec)
     if spec.q.device.type != "cpu":
