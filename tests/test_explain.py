@@ -17,8 +17,8 @@ from attnkit.testing import make_qkv, max_error
 
 def _check_against_attention(t: Trace, q, k, v, **kw):
     """out, lse, weights of the trace equal attention's, on the reference rung (same
-    code: identical) and on the default rung (independent tiled code: 1e-12)."""
-    for backend, tol in (("reference", 0.0), ("auto", 1e-12)):
+    code: identical) and on the flash rung (independent tiled code: 1e-12)."""
+    for backend, tol in (("reference", 0.0), ("flash", 1e-12)):
         out, lse, w = attnkit.attention(q, k, v, return_lse=True, return_weights=True,
                                         backend=backend, **kw)
         assert t.out.shape == out.shape and t.lse.shape == lse.shape and t.weights.shape == w.shape

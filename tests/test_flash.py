@@ -324,9 +324,12 @@ def test_threads_knob():
         flash.set_threads(0)
 
 
-def test_auto_picks_flash_for_numpy():
-    from attnkit import backends
-    q, k, v = make_qkv((3, 4), (5, 4), seed=0)
+def test_auto_picks_flash_for_numpy_unless_every_head_is_small():
+    from attnkit import backends, reference
+    q, k, v = make_qkv((2, 200, 4), (2, 300, 4), seed=0)
+    assert backends.select(validate(q, k, v)) is flash
+    assert backends.select(validate(q[:, :3], k[:, :5], v[:, :5])) is reference
+    q, k, v = make_qkv((300, 2, 100, 4), (300, 2, 100, 4), seed=0)   # small heads, but many
     assert backends.select(validate(q, k, v)) is flash
 
 

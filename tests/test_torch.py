@@ -409,3 +409,23 @@ def test_triton_rung_through_the_same_op(monkeypatch):
         res.append((out, lse) + torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v, bias)))
     for a, b in zip(*res):
         assert a.shape == b.shape and max_error(a.detach(), b.detach()) <= 1e-5
+
+
+def test_cpu_tensors_run_the_flash_rung_when_heads_are_large(monkeypatch):
+    """Large heads go through flash (small ones through the vectorised reference):
+    forward and backward match the reference rung, and flash really ran."""
+    from attnkit import flash
+    calls = []
+    for name in ("rung_forward", "rung_backward"):
+        fn = getattr(flash, name)
+        monkeypatch.setattr(flash, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
+    q, k, v = make((1, 2, 150, 8), (1, 1, 170, 8), Dv=5, seed=3)
+    out = attnkit.attention(q, k, v, causal=True)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert calls == ["rung_forward", "rung_backward"]
+    qn, kn, vn = (x.detach().numpy() for x in (q, k, v))
+    ref, lse = attnkit.attention(qn, kn, vn, causal=True, return_lse=True, backend="reference")
+    assert max_error(out.detach().numpy(), ref) <= 1e-12
+    want = attnkit.attention_backward(2 * ref, qn, kn, vn, ref, lse, causal=True, backend="reference")
+    for g, w in zip(grads, want):
+        assert max_error(g.numpy(), w) <= 1e-12
