@@ -22,7 +22,7 @@ from .spec import Spec
 RUNGS = {
     "flash": ("attnkit.flash", "NumPy tiled online softmax, linear memory, threaded"),
     "reference": ("attnkit.reference", "NumPy definition, materialises L×S, the oracle"),
-    "torch": ("attnkit.torch.op", "torch autograd op: CPU via flash, CUDA via Triton"),
+    "torch": ("attnkit.torch.op", "torch autograd op: CPU via the NumPy rungs, CUDA via Triton"),
     "triton": ("attnkit.torch.triton_rung", "the same torch op forced onto the Triton kernels"),
 }
 AUTO_ORDER = {"numpy": ("flash", "reference"), "torch": ("torch",)}

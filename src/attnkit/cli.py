@@ -210,9 +210,11 @@ def _mistakes(args) -> int:
 
 def _cmd_info(args) -> int:
     from .backends import info
+    import textwrap
     print("attnkit backends on this machine:")
     for name, status, desc in info():
-        print(f"  {name:<10} {status:<40.40} {desc}")
+        print(f"  {name:<10} {desc}")
+        print(textwrap.fill(status, 78, initial_indent=" " * 13, subsequent_indent=" " * 13))
     return 0
 
 
