@@ -341,3 +341,43 @@ def test_without_threadpoolctl_runs_serially_with_the_same_results(monkeypatch):
     monkeypatch.setattr(flash, "_pool", lambda: pytest.fail("no pool without threadpoolctl"))
     got = flash.rung_forward(spec, block_m=8, block_n=8)
     assert max_error(got[0], want[0]) <= 1e-12 and max_error(got[1], want[1]) <= 1e-12
+
+
+@pytest.mark.parametrize("align", ["bottom_right", "top_left"])
+@pytest.mark.parametrize("L, S", [(7, 7), (5, 11), (11, 5), (1, 9)])
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window=(2, 1)), dict(window=(None, 3)),
+                                  dict(window=(0, None)), dict(causal=True, window=(3, 2))])
+def test_row_key_bounds_is_the_index_rule_row_by_row(mask, L, S, align):
+    spec = validate(*make_qkv((L, 4), (S, 4), seed=0), align=align, **mask)
+    lo, hi = spec.row_key_bounds(0, L)
+    assert lo.dtype == hi.dtype == np.int64 and np.all(lo <= hi)
+    for r in range(L):
+        assert (lo[r], hi[r]) == spec.key_bounds(r, r + 1)
+    keep = spec.index_keep(np.arange(L), np.arange(S))
+    cols = np.arange(S)
+    assert np.array_equal(keep, (cols >= lo[:, None]) & (cols < hi[:, None]))
+    sub = spec.row_key_bounds(2, min(L, 5))
+    assert all(np.array_equal(a[2:5], b) for a, b in zip((lo, hi), sub))
+
+
+def test_bounded_softmax_tile_is_the_masked_tile(kernels):
+    """The fused causal/window softmax (row bounds, no mask) against the plain tile
+    with −inf outside the bounds, including empty rows and bounds outside the tile."""
+    kern = flash.NUMPY_KERNELS if kernels == "numpy" else flash.compiled_kernels()
+    rng = np.random.default_rng(0)
+    rows, w, c0 = 9, 37, 20
+    s = (rng.standard_normal((rows, w)) * 3).astype(np.float32)
+    lo = np.array([0, 20, 25, 30, 57, 60, 40, 22, 10])
+    hi = np.array([25, 57, 26, 30, 70, 80, 45, 56, 15])
+    m0 = np.array([-np.inf, 1.0, -np.inf, 2.0, -np.inf, 0.5, 9.0, -np.inf, -np.inf], np.float32)
+    l0 = np.where(np.isfinite(m0), 1.5, 0.0).astype(np.float32)
+    cols = np.arange(c0, c0 + w)
+    masked = np.where((cols >= lo[:, None]) & (cols < hi[:, None]), s, -np.inf).astype(np.float32)
+    m1, l1, m2, l2 = m0.copy(), l0.copy(), m0.copy(), l0.copy()
+    s1, s2 = s.copy(), masked.copy()
+    a1 = kern.softmax_tile_bounded(s1, m1, l1, lo, hi, c0)
+    a2 = kern.softmax_tile(s2, m2, l2)
+    assert np.array_equal(m1, m2)
+    for x, y in ((s1, s2), (l1, l2), (a1, a2)):
+        assert np.all(np.isfinite(x)) and np.allclose(x, y, rtol=1e-6, atol=0)
+    assert np.all(s1[(cols < lo[:, None]) | (cols >= hi[:, None])] == 0)

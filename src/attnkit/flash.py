@@ -27,6 +27,10 @@ the thread count: every output element is reduced by one task in a fixed order.
 float32 uses a compiled softmax tile (``numba``, when installed: a vectorised exp
 polynomial fused with the row max and row sum); everything else, and float32
 without numba, runs the same tiles in NumPy. Half inputs accumulate in float32.
+Where causal/window cut through a forward tile and no keep/drop mask is given, the
+softmax tile takes each row's key bounds (Spec.row_key_bounds) instead of a boolean
+mask, and the rescale of acc is fused with the add of p v, so the many small tiles
+along the diagonal hold the GIL briefly and both workers stay busy.
 
 >>> import numpy as np
 >>> from attnkit import flash
@@ -195,7 +199,25 @@ def _np_ds_tile(p, dp, delta):
     np.multiply(dp, p, out=dp)
 
 
+def _np_softmax_tile_bounded(s, m_i, l_i, lo, hi, c0):
+    """:func:`_np_softmax_tile` for a tile whose first column is key c0, with row i
+    limited to the keys [lo[i], hi[i]) (its causal/window bounds, see
+    Spec.row_key_bounds): the other columns count as −inf."""
+    cols = np.arange(c0, c0 + s.shape[1])
+    np.copyto(s, -np.inf, where=(cols < lo[:, None]) | (cols >= hi[:, None]))
+    return _np_softmax_tile(s, m_i, l_i)
+
+
+def _np_rescale_add(o, alpha, pv):
+    """In place: o ← alpha · o + pv (alpha per row)."""
+    if not (alpha == 1).all():                           # the running max moved: rescale
+        o *= alpha[:, None]
+    o += pv
+
+
 NUMPY_KERNELS = SimpleNamespace(name="numpy", softmax_tile=_np_softmax_tile,
+                                softmax_tile_bounded=_np_softmax_tile_bounded,
+                                rescale_add=_np_rescale_add,
                                 exp_from_lse=_np_exp_from_lse, ds_tile=_np_ds_tile)
 
 
@@ -276,6 +298,44 @@ def _build_numba():
             l_i[i] = l_i[i] * a + total
             m_i[i] = m_new
 
+    @numba.njit(**reduce)
+    def softmax_tile_bounded(s, m_i, l_i, alpha, lo, hi, c0):
+        # softmax_tile for a tile starting at key c0, row i limited to the keys
+        # [lo[i], hi[i]); the other columns get weight 0 (the causal/window mask
+        # fused in: no boolean tile, no exp of −inf)
+        w = s.shape[1]
+        for i in range(s.shape[0]):
+            row = s[i]
+            a0 = min(max(lo[i] - c0, 0), w)
+            a1 = min(max(hi[i] - c0, a0), w)
+            row[:a0] = f32(0.0)
+            row[a1:] = f32(0.0)
+            seg = row[a0:a1]                             # indexed from 0: the loops vectorise
+            m_new = row_max(seg, m_i[i])
+            shift = f32(0.0) if m_new == -np.inf else m_new
+            c = shift * LOG2E
+            total = f32(0.0)
+            for j in range(seg.shape[0]):
+                e = exp2_f32(seg[j] * LOG2E - c)
+                seg[j] = e
+                total += e
+            a = exp2_f32(m_i[i] * LOG2E - c)
+            alpha[i] = a
+            l_i[i] = l_i[i] * a + total
+            m_i[i] = m_new
+
+    @numba.njit(**exact)
+    def rescale_add(o, alpha, pv):
+        for i in range(o.shape[0]):
+            a = alpha[i]
+            orow, prow = o[i], pv[i]
+            if a == f32(1.0):
+                for j in range(orow.shape[0]):
+                    orow[j] += prow[j]
+            else:
+                for j in range(orow.shape[0]):
+                    orow[j] = orow[j] * a + prow[j]
+
     @numba.njit(**exact)
     def exp_from_lse(s, lse):
         for i in range(s.shape[0]):
@@ -299,7 +359,13 @@ def _build_numba():
         softmax_tile(s, m_i, l_i, alpha)
         return alpha
 
+    def softmax_tile_bounded_alpha(s, m_i, l_i, lo, hi, c0):
+        alpha = np.empty_like(m_i)
+        softmax_tile_bounded(s, m_i, l_i, alpha, lo, hi, c0)
+        return alpha
+
     return SimpleNamespace(name="numba", softmax_tile=softmax_tile_alpha,
+                           softmax_tile_bounded=softmax_tile_bounded_alpha, rescale_add=rescale_add,
                            exp_from_lse=exp_from_lse, ds_tile=ds_tile)
 
 
@@ -362,6 +428,9 @@ class _Call:
         self.v = (None if spec.v is None else
                   broadcast_to(_tile_ready(spec.v, self.acc), spec.batch + tuple(spec.v.shape[-3:])))
         self.masked = spec.keep is not None or spec.drop is not None
+        # causal/window alone (no keep/drop): the forward passes each row's key bounds
+        # to the softmax tile instead of building a boolean mask for the tile
+        self.fuse_index = spec.has_index_mask and not self.masked
 
     def heads(self):
         """(batch index, head) pairs in a fixed order."""
@@ -379,9 +448,10 @@ class _Call:
         r1 = self.spec.L if r1 is None else r1
         return [(i, min(i + self.BLOCK_M, r1)) for i in range(r0, r1, self.BLOCK_M)]
 
-    def scores(self, s, b, h, q_blk, k_blk, r0, r1, c0, c1, tanh_out=None):
+    def scores(self, s, b, h, q_blk, k_blk, r0, r1, c0, c1, tanh_out=None, index_mask=True):
         """Fill s (r1-r0, c1-c0) with the final scores of one tile: q kᵀ, softcap,
-        bias, −inf where excluded. tanh_out (optional) receives tanh(s / softcap)."""
+        bias, −inf where excluded. tanh_out (optional) receives tanh(s / softcap).
+        index_mask=False leaves causal/window to the caller (see :meth:`fused_bounds`)."""
         spec = self.spec
         np.matmul(q_blk, k_blk.T, out=s)
         if spec.softcap:
@@ -391,7 +461,7 @@ class _Call:
             s *= spec.softcap
         if spec.bias is not None:
             s += spec.mask_tile(spec.bias, b, h, r0, r1, c0, c1)
-        if self.masked or self.index_partial(r0, r1, c0, c1):
+        if self.masked or (index_mask and self.index_partial(r0, r1, c0, c1)):
             ex = spec.tile_excluded(b, h, r0, r1, c0, c1)
             if ex is not None:
                 np.copyto(s, -np.inf, where=ex)
@@ -404,6 +474,11 @@ class _Call:
         lo_all = self.spec.key_bounds(r1 - 1, r1)[0]      # the last row's lower bound is the largest
         hi_all = self.spec.key_bounds(r0, r0 + 1)[1]      # the first row's upper bound is the smallest
         return not (lo_all <= c0 and c1 <= hi_all)
+
+    def fused_bounds(self, r0, r1):
+        """Per-row key bounds (lo, hi) of rows [r0, r1) (Spec.row_key_bounds) when the
+        forward's softmax applies causal/window itself (``fuse_index``), else None."""
+        return self.spec.row_key_bounds(r0, r1) if self.fuse_index else None
 
     def tiles(self, r0, r1):
         """(a0, a1, c0, c1) tiles covering what rows [r0, r1) can see, key block by
@@ -473,17 +548,21 @@ def _online_softmax(call, b, h, q_blk, r0, r1, buf, want_out):
     l_i = np.zeros(bm, dtype=acc)                        # running row sum of exp(s − m_i)
     acc_i = np.zeros((bm, Dv), dtype=acc) if want_out else None  # running Σ exp(s − m_i) v
     pv = np.empty((bm, Dv), dtype=acc) if want_out else None
+    kern = call.kern
+    bounds = call.fused_bounds(r0, r1)                   # None: scores() masks causal/window
     for a0, a1, c0, c1 in call.tiles(r0, r1):
         i0, i1 = a0 - r0, a1 - r0
         s = buf[: (a1 - a0) * (c1 - c0)].reshape(a1 - a0, c1 - c0)
-        call.scores(s, b, h, q_blk[i0:i1], k_h[c0:c1], a0, a1, c0, c1)
-        alpha = call.kern.softmax_tile(s, m_i[i0:i1], l_i[i0:i1])
+        fused = bounds is not None and call.index_partial(a0, a1, c0, c1)
+        call.scores(s, b, h, q_blk[i0:i1], k_h[c0:c1], a0, a1, c0, c1, index_mask=not fused)
+        if fused:                                        # causal/window applied row by row
+            alpha = kern.softmax_tile_bounded(s, m_i[i0:i1], l_i[i0:i1],
+                                              bounds[0][i0:i1], bounds[1][i0:i1], c0)
+        else:
+            alpha = kern.softmax_tile(s, m_i[i0:i1], l_i[i0:i1])
         if want_out:
-            o = acc_i[i0:i1]
-            if not (alpha == 1).all():                   # the running max moved: rescale earlier blocks
-                o *= alpha[:, None]
             np.matmul(s, v_h[c0:c1], out=pv[i0:i1])
-            o += pv[i0:i1]
+            kern.rescale_add(acc_i[i0:i1], alpha, pv[i0:i1])   # acc ← alpha · acc + p v
     has = l_i > 0                                        # l_i = 0: the row saw no key
     lse_i = np.log(l_i, out=np.full_like(l_i, -np.inf), where=has)
     lse_i += m_i

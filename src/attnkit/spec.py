@@ -208,6 +208,25 @@ class Spec:
             hi = min(hi, r1 - 1 + self.offset + right + 1)
         return lo, max(lo, hi)
 
+    def row_key_bounds(self, r0: int, r1: int):
+        """Per-row form of :meth:`key_bounds`: int64 arrays (lo, hi) of length r1 - r0,
+        where query row r0 + i sees exactly the keys [lo[i], hi[i]) by causal/window
+        (``key_bounds(r, r + 1)`` for each row r, computed for all rows at once; the
+        same rule as :meth:`index_keep`). lo ≤ hi; both may lie outside [0, S]."""
+        diag = np.arange(r0, r1, dtype=np.int64) + self.offset
+        lo = np.zeros_like(diag)
+        hi = np.full_like(diag, self.S)
+        right = None
+        if self.window is not None:
+            left, right = self.window
+            if left is not None:
+                lo = np.maximum(lo, diag - left)
+        if self.causal:
+            right = 0 if right is None else min(right, 0)
+        if right is not None:
+            hi = np.minimum(hi, diag + right + 1)
+        return lo, np.maximum(lo, hi)
+
     def index_keep(self, rows, cols):
         """Boolean (len(rows), len(cols)) NumPy array: True where causal and window
         let query rows[i] see key cols[j]; None when neither is set."""
