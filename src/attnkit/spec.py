@@ -193,17 +193,23 @@ class Spec:
         return flops(B, self.H, self.L, self.S, self.D, self.Dv, causal=self.causal, backward=backward)
 
     # ---- masking rules (the only place they are written for array code) -------
+    @property
+    def band(self) -> tuple:
+        """causal and window as one band around the diagonal: (left, right), key j
+        visible to query i iff diag(i) - left <= j <= diag(i) + right; None = unbounded.
+        Causal is right = 0 (or the window's right side if smaller)."""
+        left, right = self.window if self.window is not None else (None, None)
+        if self.causal:
+            right = 0 if right is None else min(right, 0)
+        return left, right
+
     def key_bounds(self, r0: int, r1: int) -> tuple[int, int]:
         """Keys [lo, hi) that causal/window can leave visible to any query in [r0, r1).
         Tiles outside are fully excluded and can be skipped."""
+        left, right = self.band
         lo, hi = 0, self.S
-        right = None
-        if self.window is not None:
-            left, right = self.window
-            if left is not None:
-                lo = max(lo, r0 + self.offset - left)
-        if self.causal:
-            right = 0 if right is None else min(right, 0)
+        if left is not None:
+            lo = max(lo, r0 + self.offset - left)
         if right is not None:
             hi = min(hi, r1 - 1 + self.offset + right + 1)
         return lo, max(lo, hi)
@@ -216,13 +222,9 @@ class Spec:
         diag = np.arange(r0, r1, dtype=np.int64) + self.offset
         lo = np.zeros_like(diag)
         hi = np.full_like(diag, self.S)
-        right = None
-        if self.window is not None:
-            left, right = self.window
-            if left is not None:
-                lo = np.maximum(lo, diag - left)
-        if self.causal:
-            right = 0 if right is None else min(right, 0)
+        left, right = self.band
+        if left is not None:
+            lo = np.maximum(lo, diag - left)
         if right is not None:
             hi = np.minimum(hi, diag + right + 1)
         return lo, np.maximum(lo, hi)
@@ -235,14 +237,11 @@ class Spec:
         diag = np.asarray(rows)[:, None] + self.offset
         j = np.asarray(cols)[None, :]
         ok = np.ones((diag.shape[0], j.shape[1]), dtype=bool)
-        if self.causal:
-            ok &= j <= diag
-        if self.window is not None:
-            left, right = self.window
-            if left is not None:
-                ok &= j >= diag - left
-            if right is not None:
-                ok &= j <= diag + right
+        left, right = self.band
+        if left is not None:
+            ok &= j >= diag - left
+        if right is not None:
+            ok &= j <= diag + right
         return ok
 
     def tile_excluded(self, b, h, r0, r1, c0, c1):

@@ -715,12 +715,8 @@ def _precision(spec):
 
 
 def _band(spec):
-    """(HAS_LEFT, HAS_RIGHT, LEFT, RIGHT): causal and window as one band around diag."""
-    left = right = None
-    if spec.window is not None:
-        left, right = spec.window
-    if spec.causal:
-        right = 0 if right is None else min(right, 0)
+    """(HAS_LEFT, HAS_RIGHT, LEFT, RIGHT): Spec.band as kernel constants."""
+    left, right = spec.band
     return left is not None, right is not None, left or 0, right or 0
 
 
