@@ -381,3 +381,28 @@ def test_bounded_softmax_tile_is_the_masked_tile(kernels):
     for x, y in ((s1, s2), (l1, l2), (a1, a2)):
         assert np.all(np.isfinite(x)) and np.allclose(x, y, rtol=1e-6, atol=0)
     assert np.all(s1[(cols < lo[:, None]) | (cols >= hi[:, None])] == 0)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_scale_zero_gives_uniform_weights_and_zero_dq_dk(softcap):
+    q, k, v = make_qkv((2, 5, 4), (2, 7, 4), seed=21)
+    kw = dict(scale=0.0, softcap=softcap)
+    out, lse = attnkit.attention(q, k, v, return_lse=True, **kw, **F)
+    ref, rlse = attnkit.attention(q, k, v, return_lse=True, **kw, backend="reference")
+    assert max_error(out, ref) <= 1e-12 and max_error(lse, rlse) <= 1e-12
+    got = attnkit.attention_backward(np.ones_like(out), q, k, v, out, lse, **kw, **F)
+    want = attnkit.attention_backward(np.ones_like(ref), q, k, v, ref, rlse, **kw, backend="reference")
+    for g, w in zip(got, want):
+        assert max_error(g, w) <= 1e-12
+
+
+def test_huge_negative_bias_row_on_every_kernel(kernels):
+    """A row whose scores are all near float32's most negative value (an additive
+    finfo.min padding mask) is a uniform row, as in the reference, on both kernel sets."""
+    q, k, v = (x.astype(np.float32) for x in make_qkv((1, 3, 8), (1, 5, 8), seed=22))
+    bias = np.zeros((3, 5), np.float32)
+    bias[1] = np.finfo(np.float32).min
+    out = attnkit.attention(q, k, v, bias=bias, **F)
+    ref = attnkit.attention(q, k, v, bias=bias, backend="reference")
+    assert np.all(np.isfinite(out)) and max_error(out, ref) <= 1e-5
+    assert max_error(out[0, 1], v[0].mean(0)) <= 1e-5

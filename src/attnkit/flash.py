@@ -287,13 +287,12 @@ def _build_numba():
             row = s[i]
             m_new = row_max(row, m_i[i])
             shift = f32(0.0) if m_new == -np.inf else m_new  # all −inf so far: shift by 0, no NaN
-            c = shift * LOG2E
             total = f32(0.0)
             for j in range(row.shape[0]):
-                e = exp2_f32(row[j] * LOG2E - c)
+                e = exp2_f32((row[j] - shift) * LOG2E)   # subtract first: shift·LOG2E may overflow
                 row[j] = e
                 total += e
-            a = exp2_f32(m_i[i] * LOG2E - c)            # m_i = −inf gives 0
+            a = exp2_f32((m_i[i] - shift) * LOG2E)      # m_i = −inf gives 0
             alpha[i] = a
             l_i[i] = l_i[i] * a + total
             m_i[i] = m_new
@@ -313,13 +312,12 @@ def _build_numba():
             seg = row[a0:a1]                             # indexed from 0: the loops vectorise
             m_new = row_max(seg, m_i[i])
             shift = f32(0.0) if m_new == -np.inf else m_new
-            c = shift * LOG2E
             total = f32(0.0)
             for j in range(seg.shape[0]):
-                e = exp2_f32(seg[j] * LOG2E - c)
+                e = exp2_f32((seg[j] - shift) * LOG2E)
                 seg[j] = e
                 total += e
-            a = exp2_f32(m_i[i] * LOG2E - c)
+            a = exp2_f32((m_i[i] - shift) * LOG2E)
             alpha[i] = a
             l_i[i] = l_i[i] * a + total
             m_i[i] = m_new
@@ -343,9 +341,9 @@ def _build_numba():
             if lse[i] == -np.inf:                        # fully masked row: weights 0
                 row[:] = f32(0.0)
                 continue
-            c = lse[i] * LOG2E
+            c = lse[i]
             for j in range(row.shape[0]):
-                row[j] = exp2_f32(row[j] * LOG2E - c)
+                row[j] = exp2_f32((row[j] - c) * LOG2E)
 
     @numba.njit(**exact)
     def ds_tile(p, dp, delta):
@@ -669,7 +667,8 @@ def _backward(call: _Call, dout, out, lse):
     for c in range(1, n_chunks):                         # fixed order: same bits for any thread count
         dq_sum += dq[c]
     dq_sum *= spec.scale                                 # dz/dq = scale · k
-    dk *= spec.scale / call.qs                           # q_blk was q · qs; dz/dk = scale · q
+    if spec.softcap:                                     # q_blk was q · scale / softcap; dz/dk = scale · q
+        dk *= spec.softcap
 
     def fold(x):  # per query head (..., H, S, X) -> per kv head (..., Hkv, S, X)
         return x.reshape(x.shape[:-3] + (spec.Hkv, spec.group) + x.shape[-2:]).sum(axis=-3)
