@@ -338,7 +338,7 @@ def test_without_threadpoolctl_runs_serially_with_the_same_results(monkeypatch):
     spec = validate(q, k, v, causal=True)
     want = flash.rung_forward(spec, block_m=8, block_n=8)
     monkeypatch.setattr(flash._state, "controller", False)   # as if threadpoolctl were missing
-    monkeypatch.setattr(flash, "_pool", lambda: pytest.fail("no pool without threadpoolctl"))
+    monkeypatch.setattr(flash, "_pool", lambda *a: pytest.fail("no pool without threadpoolctl"))
     got = flash.rung_forward(spec, block_m=8, block_n=8)
     assert max_error(got[0], want[0]) <= 1e-12 and max_error(got[1], want[1]) <= 1e-12
 
@@ -406,3 +406,112 @@ def test_huge_negative_bias_row_on_every_kernel(kernels):
     ref = attnkit.attention(q, k, v, bias=bias, backend="reference")
     assert np.all(np.isfinite(out)) and max_error(out, ref) <= 1e-5
     assert max_error(out[0, 1], v[0].mean(0)) <= 1e-5
+
+
+def test_concurrent_calls_with_different_thread_settings():
+    """flash.threads is per context (thread): concurrent calls with different settings
+    see their own setting, never a pool shut down under them, and give serial bits."""
+    import threading
+    q, k, v = make_qkv((1, 2, 200, 16), (1, 2, 180, 16), 16, dtype="float32", seed=11)
+    spec = validate(q, k, v, causal=True)
+    blocks = dict(block_m=16, block_n=32)
+    with flash.threads(1):
+        want = flash.rung_forward(spec, **blocks)
+    sizes = [1, 2, 3, 4, 2, 3]
+    barrier = threading.Barrier(len(sizes))
+    errors, seen, results = [], [], []
+
+    def worker(n):
+        try:
+            with flash.threads(n):
+                barrier.wait()
+                seen.append((n, flash.get_threads()))
+                for _ in range(15):
+                    results.append(flash.rung_forward(spec, **blocks))
+                seen.append((n, flash.get_threads()))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=worker, args=(n,)) for n in sizes]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    assert all(n == got for n, got in seen)
+    assert len(results) == 15 * len(sizes)
+    for out, lse, _ in results:
+        assert np.array_equal(out, want[0]) and np.array_equal(lse, want[1])
+
+
+def test_set_threads_accepts_numpy_integers_and_rejects_bools():
+    old = flash.set_threads(np.int64(2))
+    try:
+        assert flash.get_threads() == 2 and type(flash.get_threads()) is int
+        with flash.threads(np.int32(1)):
+            assert flash.get_threads() == 1
+    finally:
+        flash.set_threads(old)
+    for bad in (True, 1.0, np.int64(0), "2"):
+        with pytest.raises(ValueError, match="threads"):
+            flash.set_threads(bad)
+        with pytest.raises(ValueError, match="threads"):
+            with flash.threads(bad):
+                pass
+
+
+def test_overlapping_calls_restore_the_blas_thread_count():
+    """BLAS is limited on the first overlapping call's entry and restored on the last
+    one's exit, even when the calls end in another order than they began."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    import threading
+
+    def blas_threads():
+        return [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+
+    before = blas_threads()
+    if not before or max(before) <= 1:
+        pytest.skip("no multi-threaded BLAS found by threadpoolctl")
+    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+    errors = []
+
+    def first(_):
+        a_in.set()
+        assert b_in.wait(10)
+        assert set(blas_threads()) == {1}
+
+    def second(_):
+        b_in.set()
+        assert a_done.wait(10)
+        assert set(blas_threads()) == {1}                # the first call's exit kept the limit
+
+    def call(fn):
+        try:
+            flash._run([0], fn)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    ta = threading.Thread(target=call, args=(first,))
+    ta.start()
+    assert a_in.wait(10)
+    tb = threading.Thread(target=call, args=(second,))
+    tb.start()
+    ta.join()
+    a_done.set()
+    tb.join()
+    assert not errors, errors
+    assert blas_threads() == before
+
+
+def test_float16_under_errstate_raise_does_not_underflow():
+    q, k, v = make_qkv((2, 3, 70, 16), (2, 3, 90, 16), 16, dtype="float16", seed=12)
+    dout = np.random.default_rng(3).standard_normal((2, 3, 70, 16)).astype(np.float16) * np.float16(1e-3)
+    spec = validate(q, k, v, causal=True)
+    with np.errstate(all="raise"):
+        out, lse, w = flash.rung_forward(spec, need_weights=True, block_m=32, block_n=32)
+        grads = flash.rung_backward(spec, dout, out, lse, block_m=32, block_n=32)
+        w2 = attnkit.attention_weights(q, k, causal=True, **F)
+        o2 = attnkit.attention(q, k, v, causal=True, **F)
+    assert out.dtype == w.dtype == w2.dtype == o2.dtype == np.float16
+    assert all(g.dtype == np.float16 and np.isfinite(g).all() for g in grads[:3])
+    assert np.isfinite(out).all() and np.isfinite(w).all() and max_error(w, w2) <= 1e-3

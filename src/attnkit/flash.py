@@ -18,9 +18,11 @@ a block of keys of a longer sequence (ring attention, split-KV). Extra memory is
 O((L + S)·D) per head plus a few tiles per worker.
 
 Threads: tasks run on a pool of :func:`get_threads` workers (default: the number of
-usable cores), set with :func:`set_threads` or, for a block of code, the
-:func:`threads` context manager. BLAS is held to one thread inside each worker
-through ``threadpoolctl`` when it is installed; without it the rung runs its tiles
+usable cores), set process-wide with :func:`set_threads` or, for a block of code
+in the current thread/context only, with the :func:`threads` context manager, so
+concurrent calls may use different settings. BLAS is held to one thread while any
+call runs (reference counted across overlapping calls) through ``threadpoolctl``
+when it is installed; without it the rung runs its tiles
 on the calling thread and lets BLAS use its own threads. Results do not depend on
 the thread count: every output element is reduced by one task in a fixed order.
 
@@ -45,6 +47,8 @@ along the diagonal hold the GIL briefly and both workers stay busy.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import numbers
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +64,8 @@ from .spec import Spec, broadcast_to, reduce_to
 def block_sizes(D: int, dtype: str, backward: bool = False) -> tuple[int, int]:
     """The tuning table: (BLOCK_M, BLOCK_N) for head dim D, accumulation dtype and
     pass. A plain function; override per call with ``block_m=`` / ``block_n=``.
+    ``dtype`` is part of the documented signature but does not change the table
+    today (kept so that callers need no change if the table ever depends on it).
 
     >>> block_sizes(64, "float32")
     (1024, 512)
@@ -79,8 +85,15 @@ _MIN_TASKS = 8
 
 # ---- threads --------------------------------------------------------------------
 
-_state = SimpleNamespace(threads=None, pool=None, pool_size=0, controller=None)
-_lock = threading.Lock()
+_UNSET = object()
+# The worker count: the context's setting (flash.threads), else the process default
+# (set_threads), else the core count. A ContextVar, so that concurrent calls on other
+# threads (each with its own context) never see another thread's `with threads(n)`.
+_threads_var: contextvars.ContextVar = contextvars.ContextVar("attnkit_flash_threads", default=_UNSET)
+_state = SimpleNamespace(threads=None, pools={}, controller=None, blas_depth=0, blas_limiter=None,
+                         blas_thread=None)
+_lock = threading.Lock()          # guards _state.pools, _state.controller and compiled_kernels
+_blas_lock = threading.Lock()     # guards blas_depth / blas_limiter
 
 
 def _core_count() -> int:
@@ -90,65 +103,114 @@ def _core_count() -> int:
         return os.cpu_count() or 1
 
 
+def _check_threads(n):
+    if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1):
+        raise ValueError(f"threads: expected a positive int or None, got {n!r}")
+    return None if n is None else int(n)
+
+
 def get_threads() -> int:
-    """Workers the rung uses: the value set by :func:`set_threads`, else the core count.
+    """Workers the rung uses in the current context: the :func:`threads` setting,
+    else the process default of :func:`set_threads`, else the core count.
 
     >>> get_threads() >= 1
     True
     """
-    return _state.threads or _core_count()
+    n = _threads_var.get()
+    if n is _UNSET:
+        n = _state.threads
+    return n or _core_count()
 
 
 def set_threads(n: int | None = None) -> int | None:
-    """Set the number of workers (None = the number of usable cores); returns the
-    previous setting. One worker runs every tile on the calling thread.
+    """Set the process-wide default number of workers (None = the number of usable
+    cores; any positive integer, NumPy integers included); returns the previous
+    default. One worker runs every tile on the calling thread. A :func:`threads`
+    block in effect in the current context takes precedence.
 
     >>> old = set_threads(1); get_threads()
     1
     >>> _ = set_threads(old)
     """
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"threads: expected a positive int or None, got {n!r}")
+    n = _check_threads(n)
     old, _state.threads = _state.threads, n
     return old
 
 
 @contextlib.contextmanager
 def threads(n: int | None):
-    """``with flash.threads(2): ...`` runs the block with n workers.
+    """``with flash.threads(2): ...`` runs the block with n workers (None = the
+    core count). The setting belongs to the current context (thread / task):
+    calls running concurrently elsewhere keep their own.
 
     >>> with threads(1):
     ...     get_threads()
     1
     """
-    old = set_threads(n)
+    token = _threads_var.set(_check_threads(n))
     try:
         yield
     finally:
-        set_threads(old)
+        _threads_var.reset(token)
 
 
 def _blas_controller():
     """A cached threadpoolctl controller, or None when threadpoolctl is missing."""
     if _state.controller is None:
-        try:
-            from threadpoolctl import ThreadpoolController
-        except ImportError:
-            _state.controller = False
-        else:
-            _state.controller = ThreadpoolController()
+        with _lock:
+            if _state.controller is None:
+                try:
+                    from threadpoolctl import ThreadpoolController
+                except ImportError:
+                    _state.controller = False
+                else:
+                    _state.controller = ThreadpoolController()
     return _state.controller or None
 
 
-def _pool():
-    """The shared worker pool, (re)created for the current thread count."""
+def _pool(n=None):
+    """The worker pool of n (default: get_threads()) workers: one per size, created
+    on first use and never shut down (idle workers cost little), so a pool handed
+    to one call can never be closed under it by a call with another setting."""
+    n = get_threads() if n is None else n
     with _lock:
-        if _state.pool is None or _state.pool_size != get_threads():
-            if _state.pool is not None:
-                _state.pool.shutdown(wait=True)
-            _state.pool_size = get_threads()
-            _state.pool = ThreadPoolExecutor(_state.pool_size, thread_name_prefix="attnkit-flash")
-        return _state.pool
+        pool = _state.pools.get(n)
+        if pool is None:
+            pool = _state.pools[n] = ThreadPoolExecutor(n, thread_name_prefix="attnkit-flash")
+        return pool
+
+
+def _on_blas_thread(fn):
+    """fn() on one dedicated thread: threadpoolctl lets only the Python thread that
+    set OpenBLAS's limit change it back, and the first call in may not be the last
+    one out."""
+    with _lock:
+        if _state.blas_thread is None:
+            _state.blas_thread = ThreadPoolExecutor(1, thread_name_prefix="attnkit-blas")
+    return _state.blas_thread.submit(fn).result()
+
+
+@contextlib.contextmanager
+def _blas_single_threaded(controller):
+    """BLAS held to one thread while any call is inside: threadpoolctl's limit is
+    process-wide, so overlapping calls share one limit, reference counted: set on
+    the first entry, restored on the last exit (whatever order the calls end in)."""
+    def limit():
+        limiter = controller.limit(limits=1, user_api="blas")
+        return limiter.__enter__()
+
+    with _blas_lock:
+        if _state.blas_depth == 0:
+            _state.blas_limiter = _on_blas_thread(limit)
+        _state.blas_depth += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _state.blas_depth -= 1
+            if _state.blas_depth == 0:
+                limiter, _state.blas_limiter = _state.blas_limiter, None
+                _on_blas_thread(lambda: limiter.__exit__(None, None, None))
 
 
 def _run(tasks, fn):
@@ -159,12 +221,13 @@ def _run(tasks, fn):
         for t in tasks:
             fn(t)
         return
-    with controller.limit(limits=1, user_api="blas"):   # no oversubscription inside workers
-        if min(get_threads(), len(tasks)) <= 1:
+    n = min(get_threads(), len(tasks))
+    with _blas_single_threaded(controller):             # no oversubscription inside workers
+        if n <= 1:
             for t in tasks:
                 fn(t)
             return
-        for _ in _pool().map(fn, tasks):                # re-raises a worker's exception here
+        for _ in _pool(get_threads()).map(fn, tasks):   # re-raises a worker's exception here
             pass
 
 
@@ -248,16 +311,18 @@ def _build_numba():
 
     # compiled once per process on first use (about a second); numba's disk cache
     # cannot key these closures, so it is not used
-    exact = dict(nogil=True, error_model="numpy",
-                 fastmath={"nsz", "arcp", "contract", "afn"})
+    # fast-math without reassoc: every sum keeps its source order (not IEEE-exact:
+    # contract fuses multiply-adds, afn/arcp allow approximate functions / reciprocals)
+    ordered = dict(nogil=True, error_model="numpy",
+                   fastmath={"nsz", "arcp", "contract", "afn"})
     # reassoc lets the row max and row sum vectorise; the order is fixed at compile
     # time, so the bits stay the same run to run and thread to thread
-    reduce = dict(exact, fastmath={"reassoc", "nsz", "arcp", "contract", "afn"})
+    reduce = dict(ordered, fastmath={"reassoc", "nsz", "arcp", "contract", "afn"})
     f32 = np.float32
 
     LOG2E = f32(1.44269504088896341)
 
-    @numba.njit(**exact)
+    @numba.njit(**ordered)
     def exp2_f32(t):
         # 2^t = 2^n · 2^r with n = round(t), r = t − n exact, |r| ≤ 1/2; the caller
         # folds log2(e) into t (exp(x − c) = 2^(x·log2 e − c·log2 e), one FMA)
@@ -322,7 +387,7 @@ def _build_numba():
             l_i[i] = l_i[i] * a + total
             m_i[i] = m_new
 
-    @numba.njit(**exact)
+    @numba.njit(**ordered)
     def rescale_add(o, alpha, pv):
         for i in range(o.shape[0]):
             a = alpha[i]
@@ -334,7 +399,7 @@ def _build_numba():
                 for j in range(orow.shape[0]):
                     orow[j] = orow[j] * a + prow[j]
 
-    @numba.njit(**exact)
+    @numba.njit(**ordered)
     def exp_from_lse(s, lse):
         for i in range(s.shape[0]):
             row = s[i]
@@ -345,7 +410,7 @@ def _build_numba():
             for j in range(row.shape[0]):
                 row[j] = exp2_f32((row[j] - c) * LOG2E)
 
-    @numba.njit(**exact)
+    @numba.njit(**ordered)
     def ds_tile(p, dp, delta):
         for i in range(p.shape[0]):
             d = delta[i]
@@ -442,9 +507,10 @@ class _Call:
         hk = h // self.spec.group                        # GQA: a view of the shared kv head, no copy
         return self.k[b][hk], (None if self.v is None else self.v[b][hk])
 
-    def query_blocks(self, r0=0, r1=None):
-        r1 = self.spec.L if r1 is None else r1
-        return [(i, min(i + self.BLOCK_M, r1)) for i in range(r0, r1, self.BLOCK_M)]
+    def query_blocks(self):
+        """Query row blocks [r0, r1) of BLOCK_M rows covering all L rows."""
+        L = self.spec.L
+        return [(i, min(i + self.BLOCK_M, L)) for i in range(0, L, self.BLOCK_M)]
 
     def scores(self, s, b, h, q_blk, k_blk, r0, r1, c0, c1, tanh_out=None, index_mask=True):
         """Fill s (r1-r0, c1-c0) with the final scores of one tile: q kᵀ, softcap,
@@ -578,7 +644,8 @@ def _weights_rows(call, b, h, q_blk, r0, r1, lse_i, w_out, buf):
         s = buf[: (a1 - a0) * (c1 - c0)].reshape(a1 - a0, c1 - c0)
         call.scores(s, b, h, q_blk[i0:i1], k_h[c0:c1], a0, a1, c0, c1)
         call.kern.exp_from_lse(s, lse_i[i0:i1])
-        w_out[i0:i1, c0:c1] = s
+        with np.errstate(under="ignore"):                # float16: tiny weights flush to 0
+            w_out[i0:i1, c0:c1] = s
 
 
 def _row_runs(rows):
@@ -650,7 +717,7 @@ def _backward(call: _Call, dout, out, lse):
                     np.matmul(do_blk, v_blk.T, out=ds)               # dp = dout vᵀ
                     kern.ds_tile(p, ds, delta[b][h, r0:r1])          # ds = p ∘ (dp − delta)
                     if dbias is not None:
-                        _add_dbias(dbias, ds, b, h, r0, r1, c0, c1)
+                        _add_dbias(spec, dbias, ds, b, h, r0, r1, c0, c1)
                     if tanh_t is not None:
                         np.multiply(tanh_t, tanh_t, out=tanh_t)     # d/dz c·tanh(z/c) = 1 − tanh²
                         np.subtract(1.0, tanh_t, out=tanh_t)
@@ -674,12 +741,19 @@ def _backward(call: _Call, dout, out, lse):
         return x.reshape(x.shape[:-3] + (spec.Hkv, spec.group) + x.shape[-2:]).sum(axis=-3)
 
     dt = spec.dtype
-    res = (reduce_to(dq_sum, spec.shapes["q"]).astype(dt, copy=False),
-           reduce_to(fold(dk), spec.shapes["k"]).astype(dt, copy=False),
-           reduce_to(fold(dv), spec.shapes["v"]).astype(dt, copy=False))
+    res = (_cast(reduce_to(dq_sum, spec.shapes["q"]), dt),
+           _cast(reduce_to(fold(dk), spec.shapes["k"]), dt),
+           _cast(reduce_to(fold(dv), spec.shapes["v"]), dt))
     if dbias is not None:
-        dbias = dbias.reshape(spec.shapes["bias"]).astype(np.asarray(spec.bias).dtype, copy=False)
+        dbias = _cast(dbias.reshape(spec.shapes["bias"]), np.asarray(spec.bias).dtype)
     return res + (dbias,)
+
+
+def _cast(x, dtype):
+    """x in the output dtype. Results below the dtype's smallest subnormal (float16
+    mostly) flush to 0 as they should, not as an error under np.errstate(all='raise')."""
+    with np.errstate(under="ignore"):
+        return x.astype(dtype, copy=False)
 
 
 def _bias_shape(spec):
@@ -706,13 +780,13 @@ def _bias_groups(spec, heads):
     return list(groups.values())
 
 
-def _add_dbias(dbias, ds, b, h, r0, r1, c0, c1):
-    """dbias[slot] += ds, summed over rows / keys along which bias was broadcast."""
-    spec_shape = dbias.shape
-    slot = tuple(0 if n == 1 else i for i, n in zip(b + (h,), spec_shape[:-2]))
-    if spec_shape[-2] == 1:
+def _add_dbias(spec, dbias, ds, b, h, r0, r1, c0, c1):
+    """dbias[slot] += ds, summed over rows / keys along which bias was broadcast
+    (dbias has the padded shape of :func:`_bias_shape`)."""
+    slot = _bias_slot(spec, b, h)
+    if dbias.shape[-2] == 1:
         ds, r0, r1 = ds.sum(axis=0, keepdims=True), 0, 1
-    if spec_shape[-1] == 1:
+    if dbias.shape[-1] == 1:
         ds, c0, c1 = ds.sum(axis=1, keepdims=True), 0, 1
     dbias[slot][r0:r1, c0:c1] += ds
 
@@ -733,7 +807,7 @@ def rung_forward(spec: Spec, need_weights: bool = False, *, block_m=None, block_
     weights (when asked) come from lse tile by tile, like :func:`rung_weights`."""
     call = _Call(spec, block_m, block_n)
     out, lse, weights = _forward(call, spec.v is not None, need_weights)
-    return (None if out is None else out.astype(spec.dtype, copy=False)), lse, weights
+    return (None if out is None else _cast(out, spec.dtype)), lse, weights
 
 
 def rung_backward(spec: Spec, dout, out, lse, *, block_m=None, block_n=None):
@@ -816,4 +890,4 @@ def merge(outs, lses):
     scale = (w / safe)[..., None]                             # each block's share per row
     out = sum(scale[i] * outs[i].astype(scale.dtype) if xp is np else scale[i] * outs[i].to(scale.dtype)
               for i in range(len(outs)))
-    return out.astype(outs[0].dtype) if xp is np else out.to(outs[0].dtype), lse
+    return _cast(out, outs[0].dtype) if xp is np else out.to(outs[0].dtype), lse
