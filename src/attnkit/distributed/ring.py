@@ -63,9 +63,13 @@ def _chunk_ids(rank: int, world: int, layout: str) -> tuple[int, ...]:
     """Which of the 2·world equal chunks of the sequence rank ``rank`` holds."""
     if layout == "contiguous":
         return (2 * rank, 2 * rank + 1)
-    if layout == "zigzag":
-        return (rank, 2 * world - 1 - rank)
-    raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    _check_layout(layout)
+    return (rank, 2 * world - 1 - rank)
+
+
+def _check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
 
 
 def _check_world(rank, world):
@@ -87,10 +91,9 @@ def shard(x, rank: int, world: int, *, layout: str = "contiguous", dim: int = -2
     (tensor([0, 1, 2, 3]), tensor([0, 1, 6, 7]))
     """
     _check_world(rank, world)
+    _check_layout(layout)
     n = x.shape[dim]
     parts = 2 * world if layout == "zigzag" else world
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     if n % parts:
         raise ValueError(f"x: length {n} along dim {dim} is not divisible by {parts} "
                          f"({'2 · ' if layout == 'zigzag' else ''}world={world}) for layout={layout!r}")
@@ -111,8 +114,7 @@ def unshard(parts, *, layout: str = "contiguous", dim: int = -2):
     tensor([0, 1, 2, 3, 4, 5, 6, 7])
     """
     parts = list(parts)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    _check_layout(layout)
     if layout == "contiguous":
         return torch.cat(parts, dim=dim)
     world = len(parts)
@@ -301,8 +303,7 @@ def _validate(q, k, v, keep, drop, cfg, ring):
     try:
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
             raise TypeError("q, k, v: ring_attention takes torch tensors (each rank's shard)")
-        if cfg.layout not in LAYOUTS:
-            raise ValueError(f"layout: expected one of {LAYOUTS}, got {cfg.layout!r}")
+        _check_layout(cfg.layout)
         spec = validate(q, k, v, scale=cfg.scale, causal=cfg.causal, window=cfg.window,
                         align=cfg.align, keep=keep, drop=drop, softcap=cfg.softcap)
         for name, m in (("keep", keep), ("drop", drop)):
