@@ -105,6 +105,19 @@ def torch_run(tq, tk, tv, tdout, causal, backward):
     return out, None
 
 
+CEILING = ("sgemm", False, "numpy")  # the key of the BLAS ceiling in time_all's result
+
+
+def blas_ceiling(n):
+    """A run of NumPy's float32 matmul, n × n by n × n on all BLAS threads: what this
+    machine's BLAS reaches at its best. Every FLOP counted for the forward
+    (4·B·H·L·S·D) is a matmul FLOP, so no attention forward can go faster than this."""
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    c = np.empty((n, n), dtype=np.float32)
+    return lambda: np.matmul(a, b, out=c)
+
+
 # ---- validation ----------------------------------------------------------------------
 
 
@@ -170,6 +183,7 @@ def time_all(D, L, H, passes, repeats, have_torch, validated):
                                               torch_run(*t[:3], t[3], c, b))
             if not backward and validated.get("seed", (False,))[0]:
                 runs[(p, causal, "seed")] = lambda c=causal: seed_forward(q, k, v, c)
+    runs[CEILING] = blas_ceiling(L)
     for key, fn in runs.items():                         # warm-up (compiles, thread pools)
         if key[2] != "seed":
             fn()
@@ -191,6 +205,9 @@ def report(D, L, H, times):
     if not times:                                        # every provider failed validation
         print(f"\n## D = {D}: nothing timed (no provider passed validation)\n")
         return []
+    times = dict(times)
+    ceiling_s = times.pop(CEILING, None)
+    ceiling = 2.0 * L ** 3 / min(ceiling_s) / 1e9 if ceiling_s else None
     best = {key: min(ts) for key, ts in times.items()}
     print(f"\n## D = {D}: float32, B = 1, H = {H}, L = S = {L} (best of {len(next(iter(times.values())))})\n")
     print("| pass | mask | provider | seconds | GFLOP/s | attnkit ÷ provider (best; median per round) |")
@@ -224,6 +241,14 @@ def report(D, L, H, times):
     r_best, r_med = ratio("fwd", False, "seed")
     if r_best:
         checks.append((f"fwd ≥ 8× the seed formula (D={D}; per-round median {r_med:.2f})", r_best, 8.0))
+    if ceiling:
+        print(f"- BLAS ceiling: NumPy float32 matmul {L}×{L}×{L} on all threads runs at {ceiling:.1f} GFLOP/s "
+              f"(best of {len(ceiling_s)}, timed in the same rounds)")
+        seed = best.get(("fwd", False, "seed"))
+        if seed:
+            need = 8.0 * flops(1, H, L, L, D) / seed / 1e9
+            print(f"- 8× the seed formula means {need:.1f} GFLOP/s here: "
+                  f"{need / ceiling:.2f}× the BLAS ceiling{' (out of reach for any implementation)' if need > ceiling else ''}")
     return checks
 
 

@@ -8,7 +8,9 @@ Validates first, then times, all in one run:
    1e-5) for out, lse, dq, dk, dv; SDPA's errors are reported for comparison only;
 2. timing: forward and forward+backward of attnkit (the kernels called directly,
    through ``attnkit.attention`` + autograd when that path exists, and with
-   ``SPLIT=False``, FlashAttention-2 rounding, for bf16 D=128) and of SDPA's
+   ``SPLIT=False`` in the backward too, FlashAttention-2 rounding throughout, for
+   bf16 D=128: the forward's numbers are the same, its fwd+bwd shows the split's
+   cost) and of SDPA's
    flash, efficient and cuDNN backends (each when available), bf16 and fp16,
    D ∈ {64, 128}, L = S ∈ {1k, 2k, 4k, 8k, 16k} with B·L = 16k tokens and
    H·D = 2048, causal and not.

@@ -494,6 +494,7 @@ class _Call:
         # causal/window alone (no keep/drop): the forward passes each row's key bounds
         # to the softmax tile instead of building a boolean mask for the tile
         self.fuse_index = spec.has_index_mask and not self.masked
+        self._plans = {}                                 # (r0, r1) -> tiles(r0, r1), same for every head
 
     def heads(self):
         """(batch index, head) pairs in a fixed order."""
@@ -512,10 +513,11 @@ class _Call:
         L = self.spec.L
         return [(i, min(i + self.BLOCK_M, L)) for i in range(0, L, self.BLOCK_M)]
 
-    def scores(self, s, b, h, q_blk, k_blk, r0, r1, c0, c1, tanh_out=None, index_mask=True):
+    def scores(self, s, b, h, q_blk, k_blk, r0, r1, c0, c1, tanh_out=None, index_mask=None):
         """Fill s (r1-r0, c1-c0) with the final scores of one tile: q kᵀ, softcap,
         bias, −inf where excluded. tanh_out (optional) receives tanh(s / softcap).
-        index_mask=False leaves causal/window to the caller (see :meth:`fused_bounds`)."""
+        index_mask: whether causal/window cut this tile (None: work it out); False
+        also when the caller applies them itself (see :meth:`fused_bounds`)."""
         spec = self.spec
         np.matmul(q_blk, k_blk.T, out=s)
         if spec.softcap:
@@ -525,7 +527,9 @@ class _Call:
             s *= spec.softcap
         if spec.bias is not None:
             s += spec.mask_tile(spec.bias, b, h, r0, r1, c0, c1)
-        if self.masked or (index_mask and self.index_partial(r0, r1, c0, c1)):
+        if index_mask is None:
+            index_mask = self.index_partial(r0, r1, c0, c1)
+        if self.masked or index_mask:
             ex = spec.tile_excluded(b, h, r0, r1, c0, c1)
             if ex is not None:
                 np.copyto(s, -np.inf, where=ex)
@@ -545,11 +549,18 @@ class _Call:
         return self.spec.row_key_bounds(r0, r1) if self.fuse_index else None
 
     def tiles(self, r0, r1):
-        """(a0, a1, c0, c1) tiles covering what rows [r0, r1) can see, key block by
-        key block. Where causal/window cut through a block, its rows are taken in
-        strips of SUB_M: strips that see the whole key block are merged into one
-        tile, the others are clipped to their own key bounds (so a large BLOCK_M
-        costs little along the diagonal)."""
+        """[(a0, a1, c0, c1, partial)]: tiles covering what rows [r0, r1) can see, key
+        block by key block; partial = causal/window cut the tile (index_partial).
+        Where they cut through a block, its rows are taken in strips of SUB_M: strips
+        that see the whole key block are merged into one tile, the others are clipped
+        to their own key bounds (so a large BLOCK_M costs little along the diagonal).
+        Worked out once per call for each query block (every head has the same)."""
+        plan = self._plans.get((r0, r1))
+        if plan is None:
+            plan = self._plans[(r0, r1)] = [t + (self.index_partial(*t),) for t in self._tiles(r0, r1)]
+        return plan
+
+    def _tiles(self, r0, r1):
         for c0, c1 in self.key_blocks(r0, r1):
             if r1 - r0 <= SUB_M or not self.index_partial(r0, r1, c0, c1):
                 yield r0, r1, c0, c1
@@ -614,11 +625,11 @@ def _online_softmax(call, b, h, q_blk, r0, r1, buf, want_out):
     pv = np.empty((bm, Dv), dtype=acc) if want_out else None
     kern = call.kern
     bounds = call.fused_bounds(r0, r1)                   # None: scores() masks causal/window
-    for a0, a1, c0, c1 in call.tiles(r0, r1):
+    for a0, a1, c0, c1, partial in call.tiles(r0, r1):
         i0, i1 = a0 - r0, a1 - r0
         s = buf[: (a1 - a0) * (c1 - c0)].reshape(a1 - a0, c1 - c0)
-        fused = bounds is not None and call.index_partial(a0, a1, c0, c1)
-        call.scores(s, b, h, q_blk[i0:i1], k_h[c0:c1], a0, a1, c0, c1, index_mask=not fused)
+        fused = bounds is not None and partial
+        call.scores(s, b, h, q_blk[i0:i1], k_h[c0:c1], a0, a1, c0, c1, index_mask=partial and not fused)
         if fused:                                        # causal/window applied row by row
             alpha = kern.softmax_tile_bounded(s, m_i[i0:i1], l_i[i0:i1],
                                               bounds[0][i0:i1], bounds[1][i0:i1], c0)
@@ -639,10 +650,10 @@ def _online_softmax(call, b, h, q_blk, r0, r1, buf, want_out):
 def _weights_rows(call, b, h, q_blk, r0, r1, lse_i, w_out, buf):
     """w_out (r1-r0, S), zero-filled ← exp(scores − lse) for rows [r0, r1), tile by tile."""
     k_h, _ = call.kv(b, h)
-    for a0, a1, c0, c1 in call.tiles(r0, r1):
+    for a0, a1, c0, c1, partial in call.tiles(r0, r1):
         i0, i1 = a0 - r0, a1 - r0
         s = buf[: (a1 - a0) * (c1 - c0)].reshape(a1 - a0, c1 - c0)
-        call.scores(s, b, h, q_blk[i0:i1], k_h[c0:c1], a0, a1, c0, c1)
+        call.scores(s, b, h, q_blk[i0:i1], k_h[c0:c1], a0, a1, c0, c1, index_mask=partial)
         call.kern.exp_from_lse(s, lse_i[i0:i1])
         with np.errstate(under="ignore"):                # float16: tiny weights flush to 0
             w_out[i0:i1, c0:c1] = s

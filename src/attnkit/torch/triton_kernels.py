@@ -33,10 +33,12 @@ Head dims up to 256; D and Dv that are not powers of two are padded inside the k
 and float32 inputs; float32 dots run in IEEE fp32 (tf32 only when
 ``torch.get_float32_matmul_precision()`` is not "highest", as for torch matmuls).
 
-Numerics: scores, softmax statistics and every accumulator are float32. The weights p
-and score gradients dS enter the half-precision tensor-core dots as two parts, hi + lo
-(``SPLIT`` in triton_tuning, on by default): rounding them once, as FlashAttention-2
-does, puts the backward's error above DESIGN.md's 2× rule on random inputs.
+Numerics: scores, softmax statistics and every accumulator are float32. In the
+backward, the weights p and score gradients dS enter the half-precision tensor-core
+dots as two parts, hi + lo (``SPLIT`` in triton_tuning, on by default for the backward
+kinds): rounding them once, as FlashAttention-2 does, puts dq, dk and dv above
+DESIGN.md's 2× rule on random inputs. The forward rounds p once (its error stays
+inside the rule: the output's final rounding dominates).
 
 CPU: with ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors through Triton's
 interpreter. Triton reads that variable when ``@triton.jit`` wraps a function, so this
@@ -114,6 +116,18 @@ def _mm(a, b, acc, INTERPRET: constexpr, PRECISION: constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
+def _bound(x, INTERPRET: constexpr):
+    """x as a loop bound. Triton's interpreter keeps program ids (and what is computed
+    from them) as 1-element arrays, and before Triton 3.7 turns them into a loop bound
+    with int(array), which NumPy >= 2.4 refuses; under the interpreter the value is
+    taken out here instead. Compiled, x is returned as it is."""
+    if INTERPRET:
+        data = getattr(getattr(x, "handle", None), "data", None)
+        if data is not None:
+            return int(data.reshape(-1)[0])
+    return x
+
+
 def _cast(x, dtype, INTERPRET: constexpr):
     """x.to(dtype), rounding to nearest even as the GPU does. The interpreter's
     float32 -> bfloat16 conversion truncates instead, so there the rounding is done
@@ -131,8 +145,8 @@ def _mm_lowp(x, y, acc, SPLIT: constexpr, INTERPRET: constexpr, PRECISION: const
     """acc + x @ y for float32 x (weights p or score gradients dS) and y in the input
     dtype: x is rounded to y's dtype for the tensor cores, as FlashAttention does.
     With SPLIT, x = hi + lo with both parts in y's dtype and one more dot: twice the
-    mantissa bits, so the kernels' error stays within DESIGN.md's 2× rule (rounding
-    dS alone to bfloat16/float16 exceeds it on random inputs)."""
+    mantissa bits, so the backward's error stays within DESIGN.md's 2× rule (rounding
+    p and dS once to bfloat16/float16 exceeds it on random inputs)."""
     hi = _cast(x, y.dtype, INTERPRET)
     acc = _mm(hi, y, acc, INTERPRET, PRECISION)
     if SPLIT:
@@ -237,7 +251,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, offs_dv,
                PRECISION: constexpr):
     """Online softmax over key tiles [start, end)."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in range(_bound(start, INTERPRET), _bound(end, INTERPRET), BLOCK_N):
         cols = start_n + offs_n
         kT = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                      mask=(cols[None, :] < S) & (offs_d[:, None] < HEAD_D), other=0.0)
@@ -373,7 +387,7 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, cols, offs_
                PRECISION: constexpr):
     """dk, dv of one key block from query tiles [start, end), in (keys, rows) layout."""
     offs_m = tl.arange(0, BLOCK_M)
-    for start_m in range(start, end, BLOCK_M):
+    for start_m in range(_bound(start, INTERPRET), _bound(end, INTERPRET), BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < L
         qT = tl.load(q_base + rows[None, :] * stride_qm + offs_d[:, None] * stride_qd,
@@ -494,7 +508,7 @@ def _dq_inner(dq, q, do, lse2, Di, k_base, v_base, ds_base, offs_m, offs_d, offs
               INTERPRET: constexpr, PRECISION: constexpr):
     """dq of one query block from key tiles [start, end); writes dS tiles if asked."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in range(_bound(start, INTERPRET), _bound(end, INTERPRET), BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < S
         kT = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd,
@@ -599,7 +613,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, DS, Keep, Drop, Bias,
 
 
 # ---- wrapping the device functions with triton.jit, lazily ---------------------------
-_DEVICE_FUNCTIONS = ("_max_combine", "_sum_combine", "_tanh", "_mm", "_cast", "_mm_lowp",
+_DEVICE_FUNCTIONS = ("_max_combine", "_sum_combine", "_tanh", "_mm", "_bound", "_cast", "_mm_lowp",
                      "_tile_scores", "_key_range", "_query_range",
                      "_fwd_inner", "_attn_fwd", "_bwd_preprocess", "_dkdv_inner",
                      "_attn_bwd_dkdv", "_dq_inner", "_attn_bwd_dq")
