@@ -125,6 +125,20 @@ def test_float32_inputs_trace_in_float32():
     assert max_error(t.out, ref) < 1e-5
 
 
+def test_torch_tensors_with_grad_and_bfloat16():
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.tensor(x).to(torch.bfloat16) for x in make_qkv((3, 4), (5, 4)))
+    q.requires_grad_()
+    keep = torch.ones(3, 5, dtype=torch.bool)
+    keep[0, :2] = False
+    t = explain(q, k, v, keep=keep, causal=True)
+    assert t.out.dtype == np.float32                             # bfloat16 is read as float32
+    q64, k64, v64 = (x.detach().double().numpy() for x in (q, k, v))
+    ref = attnkit.attention(q64, k64, v64, keep=keep.numpy(), causal=True)
+    assert max_error(t.out, ref) < 1e-5
+    assert t["excluded"][0, :2].all() and not t["excluded"][0, 2]
+
+
 def test_bad_inputs_raise_named_errors():
     q, k, v = make_qkv((2, 3), (4, 3))
     with pytest.raises(ValueError, match="labels: expected 4 labels, got 2"):

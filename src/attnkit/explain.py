@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import reference
-from .spec import validate
+from .spec import is_torch, validate
 
 WIDTH = 80
 
@@ -291,7 +291,8 @@ def explain(q, k, v, *, scale=None, causal=False, window=None, align="bottom_rig
     """Attention through the reference rung with its trace hook on: every step named.
 
     Takes the same arrays and masking keywords as :func:`attnkit.attention` (NumPy
-    arrays or nested lists; integers are read as float64), plus ``labels`` for the
+    arrays, nested lists or torch tensors on any device — detached and copied to the
+    CPU, bfloat16 read as float32; integers are read as float64), plus ``labels`` for the
     keys and ``query_labels`` for the queries (default ``k0, k1, …`` and ``q0, …``).
     Returns a :class:`Trace`. A fully masked query row has weights 0, lse -inf and
     output 0.
@@ -306,7 +307,7 @@ def explain(q, k, v, *, scale=None, causal=False, window=None, align="bottom_rig
     [[1.0, 0.0], [0.33, 0.67]]
     """
     q, k, v = (_float_array(x) for x in (q, k, v))
-    keep, drop, bias = (None if m is None else np.asarray(m) for m in (keep, drop, bias))
+    keep, drop, bias = (None if m is None else _numpy(m) for m in (keep, drop, bias))
     spec = validate(q, k, v, scale=scale, causal=causal, window=window, align=align,
                     keep=keep, drop=drop, bias=bias, softcap=softcap)
     labels = _labels("labels", labels, spec.S, "k")
@@ -466,8 +467,18 @@ def mistakes_text(m: dict, width: int = WIDTH) -> str:
 
 
 # ---- helpers ------------------------------------------------------------------------
+def _numpy(x):
+    """x as a NumPy array; a torch tensor is detached and copied to the CPU (NumPy has
+    no bfloat16: it becomes float32)."""
+    if is_torch(x):
+        import torch
+        x = x.detach().cpu()
+        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+    return np.asarray(x)
+
+
 def _float_array(x):
-    a = np.asarray(x)
+    a = _numpy(x)
     return a if a.dtype.kind == "f" else a.astype(np.float64)
 
 
