@@ -5,15 +5,19 @@
 #   gpu.txt/.csv    benchmarks/gpu.py: checks first, then the timing grid
 # Fits one 10-minute call: tests capped at 200 s, the benchmark's timing at 240 s.
 # Needs torch, triton, numpy, pytest and pytest-xdist (the H200 image has them).
-set -o pipefail
+# Exits non-zero when the tests or the benchmark failed (or ran out of time).
+set -u -o pipefail
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__,
 'numpy', numpy.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')" \
   2>&1 | tee "$out/env.txt"
-timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_triton.py -k gpu 2>&1 \
+timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_triton.py -k test_gpu 2>&1 \
   | tee "$out/gpu_tests.txt"
-echo "gpu tests exit: $?" | tee -a "$out/gpu_tests.txt"
+tests=$?
+echo "gpu tests exit: $tests" | tee -a "$out/gpu_tests.txt"
 timeout 330 python3 benchmarks/gpu.py --budget-s 240 --out "$out/gpu.csv" 2>&1 | tee "$out/gpu.txt"
-echo "benchmark exit: $?" | tee -a "$out/gpu.txt"
+bench=$?
+echo "benchmark exit: $bench" | tee -a "$out/gpu.txt"
+exit $(( tests != 0 || bench != 0 ))

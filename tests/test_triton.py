@@ -206,6 +206,8 @@ def test_forward_rounds_p_once_within_the_rule(dtype, kw):
     o64, _, _ = reference.forward(spec64)
     o32, _, _ = reference.forward(spec32)
     check("out", out, o64, rounded(o32, out.dtype))
+    triton_tuning.override = lambda *a: {"SPLIT": True}        # the split really is off by default:
+    assert not torch.equal(tk.forward(spec)[0], out)            # forcing it on changes some bits
 
 
 def test_without_split_rounds_like_flashattention():

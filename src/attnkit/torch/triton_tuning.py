@@ -23,7 +23,7 @@ budget over random, causal, masked and sharp (scale = 1) cases at D = 16…128,
 S ≤ 2048 in both half types, since the output's own final rounding dominates.
 
 To override, assign a function with the same signature to ``override``; it returns a
-dict (any subset of the four keys; the rest come from the table) or ``None`` to keep
+dict (any subset of the five keys; the rest come from the table) or ``None`` to keep
 the table's entry::
 
     >>> from attnkit.torch import triton_tuning
