@@ -39,6 +39,7 @@ import numpy as np
 
 import attnkit
 from attnkit import flash, reference
+from attnkit.bench import interleaved
 from attnkit.spec import flops, validate
 from attnkit.testing import error_budget, max_error
 
@@ -186,21 +187,9 @@ def time_all(D, L, H, passes, repeats, have_torch, validated):
                 runs[(p, causal, "seed")] = lambda c=causal: seed_forward(q, k, v, c)
     if runs:
         runs[CEILING] = blas_ceiling(min(L, CEILING_N))
-    for key, fn in runs.items():                         # warm-up (compiles, thread pools)
-        if key[2] != "seed":
-            fn()
-    times = {key: [] for key in runs}
-    keys = list(runs)
-    order = np.random.default_rng(0)
-    for _ in range(repeats):                             # interleaved, so load changes hit all alike,
-        for i in order.permutation(len(keys)):           # in a new order each round: no run always
-            key, fn = keys[i], runs[keys[i]]             # follows the same one (the seed's memory sweep)
-            # idle gap: BLAS / OpenMP worker threads of the previous provider spin for a
-            # while after their last call and would steal the cores of the next one
-            time.sleep(GAP_S)
-            t0 = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - t0)
+    # interleaved, so load changes hit all alike, in a new order each round (no run
+    # always follows the same one, e.g. the seed's memory sweep); the seed is not warmed up
+    times = interleaved(runs, repeats, GAP_S, warmup=[key for key in runs if key[2] != "seed"])
     return times
 
 

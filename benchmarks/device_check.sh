@@ -2,8 +2,10 @@
 # One run on a GPU machine (the device tool's `run`), results under $OUT:
 #   env.txt         torch, Triton, GPU
 #   gpu_tests.txt   the GPU tests of tests/test_triton.py (compiled kernels vs the reference)
+#   bench_cli.txt   `attnkit bench` on CUDA (bf16, causal, forward and backward)
 #   gpu.txt/.csv    benchmarks/gpu.py: checks first, then the timing grid
-# Fits one 10-minute call: tests capped at 200 s, the benchmark's timing at 240 s.
+# Fits one 10-minute call: tests capped at 200 s, attnkit bench at 90 s, the
+# benchmark's timing at 240 s.
 # Needs torch, triton, numpy, pytest and pytest-xdist (the H200 image has them).
 # Exits non-zero when the tests or the benchmark failed (or ran out of time).
 set -u -o pipefail
@@ -17,7 +19,11 @@ timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_triton.py -
   | tee "$out/gpu_tests.txt"
 tests=$?
 echo "gpu tests exit: $tests" | tee -a "$out/gpu_tests.txt"
+timeout 90 python3 -m attnkit.cli bench --device cuda --dtype bfloat16 --shape 2 16 8192 128 \
+  --causal --backward --repeats 3 2>&1 | tee "$out/bench_cli.txt"
+cli=$?
+echo "attnkit bench exit: $cli" | tee -a "$out/bench_cli.txt"
 timeout 330 python3 benchmarks/gpu.py --budget-s 240 --out "$out/gpu.csv" 2>&1 | tee "$out/gpu.txt"
 bench=$?
 echo "benchmark exit: $bench" | tee -a "$out/gpu.txt"
-exit $(( tests != 0 || bench != 0 ))
+exit $(( tests != 0 || cli != 0 || bench != 0 ))

@@ -1,4 +1,4 @@
-"""The `attnkit` command: explain | info.
+"""The `attnkit` command: explain | info | bench.
 
     attnkit explain                          the seed's worked example, step by step
     attnkit explain --q "1,0" --k "1,0;0,1" --v "10,0;0,10" --labels apple,cheese
@@ -6,6 +6,7 @@
     attnkit explain --report out/            a self-contained HTML page
     attnkit explain --mistakes [--plot entropy.png]
     attnkit info                             which backends run here
+    attnkit bench --shape 1 8 4096 64 --causal --backward   speed here, next to torch SDPA
 
 Matrices are written as text, rows separated by ";" and values by "," (or spaces):
 "1,0;0,1" is the 2 × 2 identity. Masks use 1/0 (or t/f, x/.): for --drop 1 = masked
@@ -218,6 +219,38 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    from . import bench
+    B, H, L, D = args.shape
+    r = bench.run(B, H, L, args.kv_len, D, dtype=args.dtype, device=args.device, causal=args.causal,
+                  backward=args.backward, repeats=args.repeats, backend=args.backend,
+                  peers=not args.no_peers)
+    print(json.dumps(r, indent=1) if args.json else bench.report(r))
+    return 0 if r["checks"]["attnkit"]["ok"] else 1
+
+
+def _bench_parser(sub):
+    p = sub.add_parser(
+        "bench", help="attention's speed here, next to PyTorch's SDPA (checked first)",
+        description="Check attnkit (and PyTorch's scaled_dot_product_attention, when torch is "
+                    "installed) against the float64 reference on a small problem, then time both "
+                    "in one run: best of --repeats, in a new order each round. Causal uses "
+                    "align=top_left, PyTorch's is_causal.")
+    p.add_argument("--shape", nargs=4, type=int, default=[1, 8, 4096, 64], metavar=("B", "H", "L", "D"),
+                   help="batch, heads, query length, head dim (default 1 8 4096 64)")
+    p.add_argument("--kv-len", type=int, metavar="S", help="key/value length (default L)")
+    p.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default="float32")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda runs torch tensors (attnkit's Triton kernels)")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--backward", action="store_true", help="also time forward+backward")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
+    p.add_argument("--backend", default="auto", help="attnkit's backend (default auto)")
+    p.add_argument("--no-peers", action="store_true", help="time attnkit alone")
+    p.add_argument("--json", action="store_true", help="the result as JSON")
+    p.set_defaults(fn=_cmd_bench)
+
+
 def _explain_parser(sub):
     p = sub.add_parser(
         "explain", help="the four steps of attention on a worked example or your numbers",
@@ -260,6 +293,7 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     _explain_parser(sub)
     sub.add_parser("info", help="which backends run here, and why the others do not").set_defaults(fn=_cmd_info)
+    _bench_parser(sub)
     args = p.parse_args(argv)
     from .plot import PlotUnavailable
     try:

@@ -1,0 +1,75 @@
+"""`attnkit bench`: the check comes first and can fail, the timing covers every
+provider and pass, FLOPs use the one formula, and the command line's errors are one
+line. Speed itself is never asserted."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from attnkit import bench
+from attnkit.cli import main
+from attnkit.spec import flops
+
+SMALL = dict(B=1, H=2, L=40, S=57, D=16, repeats=2, gap_s=0, quiet=True)
+
+
+def test_checks_then_times_both_passes_against_torch():
+    pytest.importorskip("torch")
+    r = bench.run(causal=True, backward=True, **SMALL)
+    assert r["checks"]["attnkit"]["ok"] and r["checks"]["torch"]["ok"]
+    assert set(r["times"]) == {"fwd", "fwd+bwd"}
+    for p in ("fwd", "fwd+bwd"):
+        assert set(r["times"][p]) == {"attnkit", "torch"}
+        assert all(t > 0 for t in r["times"][p].values())
+    f = flops(1, 2, 40, 57, 16, causal=True)
+    assert r["flops"]["fwd"] == f
+    assert r["flops"]["fwd+bwd"] == f + flops(1, 2, 40, 57, 16, causal=True, backward=True)
+    text = bench.report(r)
+    assert "attnkit ÷ torch" in text and "GFLOP/s" in text and "causal" in text
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+def test_other_dtypes_pass_their_check(dtype):
+    if dtype == "bfloat16":
+        pytest.importorskip("torch")
+    r = bench.run(dtype=dtype, backward=True, peers=False, **SMALL)
+    assert r["checks"]["attnkit"]["ok"], r["checks"]
+    assert set(r["times"]["fwd+bwd"]) == {"attnkit"}
+
+
+def test_a_wrong_result_fails_the_check_and_is_not_timed(monkeypatch):
+    real = bench.api.attention
+
+    def off(q, k, v, **kw):                    # every rung but the reference: a scale 10% too large
+        if kw.get("backend") != "reference":
+            kw["scale"] = 1.1 / np.sqrt(q.shape[-1])
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(bench.api, "attention", off)
+    r = bench.run(peers=False, **SMALL)
+    assert not r["checks"]["attnkit"]["ok"] and r["checks"]["attnkit"]["worst"] > 1
+    assert r["times"] == {}
+
+
+def test_interleaved_shuffles_rounds_and_warms_up_what_it_is_told():
+    calls = []
+    runs = {key: (lambda key=key: calls.append(key)) for key in "abcd"}
+    times = bench.interleaved(runs, 6, gap_s=0, warmup=["a"])
+    assert calls[0] == "a" and calls.count("a") == 7 and calls.count("b") == 6
+    assert all(len(t) == 6 for t in times.values())
+    rounds = ["".join(calls[1 + 4 * i: 5 + 4 * i]) for i in range(6)]
+    assert all(sorted(r) == list("abcd") for r in rounds) and len(set(rounds)) > 1
+
+
+def test_command_line_json_and_errors(capsys):
+    rc = main(["bench", "--shape", "1", "2", "32", "8", "--repeats", "1", "--no-peers", "--json"])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    r = json.loads(out)
+    assert r["setup"]["L"] == 32 and r["checks"]["attnkit"]["ok"] and "attnkit" in r["times"]["fwd"]
+    rc = main(["bench", "--shape", "1", "0", "32", "8"])
+    _, err = capsys.readouterr()
+    assert rc == 1 and err.count("\n") == 1 and "H: expected a positive integer, got 0" in err
