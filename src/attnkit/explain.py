@@ -248,7 +248,6 @@ class Trace(Mapping):
     def reading(self, b=(), row: int = 0, width: int = WIDTH) -> list[str]:
         """One line (wrapped at ``width``) saying what query ``row``'s answer means."""
         w = self.weights[b][row] if b else self.weights[row]
-        out = self.out[b][row] if b else self.out[row]
         _, _, v = self.inputs(b)
         who = self.query_labels[row]
         if not w.any():
