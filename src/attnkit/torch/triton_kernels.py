@@ -313,30 +313,18 @@ def _attn_fwd(Q, K, V, Out, Lse, Keep, Drop, Bias,
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     lo, mid_lo, mid_hi, hi = _key_range(r0, S, OFFSET, LEFT, RIGHT, BLOCK_M, BLOCK_N,
                                         HAS_LEFT, HAS_RIGHT)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, offs_dv,
-                               stride_kn, stride_kd, stride_vn, stride_vd,
-                               L, S, sm_scale, softcap, OFFSET, LEFT, RIGHT,
-                               keep_ptr, stride_keep_m, stride_keep_n,
-                               drop_ptr, stride_drop_m, stride_drop_n,
-                               bias_ptr, stride_bias_m, stride_bias_n, lo, mid_lo,
-                               HEAD_D, HEAD_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                               HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, SPLIT, INTERPRET, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, offs_dv,
-                               stride_kn, stride_kd, stride_vn, stride_vd,
-                               L, S, sm_scale, softcap, OFFSET, LEFT, RIGHT,
-                               keep_ptr, stride_keep_m, stride_keep_n,
-                               drop_ptr, stride_drop_m, stride_drop_n,
-                               bias_ptr, stride_bias_m, stride_bias_n, mid_lo, mid_hi,
-                               HEAD_D, HEAD_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                               HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, SPLIT, INTERPRET, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, offs_dv,
-                               stride_kn, stride_kd, stride_vn, stride_vd,
-                               L, S, sm_scale, softcap, OFFSET, LEFT, RIGHT,
-                               keep_ptr, stride_keep_m, stride_keep_n,
-                               drop_ptr, stride_drop_m, stride_drop_n,
-                               bias_ptr, stride_bias_m, stride_bias_n, mid_hi, hi,
-                               HEAD_D, HEAD_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                               HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, SPLIT, INTERPRET, PRECISION)
+    for part in tl.static_range(3):                 # edge tiles, tiles inside the band, edge tiles
+        start = lo if part == 0 else (mid_lo if part == 1 else mid_hi)
+        end = mid_lo if part == 0 else (mid_hi if part == 1 else hi)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, offs_dv,
+                                   stride_kn, stride_kd, stride_vn, stride_vd,
+                                   L, S, sm_scale, softcap, OFFSET, LEFT, RIGHT,
+                                   keep_ptr, stride_keep_m, stride_keep_n,
+                                   drop_ptr, stride_drop_m, stride_drop_n,
+                                   bias_ptr, stride_bias_m, stride_bias_n, start, end,
+                                   HEAD_D, HEAD_DV, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT,
+                                   HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, SPLIT, INTERPRET,
+                                   PRECISION)
 
     empty = l_i == 0.0                              # fully masked row (or no visible key)
     l_safe = tl.where(empty, 1.0, l_i)              # out = 0 / 1 = 0 instead of 0 / 0
@@ -461,30 +449,18 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Keep, Drop, Bias,
         keep_ptr = Keep + off_b * stride_keep_b + off_h * stride_keep_h
         drop_ptr = Drop + off_b * stride_drop_b + off_h * stride_drop_h
         bias_ptr = Bias + off_b * stride_bias_b + off_h * stride_bias_h
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, cols,
-                             offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod,
-                             stride_lm, L, S, sm_scale, softcap, OFFSET, LEFT, RIGHT,
-                             keep_ptr, stride_keep_m, stride_keep_n,
-                             drop_ptr, stride_drop_m, stride_drop_n,
-                             bias_ptr, stride_bias_m, stride_bias_n, lo, mid_lo,
-                             HEAD_D, HEAD_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
-                             HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, SPLIT, INTERPRET, PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, cols,
-                             offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod,
-                             stride_lm, L, S, sm_scale, softcap, OFFSET, LEFT, RIGHT,
-                             keep_ptr, stride_keep_m, stride_keep_n,
-                             drop_ptr, stride_drop_m, stride_drop_n,
-                             bias_ptr, stride_bias_m, stride_bias_n, mid_lo, mid_hi,
-                             HEAD_D, HEAD_DV, BLOCK_M, False, HAS_LEFT, HAS_RIGHT,
-                             HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, SPLIT, INTERPRET, PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, cols,
-                             offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod,
-                             stride_lm, L, S, sm_scale, softcap, OFFSET, LEFT, RIGHT,
-                             keep_ptr, stride_keep_m, stride_keep_n,
-                             drop_ptr, stride_drop_m, stride_drop_n,
-                             bias_ptr, stride_bias_m, stride_bias_n, mid_hi, hi,
-                             HEAD_D, HEAD_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
-                             HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, SPLIT, INTERPRET, PRECISION)
+        for part in tl.static_range(3):             # edge tiles, tiles inside the band, edge tiles
+            start = lo if part == 0 else (mid_lo if part == 1 else mid_hi)
+            end = mid_lo if part == 0 else (mid_hi if part == 1 else hi)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, cols,
+                                 offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod,
+                                 stride_lm, L, S, sm_scale, softcap, OFFSET, LEFT, RIGHT,
+                                 keep_ptr, stride_keep_m, stride_keep_n,
+                                 drop_ptr, stride_drop_m, stride_drop_n,
+                                 bias_ptr, stride_bias_m, stride_bias_n, start, end,
+                                 HEAD_D, HEAD_DV, BLOCK_M, part != 1, HAS_LEFT, HAS_RIGHT,
+                                 HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, SPLIT, INTERPRET,
+                                 PRECISION)
     dk = dk * sm_scale                              # scores = scale · q kᵀ
     tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh
              + cols[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
@@ -585,27 +561,16 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, DS, Keep, Drop, Bias,
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     lo, mid_lo, mid_hi, hi = _key_range(r0, S, OFFSET, LEFT, RIGHT, BLOCK_M, BLOCK_N,
                                         HAS_LEFT, HAS_RIGHT)
-    dq = _dq_inner(dq, q, do, lse2, Di, k_base, v_base, ds_base, offs_m, offs_d, offs_dv,
-                   stride_kn, stride_kd, stride_vn, stride_vd, stride_ds_m, stride_ds_n,
-                   L, S, sm_scale, softcap, OFFSET, LEFT, RIGHT,
-                   keep_ptr, stride_keep_m, stride_keep_n, drop_ptr, stride_drop_m,
-                   stride_drop_n, bias_ptr, stride_bias_m, stride_bias_n, lo, mid_lo,
-                   HEAD_D, HEAD_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_KEEP, HAS_DROP,
-                   HAS_BIAS, HAS_SOFTCAP, WRITE_DS, SPLIT, INTERPRET, PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, Di, k_base, v_base, ds_base, offs_m, offs_d, offs_dv,
-                   stride_kn, stride_kd, stride_vn, stride_vd, stride_ds_m, stride_ds_n,
-                   L, S, sm_scale, softcap, OFFSET, LEFT, RIGHT,
-                   keep_ptr, stride_keep_m, stride_keep_n, drop_ptr, stride_drop_m,
-                   stride_drop_n, bias_ptr, stride_bias_m, stride_bias_n, mid_lo, mid_hi,
-                   HEAD_D, HEAD_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_KEEP, HAS_DROP,
-                   HAS_BIAS, HAS_SOFTCAP, WRITE_DS, SPLIT, INTERPRET, PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, Di, k_base, v_base, ds_base, offs_m, offs_d, offs_dv,
-                   stride_kn, stride_kd, stride_vn, stride_vd, stride_ds_m, stride_ds_n,
-                   L, S, sm_scale, softcap, OFFSET, LEFT, RIGHT,
-                   keep_ptr, stride_keep_m, stride_keep_n, drop_ptr, stride_drop_m,
-                   stride_drop_n, bias_ptr, stride_bias_m, stride_bias_n, mid_hi, hi,
-                   HEAD_D, HEAD_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_KEEP, HAS_DROP,
-                   HAS_BIAS, HAS_SOFTCAP, WRITE_DS, SPLIT, INTERPRET, PRECISION)
+    for part in tl.static_range(3):                 # edge tiles, tiles inside the band, edge tiles
+        start = lo if part == 0 else (mid_lo if part == 1 else mid_hi)
+        end = mid_lo if part == 0 else (mid_hi if part == 1 else hi)
+        dq = _dq_inner(dq, q, do, lse2, Di, k_base, v_base, ds_base, offs_m, offs_d, offs_dv,
+                       stride_kn, stride_kd, stride_vn, stride_vd, stride_ds_m, stride_ds_n,
+                       L, S, sm_scale, softcap, OFFSET, LEFT, RIGHT,
+                       keep_ptr, stride_keep_m, stride_keep_n, drop_ptr, stride_drop_m,
+                       stride_drop_n, bias_ptr, stride_bias_m, stride_bias_n, start, end,
+                       HEAD_D, HEAD_DV, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_KEEP, HAS_DROP,
+                       HAS_BIAS, HAS_SOFTCAP, WRITE_DS, SPLIT, INTERPRET, PRECISION)
     dq = dq * sm_scale                              # scores = scale · q kᵀ
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh
              + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
