@@ -238,6 +238,29 @@ def test_backward_of_a_key_block_with_global_out_and_lse():
     assert max_error(dq_sum, dq) <= 1e-12
 
 
+def test_lse_gradient_matches_reference_and_central_differences():
+    """dlse (a gradient for lse) enters the Jacobian term: flash = reference, and both
+    are the derivative of lse · c by central differences."""
+    q, k, v = make_qkv((2, 33, 8), (2, 41, 8), seed=6)
+    spec = validate(q, k, v, causal=True, bias=np.random.default_rng(2).standard_normal((33, 41)))
+    out, lse, _ = reference.rung_forward(spec)
+    rng = np.random.default_rng(3)
+    dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+    ref = reference.rung_backward(spec, dout, out, lse, dlse)
+    got = flash.rung_backward(spec, dout, out, lse, dlse, block_m=16, block_n=16)
+    for g, r in zip(got, ref):
+        assert max_error(g, r) <= 1e-12
+    eps, i = 1e-6, (1, 5, 3)                             # d(Σ out·dout + lse·dlse)/dq[i]
+
+    def loss(qq):
+        o, l, _ = reference.rung_forward(validate(qq, k, v, causal=True, bias=spec.bias))
+        return (o * dout).sum() + (l * dlse).sum()
+    qp, qm = q.copy(), q.copy()
+    qp[i] += eps
+    qm[i] -= eps
+    assert abs((loss(qp) - loss(qm)) / (2 * eps) - ref[0][i]) < 1e-7
+
+
 @pytest.mark.parametrize("with_lse", [True, False])
 def test_attention_weights_rows(with_lse):
     q, k, v = make_qkv((2, 3, 50, 8), (2, 1, 70, 8), seed=5)

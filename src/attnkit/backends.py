@@ -5,6 +5,7 @@ Every rung is a module with the same four functions (all take a validated Spec):
     not_supported_reasons(spec) -> list[str]      empty = this rung can run it
     rung_forward(spec, need_weights) -> (out, lse, weights | None)
     rung_backward(spec, dout, out, lse) -> (dq, dk, dv, dbias | None)
+        (the NumPy rungs also take ``dlse``, a gradient for lse, for the torch op)
     rung_weights(spec, lse, rows) -> weights
 
 ``out`` and ``weights`` have q's dtype, ``lse`` the accumulation dtype (float32, or

@@ -674,12 +674,14 @@ def _row_runs(rows):
 # ---- backward -----------------------------------------------------------------------
 
 
-def _backward(call: _Call, dout, out, lse):
+def _backward(call: _Call, dout, out, lse, dlse=None):
     spec, acc = call.spec, call.acc
     dout = broadcast_to(_tile_ready(dout, acc), spec.out_shape)
     lse = np.asarray(lse, dtype=acc)
     # delta = rowsum(dout ∘ out): the softmax Jacobian term Σ_j w·dw, O(L) per head
     delta = np.einsum("...d,...d->...", dout, np.asarray(out, dtype=acc))
+    if dlse is not None:                                 # a gradient for lse: d lse / d scores = w
+        delta = delta - np.asarray(dlse, dtype=acc)
 
     heads = call.heads()
     # tasks that add into the same dbias slice run its heads one after another
@@ -821,10 +823,10 @@ def rung_forward(spec: Spec, need_weights: bool = False, *, block_m=None, block_
     return (None if out is None else _cast(out, spec.dtype)), lse, weights
 
 
-def rung_backward(spec: Spec, dout, out, lse, *, block_m=None, block_n=None):
-    """(dq, dk, dv, dbias | None) from the saved out and lse, reduced to the shapes
-    the user passed; dbias has bias's dtype."""
-    return _backward(_Call(spec, block_m, block_n, backward=True), dout, out, lse)
+def rung_backward(spec: Spec, dout, out, lse, dlse=None, *, block_m=None, block_n=None):
+    """(dq, dk, dv, dbias | None) from the saved out and lse (and a gradient ``dlse``
+    for lse, optional), reduced to the shapes the user passed; dbias has bias's dtype."""
+    return _backward(_Call(spec, block_m, block_n, backward=True), dout, out, lse, dlse)
 
 
 def rung_weights(spec: Spec, lse=None, rows=None, *, block_m=None, block_n=None):

@@ -101,13 +101,15 @@ def from_lse(scores, lse):
     return np.exp(scores - np.where(finite, lse, 0.0)) * finite
 
 
-def backward(spec: Spec, dout, out, lse):
+def backward(spec: Spec, dout, out, lse, dlse=None):
     """Gradients by the chain rule back through the four steps, with the softmax
     normalised by the given ``lse`` and its Jacobian term rowsum(w ∘ dw) taken as
     rowsum(dout ∘ out) — so a block of keys gets its share of the gradient of the
     whole (ring attention, split-KV), and with out, lse from this block alone it is
-    the ordinary gradient. Returns (dq, dk, dv, dbias) reduced to the shapes the user
-    passed; dbias is None without bias. Fully masked rows give zero gradients."""
+    the ordinary gradient. ``dlse`` (optional, lse's shape) is a gradient for lse:
+    d lse / d scores = weights, so it enters that term with the opposite sign.
+    Returns (dq, dk, dv, dbias) reduced to the shapes the user passed; dbias is None
+    without bias. Fully masked rows give zero gradients."""
     q, k, v = _operands(spec)
     scores, _, _, capped = scores_and_weights(spec)
     acc = q.dtype
@@ -118,7 +120,10 @@ def backward(spec: Spec, dout, out, lse):
     dv = np.swapaxes(weights, -1, -2) @ dout             # (..., H, S, Dv)
     dweights = dout @ np.swapaxes(v, -1, -2)             # (..., H, L, S)
     # Step 3 back: softmax Jacobian, dz = w ∘ (dw − Σ_j w dw), and Σ_j w dw = dout · out
-    dz = weights * (dweights - (dout * out).sum(axis=-1, keepdims=True))
+    delta = (dout * out).sum(axis=-1, keepdims=True)
+    if dlse is not None:                                 # d lse / dz = weights
+        delta = delta - np.asarray(dlse, dtype=acc)[..., None]
+    dz = weights * (dweights - delta)
     dbias = None if spec.bias is None else reduce_to(dz, spec.shapes["bias"])
     # Step 2 back: softcap and scale
     if capped is not None:
@@ -151,8 +156,8 @@ def rung_forward(spec: Spec, need_weights: bool = False):
     return out.astype(spec.dtype), lse, (weights.astype(spec.dtype) if need_weights else None)
 
 
-def rung_backward(spec: Spec, dout, out, lse):
-    dq, dk, dv, dbias = backward(spec, dout, out, lse)
+def rung_backward(spec: Spec, dout, out, lse, dlse=None):
+    dq, dk, dv, dbias = backward(spec, dout, out, lse, dlse)
     dt = spec.dtype
     return dq.astype(dt), dk.astype(dt), dv.astype(dt), (None if dbias is None else dbias.astype(np.asarray(spec.bias).dtype))
 

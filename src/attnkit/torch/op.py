@@ -154,30 +154,21 @@ def attention_bwd(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor
                   align: str, softcap: float | None, kernel: str, need_dbias: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias) from the given out and lse; dbias is empty without bias or
-    when ``need_dbias`` is False (the Triton kernels then skip it).
-
-    A gradient ``dlse`` for lse enters the softmax Jacobian term exactly as
-    rowsum(dout ∘ out) does, with the opposite sign: d lse / d scores = weights, so
-    dscores = w ∘ (dw − (rowsum(dout ∘ out) − dlse)). Every rung takes that term as
-    rowsum(dout ∘ out), so the op appends one column: v gets a 0 (dw and dv are
-    unchanged), out a 1 and dout −dlse."""
-    Dv = v.shape[-1]
-    if dlse is not None and bool((dlse != 0).any()):
-        one = out.new_ones(out.shape[:-1] + (1,))
-        v = torch.cat([v, v.new_zeros(v.shape[:-1] + (1,))], -1)
-        out = torch.cat([out, one], -1)
-        dout = torch.cat([dout.expand(out.shape[:-1] + (Dv,)), -dlse[..., None].to(dout.dtype)], -1)
+    when ``need_dbias`` is False (the Triton kernels then skip it). A gradient ``dlse``
+    for lse goes to the rung, which folds it into the softmax Jacobian term
+    (d lse / d scores = weights)."""
     args = (q, k, v, keep, drop, bias, scale, causal, window_left, window_right, align, softcap)
     if _uses_triton(q, kernel):
-        dq, dk, dv, dbias = triton_module()[0].backward(_torch_spec(*args), dout, out, lse,
+        dq, dk, dv, dbias = triton_module()[0].backward(_torch_spec(*args), dout, out, lse, dlse,
                                                           need_dbias=need_dbias)
     else:
         spec = _numpy_spec(*args)
-        grads = backends.select(spec, "auto").rung_backward(spec, _np(dout), _np(out), _np(lse))
+        grads = backends.select(spec, "auto").rung_backward(spec, _np(dout), _np(out), _np(lse),
+                                                            None if dlse is None else _np(dlse))
         dq, dk, dv, dbias = (None if g is None else _torch(g, x.dtype)
                              for g, x in zip(grads, (q, k, v, bias)))
     dbias = q.new_empty(0) if dbias is None or not need_dbias else dbias
-    return dq.contiguous(), dk.contiguous(), dv[..., :Dv].contiguous(), dbias.contiguous()
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias.contiguous()
 
 
 @attention_bwd.register_fake

@@ -874,9 +874,10 @@ def _grad_buffer(x_full_shape, x, acc_dtype):
     return torch.empty(x_full_shape, dtype=dtype, device=x.device)
 
 
-def backward(spec, dout, out, lse, need_dbias=True):
+def backward(spec, dout, out, lse, dlse=None, need_dbias=True):
     """(dq, dk, dv, dbias) from the given out and lse (DESIGN.md: weights =
-    exp(scores - lse), Jacobian term rowsum(dout ∘ out)); dq, dk, dv reduced to the
+    exp(scores - lse), Jacobian term rowsum(dout ∘ out), minus ``dlse`` when a
+    gradient for lse is given); dq, dk, dv reduced to the
     user's q, k, v shapes in their dtype; dbias reduced to bias's shape in bias's dtype,
     None without bias or when ``need_dbias`` is False. Fully masked rows (lse -inf)
     contribute zero gradients."""
@@ -912,6 +913,8 @@ def backward(spec, dout, out, lse, need_dbias=True):
                 HEAD_DV=Dv, BLOCK_M=pre["BLOCK_M"], BLOCK_DV=_next_pow2(Dv),
                 num_warps=pre["num_warps"], num_stages=pre["num_stages"], **_FP_FUSION)
 
+        if dlse is not None:                        # d lse / d scores = weights
+            delta -= dlse.to(device=dev, dtype=torch.float32)
         cfg, consts, scalars = _common(spec, "backward_dkdv")
         tensors = [q, k, v, dout, lse, delta, dk, dv, keep, drop, bias]
         for nb, (q_, k2, v_, do_, l_, de_, dk_, dv_, kp, dp, bs) in _launches(B, tensors, Hkv):
