@@ -478,8 +478,8 @@ class _Call:
         self.spec = spec
         self.acc = np.dtype(spec.acc_dtype)
         bm, bn = block_sizes(spec.D, spec.acc_dtype, backward)
-        self.BLOCK_M = int(block_m or bm)
-        self.BLOCK_N = int(block_n or bn)
+        self.BLOCK_M = int(bm if block_m is None else block_m)
+        self.BLOCK_N = int(bn if block_n is None else block_n)
         if self.BLOCK_M < 1 or self.BLOCK_N < 1:
             raise ValueError(f"block sizes must be positive, got {self.BLOCK_M}, {self.BLOCK_N}")
         self.kern = _kernels(self.acc)

@@ -46,26 +46,18 @@ from ..spec import validate
 # ---- where a call runs ------------------------------------------------------------
 def triton_module():
     """``(attnkit.torch.triton_kernels, None)``, or ``(None, reason)`` when it cannot be
-    imported or lacks the functions this op calls."""
+    imported (no triton)."""
     try:
         from . import triton_kernels
     except ImportError as e:
         return None, f"attnkit.torch.triton_kernels not available: {e}"
-    missing = [f for f in ("not_supported_reasons", "forward", "backward") if not hasattr(triton_kernels, f)]
-    if missing:
-        return None, f"attnkit.torch.triton_kernels lacks {', '.join(missing)}"
     return triton_kernels, None
 
 
 def triton_reasons(spec) -> list[str]:
     """Why the Triton kernels cannot run spec (empty list = they can)."""
     mod, why = triton_module()
-    if mod is None:
-        return [why]
-    try:
-        return list(mod.not_supported_reasons(spec))
-    except AttributeError as e:  # a kernel module half-way through being written
-        return [f"attnkit.torch.triton_kernels.not_supported_reasons failed: {e}"]
+    return [why] if mod is None else list(mod.not_supported_reasons(spec))
 
 
 def _uses_triton(q, kernel: str) -> bool:
@@ -209,12 +201,9 @@ def attention_weights_op(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor | N
                          scale: float, causal: bool, window_left: int | None, window_right: int | None,
                          align: str, softcap: float | None) -> torch.Tensor:
     """Weights (..., H, len(rows), S) in q's dtype, from lse when given. Runs on the
-    NumPy ladder; CUDA tensors use ``triton_kernels.weights`` when the kernel module
-    has it and otherwise make a round trip through the CPU."""
+    NumPy ladder (the Triton kernels have no weights kernel): CUDA tensors make a
+    round trip through the CPU, O(rows · S) memory."""
     args = (q, k, None, keep, drop, bias, scale, causal, window_left, window_right, align, softcap)
-    mod = triton_module()[0] if q.device.type == "cuda" else None
-    if mod is not None and hasattr(mod, "weights"):
-        return mod.weights(_torch_spec(*args), lse, rows).contiguous()
     cpu = [None if x is None else x.detach().cpu() for x in args[:6]]
     spec = _numpy_spec(*cpu, *args[6:])
     lse_np = None if lse is None else _np(lse.cpu())

@@ -664,10 +664,6 @@ def not_supported_reasons(spec) -> list:
         why.append(f"dtype {spec.dtype} is not supported by the Triton kernels (float16, bfloat16, float32)")
     if max(spec.D, spec.Dv) > MAX_HEAD_DIM:
         why.append(f"head dim D={spec.D}, Dv={spec.Dv} exceeds {MAX_HEAD_DIM}")
-    tensors = [x for x in (spec.q, spec.k, spec.v, spec.keep, spec.drop, spec.bias) if x is not None]
-    devices = {str(x.device) for x in tensors}
-    if len(devices) > 1:
-        why.append(f"tensors are on different devices {sorted(devices)}")
     kind = spec.q.device.type
     if kind == "cpu":
         if not interpreting():
