@@ -530,7 +530,7 @@ class _Call:
         if index_mask is None:
             index_mask = self.index_partial(r0, r1, c0, c1)
         if self.masked or index_mask:
-            ex = spec.tile_excluded(b, h, r0, r1, c0, c1)
+            ex = spec.tile_excluded(b, h, r0, r1, c0, c1, index=index_mask)
             if ex is not None:
                 np.copyto(s, -np.inf, where=ex)
 

@@ -23,19 +23,6 @@ def _operands(spec: Spec):
     return q, k, v
 
 
-def _excluded(spec: Spec):
-    """Boolean mask broadcastable to (..., H, L, S), True = excluded, or None."""
-    ex = None
-    ik = spec.index_keep(np.arange(spec.L), np.arange(spec.S))
-    if ik is not None:
-        ex = ~ik
-    if spec.keep is not None:
-        ex = ~np.asarray(spec.keep) if ex is None else ex | ~np.asarray(spec.keep)
-    if spec.drop is not None:
-        ex = np.asarray(spec.drop) if ex is None else ex | np.asarray(spec.drop)
-    return ex
-
-
 def _softmax(scores):
     """Row softmax and its lse; a row of all -inf gives weights 0 and lse -inf."""
     m = scores.max(axis=-1, keepdims=True)
@@ -67,7 +54,7 @@ def scores_and_weights(spec: Spec, trace=None):
     if spec.bias is not None:                            # 2b: additive bias (-inf allowed)
         scores = scores + np.asarray(spec.bias, dtype=scores.dtype)
         t("biased", scores)
-    excluded = _excluded(spec)
+    excluded = spec.excluded()
     if excluded is not None:                             # 2c: keep / drop / causal / window
         scores = np.where(excluded, -np.inf, scores)
         t("excluded", broadcast_to(excluded, spec.score_shape))

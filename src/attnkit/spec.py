@@ -244,27 +244,38 @@ class Spec:
             ok &= j <= diag + right
         return ok
 
-    def tile_excluded(self, b, h, r0, r1, c0, c1):
+    def excluded(self):
+        """Boolean array broadcastable to (..., H, L, S), True = excluded: keep, drop,
+        causal and window combined (the rule of :meth:`tile_excluded` on whole arrays);
+        None when nothing is excluded."""
+        return _combine(self.index_keep(np.arange(self.L), np.arange(self.S)),
+                        *(None if m is None else np.asarray(m) for m in (self.keep, self.drop)))
+
+    def tile_excluded(self, b, h, r0, r1, c0, c1, index=True):
         """Boolean (r1-r0, c1-c0) NumPy array, True = excluded, for batch index b (a
         tuple), query head h, rows [r0, r1), keys [c0, c1): keep, drop, causal and
         window combined. None when nothing is excluded there. Masks are sliced, never
-        expanded."""
-        ex = None
-        ik = self.index_keep(np.arange(r0, r1), np.arange(c0, c1))
-        if ik is not None:
-            ex = ~ik
-        for m, polarity in ((self.keep, False), (self.drop, True)):
-            if m is None:
-                continue
-            t = self.mask_tile(m, b, h, r0, r1, c0, c1)
-            t = t if polarity else ~t
-            ex = t if ex is None else ex | t
-        return ex
+        expanded. ``index=False``: the caller knows causal/window leave the tile whole."""
+        ik = self.index_keep(np.arange(r0, r1), np.arange(c0, c1)) if index else None
+        return _combine(ik, *(None if m is None else self.mask_tile(m, b, h, r0, r1, c0, c1)
+                              for m in (self.keep, self.drop)))
 
     def mask_tile(self, m, b, h, r0, r1, c0, c1):
         """The (r1-r0, c1-c0) tile of a keep/drop/bias array broadcast to score_shape."""
         full = broadcast_to(m, self.score_shape)
         return np.asarray(full[b + (h,)][r0:r1, c0:c1])
+
+
+def _combine(index_keep, keep, drop):
+    """True = excluded, from the causal/window rule (True = visible), keep and drop;
+    each may be None; None when all are."""
+    parts = [~x for x in (index_keep, keep) if x is not None] + ([drop] if drop is not None else [])
+    if not parts:
+        return None
+    ex = parts[0]
+    for p in parts[1:]:
+        ex = ex | p
+    return ex
 
 
 def validate(q, k, v, *, scale=None, causal=False, window=None, align="bottom_right",
