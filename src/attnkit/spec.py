@@ -198,10 +198,7 @@ class Spec:
         """causal and window as one band around the diagonal: (left, right), key j
         visible to query i iff diag(i) - left <= j <= diag(i) + right; None = unbounded.
         Causal is right = 0 (or the window's right side if smaller)."""
-        left, right = self.window if self.window is not None else (None, None)
-        if self.causal:
-            right = 0 if right is None else min(right, 0)
-        return left, right
+        return band(self.causal, self.window)
 
     def key_bounds(self, r0: int, r1: int) -> tuple[int, int]:
         """Keys [lo, hi) that causal/window can leave visible to any query in [r0, r1).
@@ -264,6 +261,14 @@ class Spec:
         """The (r1-r0, c1-c0) tile of a keep/drop/bias array broadcast to score_shape."""
         full = broadcast_to(m, self.score_shape)
         return np.asarray(full[b + (h,)][r0:r1, c0:c1])
+
+
+def band(causal, window) -> tuple:
+    """(left, right) of :attr:`Spec.band` from a causal flag and a validated window."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
 
 
 def _combine(index_keep, keep, drop):
@@ -454,3 +459,35 @@ def check_like(name, x, shape, dtype=None):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
     if dtype is not None and dtype_name(x) != dtype:
         raise TypeError(f"{name}: expected dtype {dtype}, got {dtype_name(x)}")
+
+
+# ---- ring attention (attnkit.distributed) -----------------------------------------------
+RING_LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_layout(layout):
+    if layout not in RING_LAYOUTS:
+        raise ValueError(f"layout: expected one of {RING_LAYOUTS}, got {layout!r}")
+
+
+def check_world(rank, world):
+    if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
+        raise ValueError(f"rank, world: expected 0 <= rank < world, got rank={rank!r}, world={world!r}")
+
+
+def check_ring_shard(spec: Spec, keep, drop, layout):
+    """One rank's validated shard for ring attention: key-padding masks only (the
+    query side is the rank's own), even shard lengths for the zigzag layout. Returns
+    the key-padding keep mask (keep and drop combined), or None."""
+    check_layout(layout)
+    for name, m in (("keep", keep), ("drop", drop)):
+        if m is not None and (m.shape[-1] != spec.S or (m.ndim >= 2 and m.shape[-2] != 1)):
+            raise ValueError(f"{name}: ring_attention takes key-padding masks of shape "
+                             f"(..., 1 or H, 1, S_shard={spec.S}) sharded like k, got {tuple(m.shape)}")
+    if layout == "zigzag":
+        for name, n in (("q", spec.L), ("k", spec.S)):
+            if n % 2:
+                raise ValueError(f"{name}: layout='zigzag' needs an even shard length along dim -2 "
+                                 f"(two chunks per rank), got {n}")
+    ex = _combine(None, keep, drop)
+    return None if ex is None else ~ex

@@ -49,9 +49,10 @@ import torch
 import torch.distributed as dist
 
 import attnkit
-from attnkit.spec import ALIGNS, dtype_name, validate
+from attnkit.spec import (ALIGNS, RING_LAYOUTS, band, check_layout, check_ring_shard, check_world,
+                          dtype_name, validate)
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = RING_LAYOUTS
 _DTYPE_CODE = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
 _META_LEN = 96  # ints per rank in the one metadata all_gather
 
@@ -63,18 +64,8 @@ def _chunk_ids(rank: int, world: int, layout: str) -> tuple[int, ...]:
     """Which of the 2·world equal chunks of the sequence rank ``rank`` holds."""
     if layout == "contiguous":
         return (2 * rank, 2 * rank + 1)
-    _check_layout(layout)
+    check_layout(layout)
     return (rank, 2 * world - 1 - rank)
-
-
-def _check_layout(layout):
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-
-
-def _check_world(rank, world):
-    if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
-        raise ValueError(f"rank, world: expected 0 <= rank < world, got rank={rank!r}, world={world!r}")
 
 
 def shard(x, rank: int, world: int, *, layout: str = "contiguous", dim: int = -2):
@@ -90,8 +81,8 @@ def shard(x, rank: int, world: int, *, layout: str = "contiguous", dim: int = -2
     >>> shard(x, 0, 2, dim=0), shard(x, 0, 2, layout="zigzag", dim=0)
     (tensor([0, 1, 2, 3]), tensor([0, 1, 6, 7]))
     """
-    _check_world(rank, world)
-    _check_layout(layout)
+    check_world(rank, world)
+    check_layout(layout)
     n = x.shape[dim]
     parts = 2 * world if layout == "zigzag" else world
     if n % parts:
@@ -114,7 +105,7 @@ def unshard(parts, *, layout: str = "contiguous", dim: int = -2):
     tensor([0, 1, 2, 3, 4, 5, 6, 7])
     """
     parts = list(parts)
-    _check_layout(layout)
+    check_layout(layout)
     if layout == "contiguous":
         return torch.cat(parts, dim=dim)
     world = len(parts)
@@ -228,9 +219,7 @@ def plan(rank, src, world, Lr, Sr, *, L=None, S=None, causal=False, window=None,
     L = world * Lr if L is None else L
     S = world * Sr if S is None else S
     offset = S - L if align == "bottom_right" else 0
-    left, right = (None, None) if window is None else window
-    if causal:
-        right = 0 if right is None else min(right, 0)
+    left, right = band(causal, window)
     if left is None and right is None:         # no index mask: positions do not matter
         qsegs, ksegs = ((0, 0, Lr),), ((0, 0, Sr),)
     else:
@@ -303,21 +292,11 @@ def _validate(q, k, v, keep, drop, cfg, ring):
     try:
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
             raise TypeError("q, k, v: ring_attention takes torch tensors (each rank's shard)")
-        _check_layout(cfg.layout)
+        check_layout(cfg.layout)
         spec = validate(q, k, v, scale=cfg.scale, causal=cfg.causal, window=cfg.window,
                         align=cfg.align, keep=keep, drop=drop, softcap=cfg.softcap)
-        for name, m in (("keep", keep), ("drop", drop)):
-            if m is not None and (m.shape[-1] != spec.S or (m.ndim >= 2 and m.shape[-2] != 1)):
-                raise ValueError(f"{name}: ring_attention takes key-padding masks of shape "
-                                 f"(..., 1 or H, 1, S_shard={spec.S}) sharded like k, got {tuple(m.shape)}")
-        if cfg.layout == "zigzag":
-            for name, n in (("q", spec.L), ("k", spec.S)):
-                if n % 2:
-                    raise ValueError(f"{name}: layout='zigzag' needs an even shard length along dim -2 "
-                                     f"(two chunks per rank), got {n}")
+        key_keep = check_ring_shard(spec, keep, drop, cfg.layout)
         cfg = replace(cfg, window=spec.window)
-        if keep is not None or drop is not None:
-            key_keep = keep if drop is None else (~drop if keep is None else keep & ~drop)
     except (TypeError, ValueError) as e:
         err = e
     meta = [int(err is not None)]
