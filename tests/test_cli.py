@@ -220,6 +220,7 @@ BAD = [
     (["--plot", "weights.txt"], "expected a file ending in .png, .svg or .pdf"),
     (["--plot", "/nonexistent/folder/x.png"], "cannot write /nonexistent/folder/x.png"),
     (["--align", "middle"], "invalid choice"),
+    (["--mistakes", "--random", "2", "3", "4"], "--mistakes: uses its own random inputs; drop --random"),
 ]
 
 

@@ -156,57 +156,52 @@ def _say(args, text):
 
 def _cmd_explain(args) -> int:
     ex = importlib.import_module("attnkit.explain")  # the module (attnkit.explain, the name, is the function)
+    from . import plot                               # light: matplotlib is imported on use
     if args.plot or args.report:
-        from . import plot
         plot.require()
         if args.plot:
             plot.check_path(args.plot)
         if args.report:
             plot.check_folder(args.report)
     if args.mistakes:
-        return _mistakes(args)
-    q, k, v, labels, qlabels, example = _inputs(args)
-    opts = _options(args)
-    trace = ex.explain(q, k, v, labels=labels, query_labels=qlabels, **opts)
-    plain = example and not (args.labels or args.query_labels) and opts == {
-        "causal": False, "align": "bottom_right"}
-    story = ex.worked_example() if plain else trace.render()
-    if args.json:
-        data = trace.to_dict()
-        data["inputs"] = {"q": q.tolist(), "k": k.tolist(), "v": v.tolist()}
-        print(json.dumps(data))
-    else:
-        print(story)
-    if args.plot:
-        from . import plot
-        _say(args, f"wrote {plot.save(plot.trace_figure(trace), args.plot)}")
-    if args.report:
-        from . import plot
+        given = [f"--{n.replace('_', '-')}" for n in _INPUT_OPTIONS if getattr(args, n) not in (None, False)]
+        if given:
+            raise ValueError(f"--mistakes: uses its own random inputs; drop {', '.join(given)}")
         m = ex.mistakes(progress=_progress)
+        print(json.dumps(m) if args.json else ex.mistakes_text(m))
+        if args.plot:
+            _say(args, f"wrote {plot.save(plot.entropy_figure(m['entropy']), args.plot)}")
+        trace = story = None                         # the report shows the worked example
+    else:
+        q, k, v, labels, qlabels, example = _inputs(args)
+        opts = _options(args)
+        trace = ex.explain(q, k, v, labels=labels, query_labels=qlabels, **opts)
+        plain = example and not (args.labels or args.query_labels) and opts == {
+            "causal": False, "align": "bottom_right"}
+        story = ex.worked_example() if plain else trace.render()
+        if args.json:
+            data = trace.to_dict()
+            data["inputs"] = {"q": q.tolist(), "k": k.tolist(), "v": v.tolist()}
+            print(json.dumps(data))
+        else:
+            print(story)
+        if args.plot:
+            _say(args, f"wrote {plot.save(plot.trace_figure(trace), args.plot)}")
+        m = ex.mistakes(progress=_progress) if args.report else None
+    if args.report:
+        if trace is None:
+            trace = ex.explain(*(ex.EXAMPLE[n] for n in ("q", "k", "v")), labels=ex.EXAMPLE["labels"],
+                               query_labels=ex.EXAMPLE["query_labels"])
+            story = ex.worked_example()
         page = plot.report_html(trace, "attnkit explain: attention, step by step", story,
                                 m, ex.mistakes_text(m))
         _say(args, f"wrote {plot.write_report(args.report, page)}")
     return 0
 
 
-def _mistakes(args) -> int:
-    ex = importlib.import_module("attnkit.explain")  # the module (attnkit.explain, the name, is the function)
-    m = ex.mistakes(progress=_progress)
-    if args.json:
-        print(json.dumps(m))
-    else:
-        print(ex.mistakes_text(m))
-    if args.plot:
-        from . import plot
-        _say(args, f"wrote {plot.save(plot.entropy_figure(m['entropy']), args.plot)}")
-    if args.report:
-        from . import plot
-        trace = ex.explain(*(ex.EXAMPLE[n] for n in ("q", "k", "v")), labels=ex.EXAMPLE["labels"],
-                           query_labels=ex.EXAMPLE["query_labels"])
-        page = plot.report_html(trace, "attnkit explain: attention, step by step",
-                                ex.worked_example(), m, ex.mistakes_text(m))
-        _say(args, f"wrote {plot.write_report(args.report, page)}")
-    return 0
+# explain's options that choose inputs or masks (not allowed with --mistakes)
+_INPUT_OPTIONS = ("q", "k", "v", "random", "labels", "query_labels", "causal", "window", "keep",
+                  "drop", "bias", "scale", "softcap")
 
 
 def _cmd_info(args) -> int:
