@@ -1,5 +1,7 @@
 """Public API: the worked example, the seed's function, named errors, properties."""
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -12,7 +14,7 @@ K = np.array([[1.0, 0.0], [0.0, 1.0]])
 V = np.array([[10.0, 0.0], [0.0, 10.0]])
 
 
-@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("backend", ["auto", "reference", "flash"])
 def test_worked_example_through_attention(backend):
     out, w = attnkit.attention(Q, K, V, return_weights=True, backend=backend)
     assert np.round(w, 3).tolist() == [[0.670, 0.330]]
@@ -95,7 +97,7 @@ BAD = [
     (TypeError, "bias", dict(bias=np.ones((2, 3), int))),
     (ValueError, "k", dict(k=np.ones((3, 5)))),
     (ValueError, "v", dict(v=np.ones((4, 2)))),
-    (ValueError, "H=3", dict(q=np.ones((3, 2, 4)), k=np.ones((2, 3, 4)), v=np.ones((2, 3, 2)))),
+    (ValueError, "k: query heads H=3", dict(q=np.ones((3, 2, 4)), k=np.ones((2, 3, 4)), v=np.ones((2, 3, 2)))),
     (ValueError, "keep", dict(keep=np.ones((2, 4), bool))),
     (ValueError, "bias", dict(bias=np.ones((5, 2, 3)))),
     (ValueError, "window", dict(window=(-1, 0))),
@@ -105,7 +107,7 @@ BAD = [
     (ValueError, "scale", dict(scale=float("nan"))),
     (ValueError, "softcap", dict(softcap=0.0)),
     (ValueError, "q", dict(q=np.ones(4))),
-    (ValueError, "batch", dict(q=np.ones((2, 1, 2, 4)), k=np.ones((3, 1, 3, 4)), v=np.ones((3, 1, 3, 2)))),
+    (ValueError, "q, k, v: leading batch dims", dict(q=np.ones((2, 1, 2, 4)), k=np.ones((3, 1, 3, 4)), v=np.ones((3, 1, 3, 2)))),
 ]
 
 
@@ -113,7 +115,7 @@ BAD = [
 def test_bad_input_gets_a_named_error(error, name, kw):
     args = dict(q=np.ones((2, 4)), k=np.ones((3, 4)), v=np.ones((3, 2)))
     args.update(kw)
-    with pytest.raises(error, match=name):
+    with pytest.raises(error, match=rf"^{re.escape(name)}\b"):   # the message starts with the name
         attnkit.attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
 
 
@@ -143,41 +145,45 @@ def draw(L, S, D, seed):
     return rng, q, k, v, keep
 
 
+@pytest.mark.parametrize("backend", ["reference", "flash"])
 @settings(max_examples=60, deadline=None)
 @given(cases)
-def test_weights_are_a_distribution_or_zero(c):
+def test_weights_are_a_distribution_or_zero(backend, c):
     rng, q, k, v, keep = draw(*c)
-    _, w = attnkit.attention(q, k, v, keep=keep, return_weights=True)
+    _, w = attnkit.attention(q, k, v, keep=keep, return_weights=True, backend=backend)
     assert np.all(w >= 0)
     sums = w.sum(-1)
     assert np.allclose(sums, np.where(keep.any(-1), 1.0, 0.0), atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["reference", "flash"])
 @settings(max_examples=60, deadline=None)
 @given(cases)
-def test_permuting_keys_and_values_together_leaves_out_unchanged(c):
+def test_permuting_keys_and_values_together_leaves_out_unchanged(backend, c):
     rng, q, k, v, keep = draw(*c)
     p = rng.permutation(k.shape[-2])
-    a = attnkit.attention(q, k, v, keep=keep)
-    b = attnkit.attention(q, k[:, p], v[:, p], keep=keep[:, p])
+    a = attnkit.attention(q, k, v, keep=keep, backend=backend)
+    b = attnkit.attention(q, k[:, p], v[:, p], keep=keep[:, p], backend=backend)
     assert max_error(a, b) <= 1e-12
 
 
+@pytest.mark.parametrize("backend", ["reference", "flash"])
 @settings(max_examples=60, deadline=None)
 @given(cases, st.floats(-50, 50))
-def test_adding_a_constant_to_a_row_leaves_out_unchanged(c, const):
+def test_adding_a_constant_to_a_row_leaves_out_unchanged(backend, c, const):
     rng, q, k, v, keep = draw(*c)
     L, S = keep.shape
     row_const = np.zeros((L, S))
     row_const[rng.integers(L)] = const
-    a = attnkit.attention(q, k, v, keep=keep)
-    b = attnkit.attention(q, k, v, keep=keep, bias=row_const)
+    a = attnkit.attention(q, k, v, keep=keep, backend=backend)
+    b = attnkit.attention(q, k, v, keep=keep, bias=row_const, backend=backend)
     assert max_error(a, b) <= 1e-10
 
 
+@pytest.mark.parametrize("backend", ["reference", "flash"])
 @settings(max_examples=60, deadline=None)
 @given(cases)
-def test_a_key_with_minus_inf_bias_contributes_nothing(c):
+def test_a_key_with_minus_inf_bias_contributes_nothing(backend, c):
     rng, q, k, v, keep = draw(*c)
     L, S = keep.shape
     j = rng.integers(S)
@@ -185,8 +191,8 @@ def test_a_key_with_minus_inf_bias_contributes_nothing(c):
     bias[:, j] = -np.inf
     v2 = v.copy()
     v2[:, j] = 1e6                                    # would dominate if it leaked in
-    a = attnkit.attention(q, k, v, keep=keep, bias=bias)
-    b = attnkit.attention(q, k, v2, keep=keep, bias=bias)
+    a = attnkit.attention(q, k, v, keep=keep, bias=bias, backend=backend)
+    b = attnkit.attention(q, k, v2, keep=keep, bias=bias, backend=backend)
     assert max_error(a, b) == 0
 
 
