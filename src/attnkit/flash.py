@@ -580,6 +580,17 @@ class _Call:
             if run is not None:
                 yield run, r1, c0, c1
 
+    def query_tiles(self, c0, c1):
+        """[(r0, r1, partial)]: the query blocks that can see any of keys [c0, c1) (the
+        backward's loop; fully excluded tiles skipped), partial as in :meth:`tiles`.
+        Worked out once per call for each key block."""
+        plan = self._plans.get(("keys", c0, c1))
+        if plan is None:
+            plan = self._plans[("keys", c0, c1)] = [
+                (r0, r1, self.index_partial(r0, r1, c0, c1)) for r0, r1 in self.query_blocks()
+                for lo, hi in [self.spec.key_bounds(r0, r1)] if not (hi <= c0 or lo >= c1 or hi <= lo)]
+        return plan
+
     def key_blocks(self, r0, r1):
         """Key tiles [c0, c1) for query rows [r0, r1), only inside key_bounds: tiles
         outside are fully excluded and skipped (causal: about half of them)."""
@@ -705,7 +716,6 @@ def _backward(call: _Call, dout, out, lse, dlse=None):
         for b, h in groups[g]:
             k_h, v_h = call.kv(b, h)
             dq_h = dq[chunk][b][h]
-            blocks = call.query_blocks()
             q_blks = {}
             for j in range(chunk * n_kb // n_chunks, (chunk + 1) * n_kb // n_chunks):
                 c0, c1 = j * BN, min((j + 1) * BN, spec.S)
@@ -713,17 +723,14 @@ def _backward(call: _Call, dout, out, lse, dlse=None):
                 k_blk, v_blk = k_h[c0:c1], v_h[c0:c1]
                 dk_j = np.zeros((bn, spec.D), dtype=acc)
                 dv_j = np.zeros((bn, spec.Dv), dtype=acc)
-                for r0, r1 in blocks:
-                    lo, hi = spec.key_bounds(r0, r1)
-                    if hi <= c0 or lo >= c1 or hi <= lo:  # fully excluded tile: skipped
-                        continue
+                for r0, r1, partial in call.query_tiles(c0, c1):   # fully excluded tiles skipped
                     bm = r1 - r0
                     if r0 not in q_blks:
                         q_blks[r0] = call.q_block(b, h, slice(r0, r1))
                     q_blk, do_blk = q_blks[r0], dout[b][h, r0:r1]
                     p = s_buf[: bm * bn].reshape(bm, bn)
                     tanh_t = None if t_buf is None else t_buf[: bm * bn].reshape(bm, bn)
-                    call.scores(p, b, h, q_blk, k_blk, r0, r1, c0, c1, tanh_out=tanh_t)
+                    call.scores(p, b, h, q_blk, k_blk, r0, r1, c0, c1, tanh_out=tanh_t, index_mask=partial)
                     kern.exp_from_lse(p, lse[b][h, r0:r1])          # p = exp(s − lse), the saved softmax
                     dv_j += p.T @ do_blk
                     ds = dp_buf[: bm * bn].reshape(bm, bn)
