@@ -19,7 +19,6 @@ Masking keywords shared by every function (DESIGN.md §2), applied in this order
 
 from __future__ import annotations
 
-import numpy as np
 
 from . import backends, reference
 from .spec import check_grad_inputs, check_lse, check_merge, check_rows, validate, validate_seed
@@ -94,7 +93,7 @@ def attention_weights(q, k, *, lse=None, rows=None, scale=None, causal=False, wi
     if rows is not None:
         rows = check_rows(spec, rows)
     if lse is not None:
-        check_lse(spec, lse, _head_squeeze(spec, np.empty(spec.lse_shape + (0,)), 2).shape[:-1])
+        check_lse(spec, lse, spec.user_lse_shape)
         lse = _head_unsqueeze(spec, lse, 1)
     w = backends.select(spec, backend).rung_weights(spec, lse, rows)
     return _head_squeeze(spec, w, 2)
@@ -121,8 +120,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
     """
     spec = validate(q, k, v, scale=scale, causal=causal, window=window, align=align,
                     keep=keep, drop=drop, bias=bias, softcap=softcap, backend=backend)
-    out_shape = _head_squeeze(spec, np.empty(spec.out_shape), 2).shape
-    check_grad_inputs(spec, dout, out, lse, out_shape)
+    check_grad_inputs(spec, dout, out, lse, spec.user_out_shape)
     dout, out, lse = (_head_unsqueeze(spec, dout, 2), _head_unsqueeze(spec, out, 2),
                       _head_unsqueeze(spec, lse, 1))
     dq, dk, dv, dbias = backends.select(spec, backend).rung_backward(spec, dout, out, lse)

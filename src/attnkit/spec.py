@@ -188,9 +188,14 @@ class Spec:
     def lse_shape(self) -> tuple:
         return self.batch + (self.H, self.L)
 
-    def flops(self, backward=False) -> float:
-        B = math.prod(self.batch)
-        return flops(B, self.H, self.L, self.S, self.D, self.Dv, causal=self.causal, backward=backward)
+    @property
+    def user_out_shape(self) -> tuple:
+        """out's shape as the user sees it: 2-D inputs give no head axis."""
+        return self.out_shape[:-3] + self.out_shape[-2:] if self.two_d else self.out_shape
+
+    @property
+    def user_lse_shape(self) -> tuple:
+        return self.lse_shape[:-2] + self.lse_shape[-1:] if self.two_d else self.lse_shape
 
     # ---- masking rules (the only place they are written for array code) -------
     @property
