@@ -19,7 +19,6 @@ Masking keywords shared by every function (DESIGN.md §2), applied in this order
 
 from __future__ import annotations
 
-
 from . import backends, reference
 from .spec import check_grad_inputs, check_lse, check_merge, check_rows, validate, validate_seed
 
