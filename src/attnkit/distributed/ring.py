@@ -380,7 +380,7 @@ def _forward(q, k, v, keep, cfg, ring):
     Lr, Sr = q.shape[-2], k.shape[-2]
     acc = _acc_dtype(q.dtype)
     spec = validate(q, k, v)                        # shapes only (checked by _validate)
-    lse_shape = spec.lse_shape[:-2] + (() if spec.two_d else (spec.H,)) + (Lr,)
+    lse_shape = spec.user_lse_shape
     out = torch.zeros(lse_shape + (spec.Dv,), dtype=acc, device=q.device)
     lse = torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
     shapes = [k.shape, v.shape] + ([keep.shape] if keep is not None else [])
