@@ -260,6 +260,15 @@ def test_custom_ops_pass_opcheck():
     args = (q, k, v, keep, None, bias, 0.5, True, None, 1, "top_left", 3.0, "auto")
     torch.library.opcheck(torch.ops.attnkit.attention_fwd.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    out, lse = torch.ops.attnkit.attention_fwd(*args)
+    out, lse = out.detach(), lse.detach()
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    bwd = (dout, dlse, q, k, v, out, lse, keep, None, bias) + args[6:] + (True,)
+    torch.library.opcheck(torch.ops.attnkit.attention_bwd.default, bwd,
+                          test_utils=("test_schema", "test_faketensor"))
+    weights = (q, k, lse, torch.tensor([0, 2]), keep, None, bias) + args[6:12]
+    torch.library.opcheck(torch.ops.attnkit.attention_weights.default, weights,
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_torch_compile_fullgraph_matches_eager():
