@@ -56,7 +56,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .spec import Spec, broadcast_to, reduce_to
+from .spec import Spec, broadcast_to
 
 # ---- tuning ---------------------------------------------------------------------
 
@@ -757,13 +757,7 @@ def _backward(call: _Call, dout, out, lse, dlse=None):
     if spec.softcap:                                     # q_blk was q · scale / softcap; dz/dk = scale · q
         dk *= spec.softcap
 
-    def fold(x):  # per query head (..., H, S, X) -> per kv head (..., Hkv, S, X)
-        return x.reshape(x.shape[:-3] + (spec.Hkv, spec.group) + x.shape[-2:]).sum(axis=-3)
-
-    dt = spec.dtype
-    res = (_cast(reduce_to(dq_sum, spec.shapes["q"]), dt),
-           _cast(reduce_to(fold(dk), spec.shapes["k"]), dt),
-           _cast(reduce_to(fold(dv), spec.shapes["v"]), dt))
+    res = tuple(_cast(g, spec.dtype) for g in spec.to_inputs(dq_sum, dk, dv))
     if dbias is not None:
         dbias = _cast(dbias.reshape(spec.shapes["bias"]), np.asarray(spec.bias).dtype)
     return res + (dbias,)

@@ -119,18 +119,7 @@ def backward(spec: Spec, dout, out, lse, dlse=None):
     # Step 1 back: scores = q kᵀ
     dq = dz @ k                                          # (..., H, L, D)
     dk = np.swapaxes(dz, -1, -2) @ q                     # (..., H, S, D)
-    return _to_inputs(spec, dq, dk, dv) + (dbias,)
-
-
-def _to_inputs(spec: Spec, dq, dk, dv):
-    """Sum per-query-head kv gradients into their kv head, then over broadcast dims."""
-    g = spec.group
-
-    def fold(x):  # (..., H, S, X) -> (..., Hkv, S, X)
-        return x.reshape(x.shape[:-3] + (spec.Hkv, g) + x.shape[-2:]).sum(axis=-3)
-
-    return (reduce_to(dq, spec.shapes["q"]), reduce_to(fold(dk), spec.shapes["k"]),
-            reduce_to(fold(dv), spec.shapes["v"]))
+    return spec.to_inputs(dq, dk, dv) + (dbias,)
 
 
 # ---- the rung interface (see backends.py) ---------------------------------------

@@ -188,6 +188,15 @@ class Spec:
     def lse_shape(self) -> tuple:
         return self.batch + (self.H, self.L)
 
+    def to_inputs(self, dq, dk, dv):
+        """Gradients per query head (..., H, L|S, X) summed into their kv head (GQA),
+        then over the dims the user's q, k, v were broadcast along: their shapes."""
+        def fold(x):  # (..., H, S, X) -> (..., Hkv, S, X)
+            return x.reshape(x.shape[:-3] + (self.Hkv, self.group) + x.shape[-2:]).sum(axis=-3)
+
+        return (reduce_to(dq, self.shapes["q"]), reduce_to(fold(dk), self.shapes["k"]),
+                reduce_to(fold(dv), self.shapes["v"]))
+
     @property
     def user_out_shape(self) -> tuple:
         """out's shape as the user sees it: 2-D inputs give no head axis."""
