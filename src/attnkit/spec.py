@@ -441,10 +441,11 @@ def check_merge(outs, lses):
     for i, (o, l) in enumerate(zip(outs, lses)):
         _same_library(f"outs[{i}]", o, outs[0])
         _same_library(f"lses[{i}]", l, outs[0])
-        for name, x, ref in ((f"outs[{i}]", o, outs[0]), (f"lses[{i}]", l, lses[0])):
+        for name, x, shape, like in ((f"outs[{i}]", o, tuple(outs[0].shape), outs[0]),
+                                     (f"lses[{i}]", l, tuple(outs[0].shape)[:-1], lses[0])):
             if dtype_name(x) not in FLOAT_DTYPES:
                 raise TypeError(f"{name}: expected a float dtype {FLOAT_DTYPES}, got {dtype_name(x)}")
-            check_like(name, x, ref.shape if x is not l else tuple(outs[0].shape)[:-1], dtype_name(ref))
+            check_like(name, x, shape, dtype_name(like))
     return outs, lses
 
 
