@@ -34,10 +34,10 @@ def _softmax(scores):
     return weights, (log_l + m)[..., 0]
 
 
-def scores_and_weights(spec: Spec, trace=None):
-    """Steps 1–3: returns (final scores, weights, lse) and the pieces backward needs."""
+def final_scores(spec: Spec, q, k, trace=None):
+    """Steps 1–2 on the operands q, k (:func:`_operands`): (final scores with −inf
+    where excluded, tanh(scores / softcap) or None) — what backward needs."""
     t = trace or (lambda name, x: None)
-    q, k, _ = _operands(spec)
 
     # Step 1: dot products — how well each query matches each key.
     scores = q @ np.swapaxes(k, -1, -2)                  # (..., H, L, S)
@@ -59,19 +59,20 @@ def scores_and_weights(spec: Spec, trace=None):
         scores = np.where(excluded, -np.inf, scores)
         t("excluded", broadcast_to(excluded, spec.score_shape))
         t("masked", scores)
-
-    # Step 3: softmax over keys turns scores into weights that sum to 1 per query.
-    weights, lse = _softmax(scores)
-    t("weights", weights)
-    t("lse", lse)
-    return scores, weights, lse, capped
+    return scores, capped
 
 
 def forward(spec: Spec, trace=None):
     """(out, lse, weights) in the accumulation dtype, shapes (..., H, L, Dv),
     (..., H, L), (..., H, L, S)."""
-    _, weights, lse, _ = scores_and_weights(spec, trace)
-    _, _, v = _operands(spec)
+    q, k, v = _operands(spec)
+    scores, _ = final_scores(spec, q, k, trace)
+
+    # Step 3: softmax over keys turns scores into weights that sum to 1 per query.
+    weights, lse = _softmax(scores)
+    if trace:
+        trace("weights", weights)
+        trace("lse", lse)
 
     # Step 4: weighted sum of values — each output is a blend of the values.
     out = weights @ v                                    # (..., H, L, Dv)
@@ -98,7 +99,7 @@ def backward(spec: Spec, dout, out, lse, dlse=None):
     Returns (dq, dk, dv, dbias) reduced to the shapes the user passed; dbias is None
     without bias. Fully masked rows give zero gradients."""
     q, k, v = _operands(spec)
-    scores, _, _, capped = scores_and_weights(spec)
+    scores, capped = final_scores(spec, q, k)
     acc = q.dtype
     dout, out, lse = (np.asarray(x, dtype=acc) for x in (dout, out, lse))
     weights = from_lse(scores, lse)
@@ -139,9 +140,9 @@ def rung_backward(spec: Spec, dout, out, lse, dlse=None):
 
 
 def rung_weights(spec: Spec, lse=None, rows=None):
-    scores, weights, _, _ = scores_and_weights(spec)
-    if lse is not None:
-        weights = from_lse(scores, np.asarray(lse, dtype=scores.dtype))
+    q, k, _ = _operands(spec)
+    scores, _ = final_scores(spec, q, k)
+    weights = _softmax(scores)[0] if lse is None else from_lse(scores, np.asarray(lse, dtype=scores.dtype))
     weights = weights if rows is None else weights[..., rows, :]
     return weights.astype(spec.dtype)
 
