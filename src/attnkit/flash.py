@@ -833,44 +833,26 @@ def rung_backward(spec: Spec, dout, out, lse, dlse=None, *, block_m=None, block_
 def rung_weights(spec: Spec, lse=None, rows=None, *, block_m=None, block_n=None):
     """Weights (..., H, len(rows), S) in q's dtype for the query rows ``rows`` (all
     if None), as exp(scores − lse) tile by tile: O(len(rows) · S) memory. Without lse
-    a forward pass over those rows' blocks computes it first (no v needed)."""
+    each task first runs the forward over its rows (no v needed) to get it."""
     call = _Call(spec, block_m, block_n)
     rows = np.arange(spec.L) if rows is None else np.asarray(rows, dtype=np.int64).ravel()
-    if lse is None:
-        lse_rows = _lse_rows(call, rows)
-    else:
-        lse_rows = np.asarray(lse, dtype=call.acc)[..., rows]
+    lse_rows = None if lse is None else np.asarray(lse, dtype=call.acc)[..., rows]
     w = np.zeros(spec.batch + (spec.H, rows.size, spec.S), dtype=spec.dtype)
-    runs = _row_runs(rows)
 
     def task(t):
         (b, h), (pos, r0, r1) = t
         buf = np.empty((r1 - r0) * call.BLOCK_N, dtype=call.acc)
         q_blk = call.q_block(b, h, slice(r0, r1))
-        _weights_rows(call, b, h, q_blk, r0, r1, lse_rows[b][h, pos:pos + r1 - r0],
-                      w[b][h, pos:pos + r1 - r0], buf)
+        lse_i = (_online_softmax(call, b, h, q_blk, r0, r1, buf, False)[0] if lse_rows is None
+                 else lse_rows[b][h, pos:pos + r1 - r0])
+        _weights_rows(call, b, h, q_blk, r0, r1, lse_i, w[b][h, pos:pos + r1 - r0], buf)
 
-    _run([(bh, piece) for bh in call.heads() for piece in _split_runs(runs, call.BLOCK_M)], task)
+    _run([(bh, piece) for bh in call.heads() for piece in _split_runs(_row_runs(rows), call.BLOCK_M)], task)
     return w
 
 
 def _split_runs(runs, block):
     return [(p + i, r0 + i, min(r0 + i + block, r1)) for p, r0, r1 in runs for i in range(0, r1 - r0, block)]
-
-
-def _lse_rows(call, rows):
-    """lse (..., H, len(rows)) for the given rows: the forward without v."""
-    spec = call.spec
-    res = np.empty(spec.batch + (spec.H, rows.size), dtype=call.acc)
-
-    def task(t):
-        (b, h), (pos, r0, r1) = t
-        buf = np.empty((r1 - r0) * call.BLOCK_N, dtype=call.acc)
-        q_blk = call.q_block(b, h, slice(r0, r1))
-        res[b][h, pos:pos + r1 - r0] = _online_softmax(call, b, h, q_blk, r0, r1, buf, False)[0]
-
-    _run([(bh, piece) for bh in call.heads() for piece in _split_runs(_row_runs(rows), call.BLOCK_M)], task)
-    return res
 
 
 # ---- merge ---------------------------------------------------------------------------
