@@ -461,11 +461,14 @@ def validate_seed(Q, K, V, mask):
         if mask.dtype.kind not in "biuf":
             raise TypeError(f"mask: expected a boolean or numeric array (True = masked out), got {mask.dtype}")
         mask = mask.astype(bool)
+        LS = (Q.shape[0], K.shape[0])
         try:
-            return validate(Q, K, V, drop=mask)
-        except ValueError as e:
-            raise ValueError(str(e).replace("drop:", "mask:", 1)) from None
-    return validate(Q, K, V)
+            ok = tuple(np.broadcast_shapes(mask.shape, LS)) == LS
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"mask: expected a shape that broadcasts to (L, S) = {LS}, got {mask.shape}")
+    return validate(Q, K, V, drop=mask)
 
 
 def check_like(name, x, shape, dtype=None):
