@@ -792,6 +792,12 @@ def _common(spec, kind):
 _TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
+def _preprocess_launch(Dv, dtype, capability):
+    """(tuning config, constexprs) of the backward's preprocess kernel."""
+    cfg = triton_tuning.config(Dv, dtype, capability, "backward_preprocess")
+    return cfg, dict(HEAD_DV=Dv, BLOCK_M=cfg["BLOCK_M"], BLOCK_DV=_next_pow2(Dv))
+
+
 def compile_only(capability, dtype, D, Dv=None, *, group=2, causal=True, window=False,
                  masks=True, softcap=True, bias_dtype="float32") -> dict:
     """Compile the four kernels for a CUDA target without a GPU (Triton's bundled
@@ -812,10 +818,10 @@ def compile_only(capability, dtype, D, Dv=None, *, group=2, causal=True, window=
                 "backward_dkdv": kernels._attn_bwd_dkdv, "backward_dq": kernels._attn_bwd_dq}
     shared = {}
     for kind, kern in launches.items():
-        cfg = triton_tuning.config(max(D, Dv), dtype, cap, kind)
         if kind == "backward_preprocess":
-            consts = dict(HEAD_DV=Dv, BLOCK_M=cfg["BLOCK_M"], BLOCK_DV=_next_pow2(Dv))
+            cfg, consts = _preprocess_launch(Dv, dtype, cap)
         else:
+            cfg = triton_tuning.config(max(D, Dv), dtype, cap, kind)
             consts = _constexprs(cfg, group=group, D=D, Dv=Dv, dtype=dtype,
                                  band=(window, causal or window), keep=masks, drop=masks,
                                  bias=masks, softcap=softcap, interpret=False,
@@ -902,11 +908,10 @@ def backward(spec, dout, out, lse, dlse=None, need_dbias=True):
     cap = _capability(dev)
 
     with _device_guard(spec.q):
-        pre = triton_tuning.config(Dv, spec.dtype, cap, "backward_preprocess")
+        pre, consts = _preprocess_launch(Dv, spec.dtype, cap)
         for nb, (o_, do_, de_) in _launches(B, [out, dout, delta], H):
             k_._bwd_preprocess[(triton.cdiv(L, pre["BLOCK_M"]), nb * H)](
-                o_, do_, de_, *o_.stride(), *do_.stride(), *de_.stride(), H, L,
-                HEAD_DV=Dv, BLOCK_M=pre["BLOCK_M"], BLOCK_DV=_next_pow2(Dv),
+                o_, do_, de_, *o_.stride(), *do_.stride(), *de_.stride(), H, L, **consts,
                 num_warps=pre["num_warps"], num_stages=pre["num_stages"], **_FP_FUSION)
 
         if dlse is not None:                        # d lse / d scores = weights
