@@ -217,7 +217,8 @@ def report(D, L, H, times):
         return best[(p, causal, prov)] / best[(p, causal, "attnkit")], float(np.median(np.divide(theirs, mine)))
 
     for (p, causal, prov), t in best.items():
-        f = flops(1, H, L, L, D, causal=causal) * (3.5 if p == "fwd+bwd" else 1.0)
+        f = flops(1, H, L, L, D, causal=causal) + (flops(1, H, L, L, D, causal=causal, backward=True)
+                                                   if p == "fwd+bwd" else 0.0)
         r_best, r_med = ratio(p, causal, prov)
         shown = f"{r_best:.2f}×; {r_med:.2f}×" if r_best and prov != "attnkit" else ""
         print(f"| {p} | {'causal' if causal else 'full'} | {prov} | {t:.3f} | {f / t / 1e9:.1f} | {shown} |")

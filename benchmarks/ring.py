@@ -137,7 +137,8 @@ def main():
         worlds = [w for w in worlds if w <= torch.cuda.device_count()]
     cfg = dict(B=a.batch, H=a.heads, Hkv=a.kv_heads, L=a.length, D=a.dim, dtype=a.dtype,
                causal=not a.no_causal)
-    f_step = flops(cfg["B"], cfg["H"], cfg["L"], cfg["L"], cfg["D"], causal=cfg["causal"]) * 3.5
+    shape = (cfg["B"], cfg["H"], cfg["L"], cfg["L"], cfg["D"])
+    f_step = flops(*shape, causal=cfg["causal"]) + flops(*shape, causal=cfg["causal"], backward=True)
     machine = (torch.cuda.get_device_name(0) if backend == "nccl" else f"{cores} CPU cores")
     print(f"ring attention, {backend}, {machine}; B={cfg['B']} H={cfg['H']} Hkv={cfg['Hkv']} "
           f"L=S={cfg['L']} D={cfg['D']} {cfg['dtype']} {'causal' if cfg['causal'] else 'full'}; "
