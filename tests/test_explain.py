@@ -202,11 +202,11 @@ def test_mistakes_numbers():
     assert m["order"]["row0"] == m["order"]["row0_after"]
 
 
-def test_importing_and_explaining_never_imports_matplotlib():
+def test_importing_and_explaining_never_imports_matplotlib_or_torch():
     code = ("import sys, attnkit, attnkit.explain, attnkit.plot, attnkit.cli\n"
             "assert attnkit.cli.main(['explain']) == 0\n"
             "assert attnkit.cli.main(['explain', '--random', '3', '4', '2', '--json']) == 0\n"
-            "print('matplotlib' in sys.modules)")
+            "print('matplotlib' in sys.modules, 'torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().splitlines()[-1] == "False"
+    assert r.stdout.strip().splitlines()[-1] == "False False"
