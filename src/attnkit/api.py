@@ -1,42 +1,48 @@
-"""Public functions: normalise → validate (spec.py) → dispatch (backends.py).
+"""Public functions: validate (attnkit.spec) → select (attnkit.backends) → the rung.
 
-Masking keywords shared by every function (DESIGN.md §2), applied in this order::
+Every function takes the masking keywords of :mod:`attnkit.spec.options`, applied in
+this order (DESIGN.md §2)::
 
     scores = scale · q kᵀ                      scale defaults to 1/√D
     scores = softcap · tanh(scores / softcap)  only if softcap is given
     scores = scores + bias                     bias: float, -inf allowed
-    scores[excluded] = -inf                    keep=False / drop=True / causal / window
-    weights = softmax(scores over keys);  out = weights v
+    scores = scores − slope · |diag(i) − j|    only if alibi_slopes is given
+    scores[excluded] = -inf                    keep / drop / causal / window / lengths
+    weights = softmax(scores over keys [+ one sink logit per row])
+    weights = dropout(weights, p, seed);  out = weights v
 
-- ``keep``: bool, True = may attend.  ``drop``: bool, True = masked out.  Both may
-  be given; a key is excluded if either excludes it.
-- ``causal``: key j excluded when j > diag(i).  ``window=(left, right)``: key j kept
-  only if diag(i) - left <= j <= diag(i) + right (None = unbounded on that side).
-- ``align``: "bottom_right" (default, diag(i) = i + S - L) or "top_left"
-  (diag(i) = i, PyTorch's is_causal); see attnkit.spec for the pictures.
-- A fully masked query row gives out = 0, weights = 0, lse = -inf, zero gradients.
+A fully masked query row gives out = 0, weights = 0, lse = -inf and zero gradients;
+a NaN or inf that reaches a row's softmax or weighted sum makes that row NaN.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from . import backends, reference
-from .spec import check_grad_inputs, check_lse, check_merge, check_rows, validate, validate_seed
+from .merge import merge as _merge_blocks
+from .spec import check_grad_inputs, check_lse, check_merge, check_rows, validate, validate_seed, with_options
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    from .spec import Masking
 
 
-def _head_squeeze(spec, x, tail):
+def _head_squeeze(two_d: bool, x: Any, tail: int) -> Any:
     """2-D q gives outputs without the head axis: drop axis -(tail + 1)."""
-    if not spec.two_d or x is None:
+    if not two_d or x is None:
         return x
     return x[(Ellipsis, 0) + (slice(None),) * tail]
 
 
-def _head_unsqueeze(spec, x, tail):
-    return x[(Ellipsis, None) + (slice(None),) * tail] if spec.two_d else x
+def _head_unsqueeze(two_d: bool, x: Any, tail: int) -> Any:
+    return x[(Ellipsis, None) + (slice(None),) * tail] if two_d else x
 
 
-def attention(q, k, v, *, scale=None, causal=False, window=None, align="bottom_right",
-              keep=None, drop=None, bias=None, softcap=None,
-              return_lse=False, return_weights=False, backend="auto"):
+@with_options()
+def attention(q: Any, k: Any, v: Any, *, return_lse: bool = False, return_weights: bool = False,
+              backend: str = "auto", **masking: Unpack[Masking]) -> Any:
     """Exact scaled dot-product attention, softmax(scale · q kᵀ [+ masks]) v.
 
     Shapes: q (..., H, L, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) with H % Hkv == 0
@@ -45,8 +51,25 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, align="bottom_r
     is float32 (float64 for float64 inputs). A fully masked row gives out 0,
     weights 0 and lse -inf.
 
-    Returns out, or a tuple (out, [lse], [weights]) in that order.
+    Parameters
+    ----------
+    q, k, v : NumPy arrays or torch tensors (one library per call)
+        Queries, keys and values.
+    return_lse : bool
+        Also return lse, the natural-log log-sum-exp of each row's final scores.
+    return_weights : bool
+        Also return the attention weights (exact, recomputed from lse; no gradient).
+    backend : str
+        "auto" (by array type and device), "reference", "flash", "torch" or "triton".
 
+    {masking}
+
+    Returns
+    -------
+    out, or a tuple (out, [lse], [weights]) in that order.
+
+    Examples
+    --------
     >>> import numpy as np, attnkit
     >>> q = np.array([[1.0, 0.0]]); k = np.eye(2); v = np.array([[10.0, 0], [0, 10]])
     >>> attnkit.attention(q, k, v).round(2)
@@ -60,55 +83,85 @@ def attention(q, k, v, *, scale=None, causal=False, window=None, align="bottom_r
     >>> out, lse                                                     # fully masked row
     (array([[0., 0.]]), array([-inf]))
     """
-    spec = validate(q, k, v, scale=scale, causal=causal, window=window, align=align,
-                    keep=keep, drop=drop, bias=bias, softcap=softcap, backend=backend)
+    spec = validate(q, k, v, backend=backend, **masking)
     out, lse, weights = backends.select(spec, backend).rung_forward(spec, return_weights)
-    res = (_head_squeeze(spec, out, 2),)
+    res = (_head_squeeze(spec.two_d, out, 2),)
     if return_lse:
-        res += (_head_squeeze(spec, lse, 1),)
+        res += (_head_squeeze(spec.two_d, lse, 1),)
     if return_weights:
-        res += (_head_squeeze(spec, weights, 2),)
+        res += (_head_squeeze(spec.two_d, weights, 2),)
     return res[0] if len(res) == 1 else res
 
 
-def attention_weights(q, k, *, lse=None, rows=None, scale=None, causal=False, window=None,
-                      align="bottom_right", keep=None, drop=None, bias=None, softcap=None,
-                      backend="auto"):
+@with_options()
+def attention_weights(q: Any, k: Any, *, lse: Any = None, rows: Any = None, backend: str = "auto",
+                      **masking: Unpack[Masking]) -> Any:
     """Exact attention probabilities for the query rows ``rows`` (all if None).
 
     With ``lse`` from a forward pass (``return_lse=True``) the weights are
     exp(scores − lse), with no second softmax pass; on the flash rung (the default for
     NumPy arrays and torch CPU tensors) the requested rows cost O(rows · S) memory and
-    the full L × S matrix is never built (the reference rung, the definition, builds it). Returns (..., H, len(rows), S)
-    (2-D q: (len(rows), S)). Rows that are fully masked are all zeros.
+    the full L × S matrix is never built (the reference rung, the definition, builds
+    it). Returns (..., H, len(rows), S) (2-D q: (len(rows), S)). Fully masked rows are
+    all zeros. With ``sinks`` the weights of a row sum to less than 1 (the rest went to
+    the sink); with ``dropout`` they are the weights before dropout.
 
+    Parameters
+    ----------
+    q, k : arrays
+        Queries and keys (no values needed).
+    lse : array, optional
+        The lse of a forward pass with the same arguments.
+    rows : int or sequence of ints, optional
+        Query rows to return, in [-L, L).
+    backend : str
+        As for :func:`attention`.
+
+    {masking}
+
+    Examples
+    --------
     >>> import numpy as np, attnkit
     >>> q = np.array([[1.0, 0.0], [0.0, 1.0]]); k = np.eye(2)
     >>> attnkit.attention_weights(q, k, rows=[1]).round(3)
     array([[0.33, 0.67]])
     """
-    spec = validate(q, k, None, scale=scale, causal=causal, window=window, align=align,
-                    keep=keep, drop=drop, bias=bias, softcap=softcap, backend=backend)
+    spec = validate(q, k, None, backend=backend, need_v=False, **masking)
     if rows is not None:
         rows = check_rows(spec, rows)
     if lse is not None:
         check_lse(spec, lse, spec.user_lse_shape)
-        lse = _head_unsqueeze(spec, lse, 1)
+        lse = _head_unsqueeze(spec.two_d, lse, 1)
     w = backends.select(spec, backend).rung_weights(spec, lse, rows)
-    return _head_squeeze(spec, w, 2)
+    return _head_squeeze(spec.two_d, w, 2)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, window=None,
-                       align="bottom_right", keep=None, drop=None, bias=None, softcap=None,
-                       backend="auto"):
-    """Gradients of attention: (dq, dk, dv), plus dbias when bias is given.
+@with_options()
+def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, backend: str = "auto",
+                       **masking: Unpack[Masking]) -> tuple[Any, ...]:
+    """Gradients of attention: (dq, dk, dv), then dbias when bias is given and dsinks
+    when sinks are given.
 
     ``out`` and ``lse`` come from ``attention(..., return_lse=True)`` with the same
     arguments; ``dout`` is the gradient of the loss with respect to out. dk and dv sum
     over the query heads sharing a kv head (GQA) and over broadcast batch dims, so each
-    gradient has its input's shape; dbias is reduced to bias's shape. Fully masked
-    rows get zero gradients.
+    gradient has its input's shape; dbias and dsinks are reduced to their inputs'
+    shapes. Fully masked rows get zero gradients. With a global out and lse and a block
+    of keys, the result is that block's share (ring attention, split-KV).
 
+    Parameters
+    ----------
+    dout : array
+        Gradient of the loss with respect to out (out's shape and dtype).
+    q, k, v, out, lse : arrays
+        The forward pass's inputs and results.
+    backend : str
+        As for :func:`attention`.
+
+    {masking}
+
+    Examples
+    --------
     >>> import numpy as np, attnkit
     >>> q = np.array([[1.0, 0.0]]); k = np.eye(2); v = np.array([[10.0, 0], [0, 10]])
     >>> out, lse = attnkit.attention(q, k, v, return_lse=True)
@@ -117,16 +170,17 @@ def attention_backward(dout, q, k, v, out, lse, *, scale=None, causal=False, win
     array([[0.67, 0.67],
            [0.33, 0.33]])
     """
-    spec = validate(q, k, v, scale=scale, causal=causal, window=window, align=align,
-                    keep=keep, drop=drop, bias=bias, softcap=softcap, backend=backend)
-    check_grad_inputs(spec, dout, out, lse, spec.user_out_shape)
-    dout, out, lse = (_head_unsqueeze(spec, dout, 2), _head_unsqueeze(spec, out, 2),
-                      _head_unsqueeze(spec, lse, 1))
-    dq, dk, dv, dbias = backends.select(spec, backend).rung_backward(spec, dout, out, lse)
-    return (dq, dk, dv) if dbias is None else (dq, dk, dv, dbias)
+    spec = validate(q, k, v, backend=backend, **masking)
+    check_grad_inputs(spec, dout, out, lse)
+    dout, out = (_head_unsqueeze(spec.two_d, x, 2) for x in (dout, out))
+    lse = _head_unsqueeze(spec.two_d, lse, 1)
+    g = backends.select(spec, backend).rung_backward(spec, dout, out, lse)
+    extra = tuple(x for x, given in ((g.dbias, spec.bias is not None), (g.dsinks, spec.sinks is not None))
+                  if given)
+    return (g.dq, g.dk, g.dv) + extra
 
 
-def scaled_dot_product_attention(Q, K, V, mask=None):
+def scaled_dot_product_attention(Q: Any, K: Any, V: Any, mask: Any = None) -> tuple[Any, Any]:
     """The seed's function, behaviour kept verbatim: returns (output, weights).
 
     2-D Q (L, D), K (S, D), V (S, Dv); ``mask`` is boolean with True = masked out,
@@ -142,7 +196,7 @@ def scaled_dot_product_attention(Q, K, V, mask=None):
     return reference.seed(validate_seed(Q, K, V, mask))
 
 
-def merge(outs, lses):
+def merge(outs: Any, lses: Any) -> tuple[Any, Any]:
     """Exact attention over the union of disjoint key blocks, from each block's
     (out, lse): the split-KV / ring-attention combine step. Returns (out, lse).
     Rows fully masked in every block give out 0 and lse −inf.
@@ -154,5 +208,4 @@ def merge(outs, lses):
     >>> out.round(2)
     array([[6.7, 3.3]])
     """
-    from .flash import merge as _merge
-    return _merge(*check_merge(outs, lses))
+    return _merge_blocks(*check_merge(outs, lses))

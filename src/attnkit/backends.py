@@ -1,12 +1,13 @@
-"""The backend ladder: which rungs exist, what each supports, and the choice for "auto".
+"""The backend ladder: which rungs exist, what each supports, and the one choice.
 
-Every rung is a module with the same four functions (all take a validated Spec)::
+A rung computes attention for a validated :class:`~attnkit.spec.Spec`; every rung
+satisfies :class:`Rung`. Compute rungs: ``reference`` (the definition) and ``flash``
+(tiled, NumPy; torch CPU tensors reach it through the torch op), ``triton`` (GPU
+kernels for torch tensors). Torch tensors always run inside the torch autograd op
+(``attnkit.torch.op``), which carries the chosen compute rung by name.
 
-    not_supported_reasons(spec) -> list[str]      empty = this rung can run it
-    rung_forward(spec, need_weights) -> (out, lse, weights | None)
-    rung_backward(spec, dout, out, lse) -> (dq, dk, dv, dbias | None)
-        (the NumPy rungs also take ``dlse``, a gradient for lse, for the torch op)
-    rung_weights(spec, lse, rows) -> weights
+:func:`select` is the only place a rung is chosen — for NumPy arrays and torch
+tensors, CPU and CUDA alike — and ``api`` calls it once per call.
 
 ``out`` and ``weights`` have q's dtype, ``lse`` the accumulation dtype (float32, or
 float64 for float64 inputs); all in the Spec's shapes (2-D squeezing is api's job).
@@ -16,21 +17,57 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any, NamedTuple, Protocol
 
 from .spec import Spec
 
-# name -> (module, what it is); listed fastest first within each array library
+
+class Grads(NamedTuple):
+    """What a backward pass returns: gradients in the shapes the user passed; dbias
+    and dsinks are None without bias / sinks."""
+
+    dq: Any
+    dk: Any
+    dv: Any
+    dbias: Any = None
+    dsinks: Any = None
+
+
+class Rung(Protocol):
+    """The interface of every rung (modules and the torch op's bound rungs)."""
+
+    name: str
+
+    def not_supported_reasons(self, spec: Spec) -> list[str]:
+        """Why this rung cannot run spec; empty when it can."""
+        ...
+
+    def rung_forward(self, spec: Spec, need_weights: bool = False) -> tuple[Any, Any, Any]:
+        """(out, lse, weights | None)."""
+        ...
+
+    def rung_backward(self, spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None,
+                      need_dbias: bool = True) -> Grads:
+        """Gradients from the saved out and lse (``dlse``: a gradient for lse, or None;
+        ``need_dbias=False`` lets a rung skip dbias)."""
+        ...
+
+    def rung_weights(self, spec: Spec, lse: Any = None, rows: Any = None) -> Any:
+        """Exact weights for query rows ``rows`` (all if None), from lse when given."""
+        ...
+
+
+# name -> (module, what it is); fastest first within each array library
 RUNGS = {
-    "flash": ("attnkit.flash", "NumPy tiled online softmax, linear memory, threaded"),
-    "reference": ("attnkit.reference", "NumPy definition, materialises L×S, the oracle"),
-    "torch": ("attnkit.torch.op", "torch autograd op: CPU via the NumPy rungs, CUDA via Triton"),
-    "triton": ("attnkit.torch.triton_rung", "the same torch op forced onto the Triton kernels"),
+    "flash": ("attnkit.flash", "tiled online softmax on the CPU (NumPy), linear memory, threaded"),
+    "reference": ("attnkit.reference", "the definition, materialises L×S; the oracle"),
+    "triton": ("attnkit.torch.triton", "GPU kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)"),
 }
-AUTO_ORDER = {"numpy": ("flash", "reference"), "torch": ("torch",)}
-# "auto" on NumPy arrays runs the reference (vectorised over every head at once) when
-# each head's L×S score matrix is this small and all of them together fit in this many
-# elements: there the flash rung's per-tile bookkeeping costs more than the math
-# (measured: 256 heads of L=S=8 took 58 ms on flash, 0.8 ms on the reference).
+BRIDGE = ("attnkit.torch.op", "torch tensors: one autograd op around the chosen compute rung")
+AUTO = {"numpy": ("flash", "reference"), "torch_cpu": ("flash", "reference"), "torch_cuda": ("triton",)}
+# "auto" runs the reference (vectorised over every head at once) when each head's L×S
+# score matrix is this small and all of them together fit in this many elements:
+# there the flash rung's per-tile bookkeeping costs more than the math.
 SMALL_HEAD = 128 * 128
 SMALL_TOTAL = 1 << 22
 
@@ -42,11 +79,10 @@ def _small(spec: Spec) -> bool:
     return spec.L * spec.S <= SMALL_HEAD and n * spec.H * spec.L * spec.S <= SMALL_TOTAL
 
 
-def load(name):
-    """The rung's module, or (None, reason) when it cannot be imported here. An
-    already imported rung comes from sys.modules: torch.compile traces this function
-    and cannot trace importlib."""
-    path = RUNGS[name][0]
+def load(path: str) -> tuple[Any, str | None]:
+    """The module at ``path``, or (None, reason) when it cannot be imported here. An
+    already imported module comes from sys.modules: torch.compile traces this
+    function and cannot trace importlib."""
     if path in sys.modules:
         return sys.modules[path], None
     try:
@@ -55,40 +91,57 @@ def load(name):
         return None, f"not available: {e}"
 
 
-def reasons(name, spec: Spec) -> list[str]:
-    mod, why = load(name)
+def reasons(name: str, spec: Spec) -> list[str]:
+    mod, why = load(RUNGS[name][0])
     if mod is None:
-        return [why]
-    return mod.not_supported_reasons(spec)
+        return [why or "not available"]
+    return list(mod.not_supported_reasons(spec))
 
 
-def select(spec: Spec, backend: str = "auto"):
-    """The rung module to run spec on, or ValueError listing every rung's reasons."""
+def _candidates(spec: Spec, backend: str) -> tuple[str, ...]:
+    if backend == "torch":
+        if not spec.torch:
+            return ()
+        backend = "auto"
     if backend != "auto":
-        names = (backend,)
-    elif spec.torch:
-        names = AUTO_ORDER["torch"]
+        return (backend,)
+    if spec.torch:
+        order = AUTO["torch_cuda" if spec.q.device.type == "cuda" else "torch_cpu"]
     else:
-        names = AUTO_ORDER["numpy"][::-1] if _small(spec) else AUTO_ORDER["numpy"]
-    why = {}
-    for name in names:
+        order = AUTO["numpy"]
+    if order == AUTO["numpy"] and _small(spec):
+        order = order[::-1]
+    return order
+
+
+def select(spec: Spec, backend: str = "auto") -> Rung:
+    """The rung to run spec on (for torch tensors: the torch op bound to the chosen
+    compute rung), or ValueError listing every rung's reasons."""
+    why: dict[str, list[str]] = {}
+    for name in _candidates(spec, backend):
         r = reasons(name, spec)
         if not r:
-            mod, _ = load(name)
+            mod, _ = load(RUNGS[name][0])
+            if spec.torch:
+                op, _ = load(BRIDGE[0])
+                return op.bound(mod)
             return mod
         why[name] = r
     for name in RUNGS:
         if name not in why:
             why[name] = reasons(name, spec) or ["supports this call (not chosen)"]
+    why["torch"] = (["the autograd op every torch-tensor call runs in, around the rungs above"] if spec.torch
+                    else ["takes torch tensors (NumPy arrays use the flash or reference rung)"])
     lines = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in why.items())
     raise ValueError(f"backend={backend!r}: no backend can run this call:\n{lines}")
 
 
-def info(spec: Spec | None = None) -> list[tuple[str, str, str]]:
-    """(name, status, description) per rung; status is 'available' or the reason."""
+def info() -> list[tuple[str, str, str]]:
+    """(name, status, description) per rung and the torch bridge; status is
+    'available' or the reason."""
     rows = []
-    for name, (_, desc) in RUNGS.items():
-        mod, why = load(name)
+    for name, (path, desc) in list(RUNGS.items()) + [("torch", BRIDGE)]:
+        mod, why = load(path)
         if mod is not None and hasattr(mod, "unavailable"):
             why = mod.unavailable()  # e.g. "no CUDA device" (None when usable)
         rows.append((name, why or "available", desc))

@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 
 import attnkit
-from attnkit.spec import (ALIGNS, RING_LAYOUTS, band, check_layout, check_ring_shard, check_world,
-                          dtype_name, validate)
+from attnkit.spec import (ALIGNS, RING_LAYOUTS, band, check_group, check_layout, check_ring_shard,
+                          check_world, dtype_name, validate)
 
 LAYOUTS = RING_LAYOUTS
 _DTYPE_CODE = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}

@@ -3,9 +3,9 @@
 
 ``attnkit.attention`` (and ``attention_backward``, ``attention_weights``) take torch
 tensors directly and return tensors on the same device with q's dtype; this package
-holds what makes that work (``op``: the ``torch.library`` custom ops, CPU through the
-NumPy ladder, CUDA through Triton; ``triton_rung``: the same op forced onto the Triton
-kernels) and :class:`MultiheadAttention`, a drop-in for
+holds what makes that work (``op``: the ``torch.library`` custom ops around the compute
+rung that ``attnkit.backends.select`` chose, CPU through the NumPy rungs, CUDA through
+``triton``: the GPU kernels) and :class:`MultiheadAttention`, a drop-in for
 ``torch.nn.MultiheadAttention(batch_first=True)``.
 
 Importing this package registers the custom ops (``torch.ops.attnkit.attention_fwd``,

@@ -1,28 +1,24 @@
-"""The "torch" rung: one autograd op for torch tensors, every mask kind, CPU and CUDA.
+"""The torch bridge: one autograd op for torch tensors around the compute rung that
+``backends.select`` chose (flash or reference on the CPU, Triton on CUDA).
 
 ``torch.ops.attnkit.attention_fwd`` is a ``torch.library`` custom op with an autograd
 formula and a fake (meta) implementation, so ``torch.compile(fullgraph=True)`` traces
-it as one node. Its inputs are the tensors (q, k, v and the optional keep, drop and
-bias) plus scalars (scale, causal, the two window sides, align, softcap and kernel);
-it returns ``(out, lse)`` and saves only q, k, v, the masks, out and lse for backward
-— never an L × S matrix. Backward is a second custom op,
-``torch.ops.attnkit.attention_bwd``, which recomputes the weights from lse.
+it as one node. Its arguments are q, k, v, every masking keyword of
+:data:`attnkit.spec.OPTIONS` in the table's order (arrays as tensors, the window as
+two ints, the dropout seed as a 0-d int64 tensor) and the rung's name; it returns
+``(out, lse)`` and saves only its inputs, out and lse for the backward — never an
+L × S matrix. :func:`to_op_args` and :func:`from_op_args` are the only code that
+knows that order; the schema string is generated from the same table.
 
-Where it runs:
+CPU tensors reach the NumPy rungs on zero-copy views (``t.detach().numpy()`` shares
+memory); bfloat16 has no NumPy dtype and is upcast to float32 (a copy), the results
+cast back. Gradients: q, k, v, ``bias`` and ``sinks`` (each to its own shape), and lse
+is differentiable too (d lse / d scores = weights), so ``attnkit.merge`` of torch
+blocks is differentiable end to end. Weights from ``return_weights=True`` or
+``attention_weights`` are recomputed from lse and carry **no** gradient.
 
-- CPU tensors go down the NumPy ladder (``backends.select(numpy_spec, "auto")``: the
-  flash rung when it is built, else the reference) on zero-copy views
-  (``t.detach().numpy()`` shares memory). bfloat16 has no NumPy dtype: bfloat16
-  tensors are upcast to float32 (a copy) and the results cast back.
-- CUDA tensors (and any tensor with ``kernel="triton"``) go to
-  ``attnkit.torch.triton_kernels``; when that cannot run a call, ``attnkit.attention``
-  raises the ValueError of ``backends.select`` listing every rung's reasons.
-
-Gradients: q, k, v, and ``bias`` (reduced to bias's own broadcast shape) when bias
-requires grad. lse is differentiable too (d lse / d scores = weights), so
-``attnkit.merge`` of torch blocks is differentiable end to end. ``weights`` returned by
-``return_weights=True`` or ``attention_weights`` are recomputed from lse by
-``rung_weights`` and carry **no** gradient (they are detached); train through out.
+Dropout without a seed draws one from torch's default generator, so
+``torch.manual_seed`` makes a training step reproducible.
 
 >>> import torch, attnkit
 >>> q = torch.tensor([[1.0, 0.0]], requires_grad=True)
@@ -36,47 +32,85 @@ torch.Size([1, 2])
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
-from .. import backends
-from ..spec import validate
+from ..backends import RUNGS, Grads, load
+from ..spec import OPTIONS, Spec
+
+# ---- the flat argument order: the one place that knows it --------------------------------
+_ARRAY_OPTIONS = tuple(o.name for o in OPTIONS if o.schema == "Tensor?")
+_SCHEMA_ARGS = ", ".join(["Tensor q", "Tensor k", "Tensor v"]
+                         + [f"{o.schema} {o.name}" if o.name != "window" else o.schema for o in OPTIONS]
+                         + ["str rung"])
+_N_ARGS = 3 + len(OPTIONS) + 1 + 1                     # window is two arguments
+_UINT64 = 1 << 64
 
 
-# ---- where a call runs ------------------------------------------------------------
-def triton_module():
-    """``(attnkit.torch.triton_kernels, None)``, or ``(None, reason)`` when it cannot be
-    imported (no triton)."""
-    try:
-        from . import triton_kernels
-    except ImportError as e:
-        return None, f"attnkit.torch.triton_kernels not available: {e}"
-    return triton_kernels, None
+def _seed_tensor(spec: Spec) -> torch.Tensor | None:
+    """The dropout seed as a 0-d int64 CPU tensor: the user's (wrapped into int64), else
+    drawn from torch's default generator; None without dropout."""
+    if spec.dropout == 0:
+        return None
+    if spec.seed is not None:
+        s = int(spec.seed)
+        return torch.tensor(s - _UINT64 if s >= 1 << 63 else s, dtype=torch.int64)
+    return torch.randint(0, 1 << 62, (), dtype=torch.int64)
 
 
-def triton_reasons(spec) -> list[str]:
-    """Why the Triton kernels cannot run spec (empty list = they can)."""
-    mod, why = triton_module()
-    return [why] if mod is None else list(mod.not_supported_reasons(spec))
+def to_op_args(spec: Spec, rung: str) -> tuple[Any, ...]:
+    """The custom ops' flat arguments for a torch Spec: q, k, v, the options in table
+    order, the rung's name."""
+    args: list[Any] = [spec.q, spec.k, spec.v]
+    for o in OPTIONS:
+        if o.name == "window":
+            args += list(spec.window) if spec.window is not None else [None, None]
+        elif o.name == "seed":
+            args.append(_seed_tensor(spec))
+        else:
+            args.append(getattr(spec, o.name))
+    return tuple(args) + (rung,)
 
 
-def _uses_triton(q, kernel: str) -> bool:
-    return kernel == "triton" or q.device.type == "cuda"
+def from_op_args(args: tuple[Any, ...]) -> tuple[Spec, str]:
+    """(Spec, rung name) back from :func:`to_op_args`'s tuple (already validated: the
+    sizes are read off the tensors)."""
+    q, k, v = args[:3]
+    opts: dict[str, Any] = {}
+    i = 3
+    for o in OPTIONS:
+        if o.name == "window":
+            left, right = args[i], args[i + 1]
+            opts["window"] = None if left is None and right is None else (left, right)
+            i += 2
+            continue
+        x = args[i]
+        if o.name == "seed" and x is not None:
+            x = int(x.item()) % _UINT64
+        opts[o.name] = x
+        i += 1
+    return Spec.from_arrays(q, k, v, **opts), args[i]
 
 
-def reasons_for(spec, kernel: str) -> list[str]:
-    """not_supported_reasons of the op run with ``kernel`` ("auto" or "triton")."""
-    if not spec.torch:
-        return ["takes torch tensors (NumPy arrays use the flash or reference rung)"]
-    if _uses_triton(spec.q, kernel):
-        return triton_reasons(spec)
-    if spec.q.device.type != "cpu":
-        return [f"device {spec.q.device} is not supported (CPU runs the NumPy ladder, CUDA the Triton kernels)"]
-    return []
+def _rung(name: str) -> Any:
+    mod, why = load(RUNGS[name][0])
+    if mod is None:
+        raise RuntimeError(f"attnkit rung {name!r} is not available: {why}")
+    return mod
 
 
-# ---- NumPy bridge (CPU) ---------------------------------------------------------------
-def _np(t):
+# positions of the options in the flat arguments (after q, k, v; the window takes two)
+_OPT_INDEX: dict[str, int] = {}
+_i = 3
+for _o in OPTIONS:
+    _OPT_INDEX[_o.name] = _i
+    _i += 2 if _o.name == "window" else 1
+del _i, _o
+
+# ---- NumPy views of CPU tensors ---------------------------------------------------------
+def _np(t: Any) -> Any:
     """A NumPy view of a CPU tensor sharing its memory; bfloat16 (no NumPy dtype) is
     upcast to float32, which copies."""
     if t is None:
@@ -87,186 +121,184 @@ def _np(t):
     return t.resolve_conj().resolve_neg().numpy()
 
 
-def _torch(a, dtype):
+def _torch(a: Any, dtype: torch.dtype) -> torch.Tensor:
     """A NumPy result as a contiguous tensor of ``dtype`` (no copy when it already is)."""
     return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
 
 
-def _window(left, right):
-    return None if left is None and right is None else (left, right)
+def numpy_spec(spec: Spec) -> Spec:
+    """The same call on NumPy views (for the NumPy rungs)."""
+    arrays = {name: _np(getattr(spec, name)) for name in ("q", "k", "v") + _ARRAY_OPTIONS if name != "seed"}
+    dtype = "float32" if spec.dtype == "bfloat16" else spec.dtype
+    return spec.replace(dtype=dtype, **arrays)
 
 
-def _numpy_spec(q, k, v, keep, drop, bias, scale, causal, wl, wr, align, softcap):
-    return validate(_np(q), _np(k), _np(v), scale=scale, causal=causal, window=_window(wl, wr),
-                    align=align, keep=_np(keep), drop=_np(drop), bias=_np(bias), softcap=softcap)
-
-
-def _torch_spec(q, k, v, keep, drop, bias, scale, causal, wl, wr, align, softcap):
-    return validate(q, k, v, scale=scale, causal=causal, window=_window(wl, wr), align=align,
-                    keep=keep, drop=drop, bias=bias, softcap=softcap)
-
-
-def _lse_dtype(q):
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _batch(*xs):
+def _batch(*xs: torch.Tensor) -> tuple[int, ...]:
     return tuple(torch.broadcast_shapes(*(x.shape[:-3] for x in xs)))
 
 
-# ---- the custom ops -------------------------------------------------------------------
-@torch.library.custom_op("attnkit::attention_fwd", mutates_args=())
-def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  keep: torch.Tensor | None, drop: torch.Tensor | None, bias: torch.Tensor | None,
-                  scale: float, causal: bool, window_left: int | None, window_right: int | None,
-                  align: str, softcap: float | None, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) for q (..., H, L, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv)."""
-    args = (q, k, v, keep, drop, bias, scale, causal, window_left, window_right, align, softcap)
-    if _uses_triton(q, kernel):
-        out, lse = triton_module()[0].forward(_torch_spec(*args))
+# ---- the custom ops -----------------------------------------------------------------------
+def _fwd(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    spec, name = from_op_args(args)
+    mod = _rung(name)
+    if getattr(mod, "arrays", "numpy") == "torch":
+        out, lse, _ = mod.rung_forward(spec)
         return out.contiguous(), lse.contiguous()
-    spec = _numpy_spec(*args)
-    out, lse, _ = backends.select(spec, "auto").rung_forward(spec, False)
-    return _torch(out, q.dtype), _torch(lse, _lse_dtype(q))
+    out, lse, _ = mod.rung_forward(numpy_spec(spec))
+    return _torch(out, spec.q.dtype), _torch(lse, _lse_dtype(spec.q))
 
 
-@attention_fwd.register_fake
-def _(q, k, v, keep, drop, bias, scale, causal, window_left, window_right, align, softcap, kernel):
+def _fwd_fake(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = args[:3]
     batch = _batch(q, k, v)
     H, L = q.shape[-3], q.shape[-2]
-    out = q.new_empty(batch + (H, L, v.shape[-1]))
-    return out, q.new_empty(batch + (H, L), dtype=_lse_dtype(q))
+    return q.new_empty(batch + (H, L, v.shape[-1])), q.new_empty(batch + (H, L), dtype=_lse_dtype(q))
 
 
-@torch.library.custom_op("attnkit::attention_bwd", mutates_args=())
-def attention_bwd(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  keep: torch.Tensor | None, drop: torch.Tensor | None, bias: torch.Tensor | None,
-                  scale: float, causal: bool, window_left: int | None, window_right: int | None,
-                  align: str, softcap: float | None, kernel: str, need_dbias: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dbias) from the given out and lse; dbias is empty without bias or
-    when ``need_dbias`` is False (the Triton kernels then skip it). A gradient ``dlse``
-    for lse goes to the rung, which folds it into the softmax Jacobian term
-    (d lse / d scores = weights)."""
-    args = (q, k, v, keep, drop, bias, scale, causal, window_left, window_right, align, softcap)
-    if _uses_triton(q, kernel):
-        dq, dk, dv, dbias = triton_module()[0].backward(_torch_spec(*args), dout, out, lse, dlse,
-                                                          need_dbias=need_dbias)
+attention_fwd = torch.library.custom_op("attnkit::attention_fwd", _fwd, mutates_args=(),
+                                        schema=f"({_SCHEMA_ARGS}) -> (Tensor, Tensor)")
+attention_fwd.register_fake(_fwd_fake)
+
+
+def _bwd(dout: torch.Tensor, dlse: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+         need_dbias: bool, *args: Any) -> tuple[torch.Tensor, ...]:
+    spec, name = from_op_args(args)
+    mod = _rung(name)
+    if getattr(mod, "arrays", "numpy") == "torch":
+        g = mod.rung_backward(spec, dout, out, lse, dlse, need_dbias)
     else:
-        spec = _numpy_spec(*args)
-        grads = backends.select(spec, "auto").rung_backward(spec, _np(dout), _np(out), _np(lse),
-                                                            None if dlse is None else _np(dlse))
-        dq, dk, dv, dbias = (None if g is None else _torch(g, x.dtype)
-                             for g, x in zip(grads, (q, k, v, bias)))
-    dbias = q.new_empty(0) if dbias is None or not need_dbias else dbias
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias.contiguous()
+        g = mod.rung_backward(numpy_spec(spec), _np(dout), _np(out), _np(lse), _np(dlse), need_dbias)
+        g = Grads(*(None if x is None else _torch(x, like.dtype)
+                    for x, like in zip(g, (spec.q, spec.k, spec.v, spec.bias, spec.sinks))))
+    dbias = g.dbias if g.dbias is not None and need_dbias else spec.q.new_empty(0)
+    dsinks = g.dsinks if g.dsinks is not None else spec.q.new_empty(0)
+    return tuple(x.contiguous() for x in (g.dq, g.dk, g.dv, dbias, dsinks))
 
 
-@attention_bwd.register_fake
-def _(dout, dlse, q, k, v, out, lse, keep, drop, bias, scale, causal, window_left, window_right,
-      align, softcap, kernel, need_dbias):
-    def like(x):
+def _bwd_fake(dout: torch.Tensor, dlse: Any, out: Any, lse: Any, need_dbias: bool, *args: Any
+              ) -> tuple[torch.Tensor, ...]:
+    q, k, v = args[:3]
+    bias, sinks = args[_OPT_INDEX["bias"]], args[_OPT_INDEX["sinks"]]
+
+    def like(x: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    return like(q), like(k), like(v), q.new_empty(0) if bias is None or not need_dbias else like(bias)
+    return (like(q), like(k), like(v), like(bias) if bias is not None and need_dbias else q.new_empty(0),
+            like(sinks) if sinks is not None else q.new_empty(0))
 
 
-_SCALARS = ("scale", "causal", "window_left", "window_right", "align", "softcap", "kernel")
+attention_bwd = torch.library.custom_op(
+    "attnkit::attention_bwd", _bwd, mutates_args=(),
+    schema=f"(Tensor dout, Tensor? dlse, Tensor out, Tensor lse, bool need_dbias, {_SCHEMA_ARGS}) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+attention_bwd.register_fake(_bwd_fake)
+
+_GRAD_INPUTS = {0: 0, 1: 1, 2: 2, _OPT_INDEX["bias"]: 3, _OPT_INDEX["sinks"]: 4}
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, keep, drop, bias = inputs[:6]
-    ctx.scalars = inputs[6:]
-    ctx.has_bias = bias is not None
-    ctx.save_for_backward(q, k, v, keep, drop, bias, *output)
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    ctx.tensor_pos = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+    ctx.scalars = {i: x for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)}
+    ctx.n = len(inputs)
+    ctx.save_for_backward(*(inputs[i] for i in ctx.tensor_pos), *output)
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, keep, drop, bias, out, lse = ctx.saved_tensors
+def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+    saved = ctx.saved_tensors
+    args: list[Any] = [None] * ctx.n
+    for i, x in ctx.scalars.items():
+        args[i] = x
+    for i, x in zip(ctx.tensor_pos, saved):
+        args[i] = x
+    out, lse = saved[-2:]
     if dout is None:
         dout = torch.zeros_like(out)
-    need_dbias = ctx.has_bias and ctx.needs_input_grad[5]
-    dq, dk, dv, dbias = torch.ops.attnkit.attention_bwd(dout, dlse, q, k, v, out, lse, keep, drop, bias,
-                                                        *ctx.scalars, need_dbias)
-    return (dq, dk, dv, None, None, dbias if need_dbias else None) + (None,) * len(_SCALARS)
+    need_dbias = args[_OPT_INDEX["bias"]] is not None and ctx.needs_input_grad[_OPT_INDEX["bias"]]
+    grads = torch.ops.attnkit.attention_bwd(dout, dlse, out, lse, need_dbias, *args)
+    res: list[Any] = [None] * ctx.n
+    for pos, g in _GRAD_INPUTS.items():
+        if args[pos] is not None and ctx.needs_input_grad[pos] and g < len(grads):
+            res[pos] = grads[g] if grads[g].numel() or args[pos].numel() == 0 else None
+    return tuple(res)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("attnkit::attention_weights", mutates_args=())
-def attention_weights_op(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor | None, rows: torch.Tensor | None,
-                         keep: torch.Tensor | None, drop: torch.Tensor | None, bias: torch.Tensor | None,
-                         scale: float, causal: bool, window_left: int | None, window_right: int | None,
-                         align: str, softcap: float | None) -> torch.Tensor:
-    """Weights (..., H, len(rows), S) in q's dtype, from lse when given. Runs on the
-    NumPy ladder (the Triton kernels have no weights kernel): CUDA tensors make a
-    round trip through the CPU, O(rows · S) memory."""
-    args = (q, k, None, keep, drop, bias, scale, causal, window_left, window_right, align, softcap)
-    cpu = [None if x is None else x.detach().cpu() for x in args[:6]]
-    spec = _numpy_spec(*cpu, *args[6:])
-    lse_np = None if lse is None else _np(lse.cpu())
-    rows_np = None if rows is None else rows.cpu().numpy()
-    w = backends.select(spec, "auto").rung_weights(spec, lse_np, rows_np)
-    return _torch(w, q.dtype).to(q.device)
+def _weights(lse: torch.Tensor | None, rows: torch.Tensor | None, *args: Any) -> torch.Tensor:
+    spec, name = from_op_args(args)
+    mod = _rung(name)
+    if getattr(mod, "arrays", "numpy") == "torch":
+        return mod.rung_weights(spec, lse, None if rows is None else rows.cpu().numpy())
+    w = mod.rung_weights(numpy_spec(spec), _np(lse), None if rows is None else rows.cpu().numpy())
+    return _torch(w, spec.q.dtype)
 
 
-@attention_weights_op.register_fake
-def _(q, k, lse, rows, keep, drop, bias, scale, causal, window_left, window_right, align, softcap):
+def _weights_fake(lse: Any, rows: torch.Tensor | None, *args: Any) -> torch.Tensor:
+    q, k = args[:2]
     n = q.shape[-2] if rows is None else rows.shape[0]
     return q.new_empty(_batch(q, k) + (q.shape[-3], n, k.shape[-2]))
 
 
-# ---- the rung interface (backends.py), shared with triton_rung.py -------------------
-def _inputs(spec):
-    wl, wr = spec.window if spec.window is not None else (None, None)
-    return (spec.keep, spec.drop, spec.bias, spec.scale, spec.causal, wl, wr, spec.align, spec.softcap)
+attention_weights = torch.library.custom_op(
+    "attnkit::attention_weights", _weights, mutates_args=(),
+    schema=f"(Tensor? lse, Tensor? rows, {_SCHEMA_ARGS.replace('Tensor v', 'Tensor? v')}) -> Tensor")
+attention_weights.register_fake(_weights_fake)
 
 
-def forward(spec, need_weights: bool = False, kernel: str = "auto"):
-    """(out, lse, weights | None) through the autograd op; weights carry no gradient."""
-    out, lse = torch.ops.attnkit.attention_fwd(spec.q, spec.k, spec.v, *_inputs(spec), kernel)
-    return out, lse, (weights(spec, lse, None) if need_weights else None)
+# ---- the rung the dispatcher hands out for torch tensors --------------------------------
+class TorchRung:
+    """The torch op bound to one compute rung (see backends.select)."""
+
+    def __init__(self, mod: Any) -> None:
+        self.mod = mod
+        self.name = f"torch ({mod.name})"
+
+    def not_supported_reasons(self, spec: Spec) -> list[str]:
+        return list(self.mod.not_supported_reasons(spec))
+
+    def rung_forward(self, spec: Spec, need_weights: bool = False) -> tuple[Any, Any, Any]:
+        args = to_op_args(spec, self.mod.name)
+        out, lse = torch.ops.attnkit.attention_fwd(*args)
+        w = self._weights(args, lse.detach(), None) if need_weights else None
+        return out, lse, w
+
+    def rung_backward(self, spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None,
+                      need_dbias: bool = True) -> Grads:
+        with torch.no_grad():
+            g = torch.ops.attnkit.attention_bwd(dout, dlse, out, lse, need_dbias and spec.bias is not None,
+                                                *to_op_args(spec, self.mod.name))
+        dq, dk, dv, dbias, dsinks = g
+        return Grads(dq.reshape(spec.shapes["q"]), dk.reshape(spec.shapes["k"]), dv.reshape(spec.shapes["v"]),
+                     dbias.reshape(spec.shapes["bias"]) if spec.bias is not None else None,
+                     dsinks.reshape(spec.shapes["sinks"]) if spec.sinks is not None else None)
+
+    def rung_weights(self, spec: Spec, lse: Any = None, rows: Any = None) -> Any:
+        return self._weights(to_op_args(spec, self.mod.name), None if lse is None else lse.detach(), rows)
+
+    @staticmethod
+    def _weights(args: tuple[Any, ...], lse: Any, rows: Any) -> Any:
+        if rows is not None:
+            rows = torch.as_tensor(np.asarray(rows), dtype=torch.int64)
+        detached = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args)
+        return torch.ops.attnkit.attention_weights(lse, rows, *detached)
 
 
-def backward(spec, dout, out, lse, kernel: str = "auto"):
-    """(dq, dk, dv, dbias | None) in the shapes the user passed."""
-    with torch.no_grad():
-        dq, dk, dv, dbias = torch.ops.attnkit.attention_bwd(dout, None, spec.q, spec.k, spec.v, out, lse,
-                                                            *_inputs(spec), kernel, spec.bias is not None)
-    return (dq.reshape(spec.shapes["q"]), dk.reshape(spec.shapes["k"]), dv.reshape(spec.shapes["v"]),
-            dbias if spec.bias is not None else None)
+_BOUND: dict[str, TorchRung] = {}
 
 
-def weights(spec, lse=None, rows=None):
-    """Exact weights for query rows ``rows`` (all if None), detached from autograd."""
-    if rows is not None:
-        rows = torch.as_tensor(np.asarray(rows) if not isinstance(rows, torch.Tensor) else rows,
-                               dtype=torch.int64)
-    keep, drop, bias, *scalars = _inputs(spec)
-    lse = None if lse is None else lse.detach()
-    return torch.ops.attnkit.attention_weights(spec.q.detach(), spec.k.detach(), lse, rows, keep, drop,
-                                               None if bias is None else bias.detach(), *scalars)
+def bound(mod: Any) -> TorchRung:
+    """The torch op bound to compute rung module ``mod`` (one object per rung)."""
+    r = _BOUND.get(mod.name)
+    if r is None:
+        r = _BOUND[mod.name] = TorchRung(mod)
+    return r
 
 
-def not_supported_reasons(spec) -> list[str]:
-    return reasons_for(spec, "auto")
-
-
-def rung_forward(spec, need_weights: bool = False):
-    return forward(spec, need_weights, "auto")
-
-
-def rung_backward(spec, dout, out, lse):
-    return backward(spec, dout, out, lse, "auto")
-
-
-def rung_weights(spec, lse=None, rows=None):
-    return weights(spec, lse, rows)
-
-
-def unavailable():
-    """None: CPU tensors always have the NumPy ladder (CUDA ones need Triton, see the
-    triton rung)."""
+def unavailable() -> None:
+    """None: CPU tensors always have the NumPy rungs (CUDA ones need Triton)."""
     return None

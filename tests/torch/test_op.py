@@ -247,7 +247,7 @@ def test_weights_carry_no_gradient_and_bias_without_grad_gets_none():
 
 def test_no_backend_error_lists_reasons():
     q = torch.randn(1, 2, 4, device="meta")
-    with pytest.raises(ValueError, match=r"no backend can run this call(.|\n)*torch: device meta"):
+    with pytest.raises(ValueError, match=r"no backend can run this call(.|\n)*flash: runs on the CPU.*got device meta"):
         attnkit.attention(q, q, q)
     q, k, v = make((2, 4), (3, 4), grad=False)
     with pytest.raises(ValueError, match=r"keep: expected a tensor on q's device cpu, got meta"):
@@ -257,21 +257,28 @@ def test_no_backend_error_lists_reasons():
 
 
 def test_custom_ops_pass_opcheck():
-    """Schema, fake (meta) implementation and autograd registration of the custom ops."""
+    """Schema, fake (meta) implementation and autograd registration of the custom ops,
+    with the flat arguments of one Spec (to_op_args / from_op_args round trip)."""
+    from attnkit.spec import validate
+    from attnkit.torch import op
     q, k, v = make((1, 2, 3, 4), (1, 1, 5, 4), Dv=2, dtype=torch.float32, seed=12)
     keep = torch.rand(3, 5) > 0.2
     bias = torch.randn(2, 3, 5, requires_grad=True)
-    args = (q, k, v, keep, None, bias, 0.5, True, None, 1, "top_left", 3.0, "auto")
+    sinks = torch.randn(2, requires_grad=True)
+    spec = validate(q, k, v, keep=keep, bias=bias, scale=0.5, causal=True, window=(None, 1), align="top_left",
+                    softcap=3.0, sinks=sinks, alibi_slopes=torch.tensor([0.5, 0.25]))
+    args = op.to_op_args(spec, "flash")
+    back, rung = op.from_op_args(args)
+    assert rung == "flash" and back.window == spec.window and back.scale == spec.scale
     torch.library.opcheck(torch.ops.attnkit.attention_fwd.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     out, lse = torch.ops.attnkit.attention_fwd(*args)
     out, lse = out.detach(), lse.detach()
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    bwd = (dout, dlse, q, k, v, out, lse, keep, None, bias) + args[6:] + (True,)
-    torch.library.opcheck(torch.ops.attnkit.attention_bwd.default, bwd,
+    torch.library.opcheck(torch.ops.attnkit.attention_bwd.default, (dout, dlse, out, lse, True) + args,
                           test_utils=("test_schema", "test_faketensor"))
-    weights = (q, k, lse, torch.tensor([0, 2]), keep, None, bias) + args[6:12]
-    torch.library.opcheck(torch.ops.attnkit.attention_weights.default, weights,
+    detached = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args)
+    torch.library.opcheck(torch.ops.attnkit.attention_weights.default, (lse, torch.tensor([0, 2])) + detached,
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -410,7 +417,7 @@ def test_mha_state_dict_names_match_torch_and_unsupported_options_raise():
 def test_triton_rung_through_the_same_op(monkeypatch):
     """backend="triton" runs the same autograd op on the Triton kernels (on the CPU under
     TRITON_INTERPRET=1), out, lse and every gradient — lse's included — as the CPU path."""
-    from attnkit.torch import triton_rung
+    from attnkit.torch import triton as triton_rung
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if triton_rung.unavailable() is not None:
         pytest.skip(triton_rung.unavailable())

@@ -22,8 +22,8 @@ from attnkit.testing import error_budget, make_qkv, max_error
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
-from attnkit.torch import triton_kernels as tk  # noqa: E402
-from attnkit.torch import triton_tuning  # noqa: E402
+from attnkit.torch.triton import kernels as tk  # noqa: E402
+from attnkit.torch.triton import tuning as triton_tuning  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -235,7 +235,7 @@ def test_interpreter_set_before_python_starts():
     import subprocess
     import sys
     code = ("import torch; from attnkit.spec import validate; "
-            "from attnkit.torch import triton_kernels as tk; "
+            "from attnkit.torch.triton import kernels as tk; "
             "q = torch.randn(2, 20, 16); spec = validate(q, q, q, causal=True); "
             "out, lse = tk.forward(spec); g = tk.backward(spec, torch.ones_like(out), out, lse); "
             "ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True); "
@@ -267,8 +267,8 @@ def test_broadcast_batch_2d_and_noncontiguous():
     run_and_check(*case((19, 16), (3, 1, 25, 16), 8, causal=True))
     run_and_check(*case((3, 1, 2, 19, 16), (1, 2, 1, 25, 16)))
     spec, spec64, spec32 = case((2, 2, 21, 16), (2, 2, 30, 16))
-    spec.q = spec.q.transpose(-1, -2).contiguous().transpose(-1, -2)   # D-major layout
-    spec.k = spec.k.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    spec = spec.replace(q=spec.q.transpose(-1, -2).contiguous().transpose(-1, -2))   # D-major layout
+    spec = spec.replace(k=spec.k.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3))
     assert not spec.q.is_contiguous() and not spec.k.is_contiguous()
     run_and_check(spec, spec64, spec32)
 

@@ -77,7 +77,8 @@ except (ImportError, OSError, RuntimeError) as e:   # missing or broken install
     constexpr = "constexpr"                         # annotation stand-in; kernels are never wrapped
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
-from . import triton_tuning
+from ...spec import band as _spec_band
+from . import tuning as triton_tuning
 
 MAX_HEAD_DIM = 256
 DTYPES = ("float16", "bfloat16", "float32")
@@ -664,6 +665,10 @@ def not_supported_reasons(spec) -> list:
         why.append(f"dtype {spec.dtype} is not supported by the Triton kernels (float16, bfloat16, float32)")
     if max(spec.D, spec.Dv) > MAX_HEAD_DIM:
         why.append(f"head dim D={spec.D}, Dv={spec.Dv} exceeds {MAX_HEAD_DIM}")
+    for name, given in (("sinks", spec.sinks is not None), ("alibi_slopes", spec.alibi_slopes is not None),
+                        ("dropout", spec.dropout > 0), ("q_lengths/kv_lengths/cu_seqlens", spec.varlen)):
+        if given:
+            why.append(f"{name} is not implemented in the Triton kernels yet")
     kind = spec.q.device.type
     if kind == "cpu":
         if not interpreting():
@@ -691,7 +696,7 @@ def _precision(spec):
 
 def _band(spec):
     """(HAS_LEFT, HAS_RIGHT, LEFT, RIGHT): Spec.band as kernel constants."""
-    left, right = spec.band
+    left, right = _spec_band(spec.causal, spec.window)
     return left is not None, right is not None, left or 0, right or 0
 
 
@@ -785,7 +790,8 @@ def _common(spec, kind):
                          softcap=spec.softcap is not None, interpret=interpreting(),
                          precision=_precision(spec))
     consts.update(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_FP_FUSION)
-    scalars = (spec.scale, spec.softcap or 1.0, spec.offset, left, right)
+    offset = spec.S - spec.L if spec.align == "bottom_right" else 0
+    scalars = (spec.scale, spec.softcap or 1.0, offset, left, right)
     return cfg, consts, scalars
 
 
@@ -884,7 +890,7 @@ def backward(spec, dout, out, lse, dlse=None, need_dbias=True):
     None without bias or when ``need_dbias`` is False. Fully masked rows (lse -inf)
     contribute zero gradients."""
     import torch
-    from ..spec import reduce_to
+    from ...spec import reduce_to
     B, H, Hkv, L, S, D, Dv = spec.batch, spec.H, spec.Hkv, spec.L, spec.S, spec.D, spec.Dv
     dev = spec.q.device
     q = _full(spec.q, B + (H, L, D))

@@ -26,7 +26,7 @@ To override, assign a function with the same signature to ``override``; it retur
 dict (any subset of the five keys; the rest come from the table) or ``None`` to keep
 the table's entry::
 
-    >>> from attnkit.torch import triton_tuning
+    >>> from attnkit.torch.triton import tuning as triton_tuning
     >>> triton_tuning.override = lambda D, dtype, cap, kind: (
     ...     {"BLOCK_N": 32} if kind == "forward" else None)
     >>> triton_tuning.config(128, "bfloat16", (9, 0), "forward")["BLOCK_N"]

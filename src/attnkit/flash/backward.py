@@ -1,0 +1,162 @@
+"""The flash rung's backward pass: p = exp(s − lse) recomputed tile by tile from the
+saved lse (FlashAttention-2 order: key blocks outside, query blocks inside), so it
+also serves a block of keys of a longer sequence (ring attention, split-KV)::
+
+    delta = rowsum(dout ∘ out) − dlse                    the softmax Jacobian term
+    for each task (units, chunk of key blocks):
+        for each key block: for each row block that sees it:
+            p = exp(s − lse);  pz = dropout(p)
+            dv += pzᵀ dout;  dp = dropout(dout vᵀ);  ds = p ∘ (dp − delta)
+            dk += dsᵀ q;  dq[chunk] += ds k
+    dq = Σ_chunk dq[chunk]                                 in a fixed order
+
+Extra memory is O((L + S)·D) per head (times the key chunks for dq) plus a few tiles
+per worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..backends import Grads
+from ..nonfinite import exempt_matmul
+from ..reference import sink_gradient
+from ..spec import broadcast_to
+from . import runtime
+from .forward import cast
+from .plan import MIN_TASKS, Call, Unit, tile_ready
+
+
+def _bias_shape(call: Call) -> tuple[int, ...] | None:
+    """bias's shape left-padded with 1s to the score rank, or None without bias."""
+    spec = call.spec
+    if spec.bias is None:
+        return None
+    bs = tuple(spec.shapes["bias"])
+    return (1,) * (len(spec.score_shape) - len(bs)) + bs
+
+
+def _bias_slot(shape: tuple[int, ...], u: Unit) -> tuple[int, ...]:
+    """Index of the (L, S) slice of the padded dbias that unit u (one head) adds into."""
+    return tuple(0 if n == 1 else i for i, n in zip(u.b + (u.h0,), shape[:-2]))
+
+
+def _groups(call: Call, shape: tuple[int, ...] | None) -> list[list[Unit]]:
+    """Units grouped by the dbias slice they add into (one unit per group otherwise)."""
+    if shape is None:
+        return [[u] for u in call.units]
+    groups: dict[tuple[int, ...], list[Unit]] = {}
+    for u in call.units:
+        groups.setdefault(_bias_slot(shape, u), []).append(u)
+    return list(groups.values())
+
+
+def _add_dbias(dbias: np.ndarray, shape: tuple[int, ...], ds: np.ndarray, u: Unit,
+               r0: int, r1: int, c0: int, c1: int) -> None:
+    """dbias[slot] += ds (one head's tile), summed over the rows / keys along which
+    bias was broadcast."""
+    ds = ds.reshape(r1 - r0, c1 - c0)
+    if shape[-2] == 1:
+        ds, r0, r1 = ds.sum(axis=0, keepdims=True), 0, 1
+    if shape[-1] == 1:
+        ds, c0, c1 = ds.sum(axis=1, keepdims=True), 0, 1
+    dbias[_bias_slot(shape, u)][r0:r1, c0:c1] += ds
+
+
+def _rows3(call: Call, arr: Any, u: Unit, r0: int, r1: int) -> np.ndarray:
+    """(nk, g·rows, X) rows of a (..., H, L, X) array for the unit's heads."""
+    x = arr[u.b][u.heads, r0:r1]
+    return np.ascontiguousarray(x).reshape(u.nk, u.g * (r1 - r0), x.shape[-1])
+
+
+def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_dbias: bool = True) -> Grads:
+    spec, acc = call.spec, call.acc
+    dout = broadcast_to(tile_ready(dout, acc), spec.out_shape)
+    lse = np.asarray(lse, dtype=acc)
+    with np.errstate(invalid="ignore"):
+        delta = np.einsum("...d,...d->...", dout, np.asarray(out, dtype=acc))   # Σ_j w·dw, O(L) per head
+    if dlse is not None:                                 # a gradient for lse: d lse / d scores = w
+        delta = delta - np.asarray(dlse, dtype=acc)
+    bias_shape = _bias_shape(call) if need_dbias else None
+    groups = _groups(call, bias_shape)
+    BN = call.BLOCK_N
+    kblocks = {id(u): [(c, min(c + BN, u.seg.k1)) for c in range(u.seg.k0, u.seg.k1, BN)] for u in call.units}
+    n_chunks = 1 if (bias_shape is not None and bias_shape[-1] == 1) else \
+        max(1, min(max((len(b) for b in kblocks.values()), default=1), -(-MIN_TASKS // max(len(groups), 1))))
+    dq = np.zeros((n_chunks,) + spec.batch + (spec.H, spec.L, spec.D), dtype=acc)
+    dk = np.zeros(spec.batch + (spec.H, spec.S, spec.D), dtype=acc)     # per query head, folded below
+    dv = np.zeros(spec.batch + (spec.H, spec.S, spec.Dv), dtype=acc)
+    dbias = None if bias_shape is None else np.zeros(bias_shape, dtype=acc)
+    kern, careful = call.kern, call.careful
+
+    def unit_chunk(u: Unit, chunk: int) -> None:
+        blocks = kblocks[id(u)]
+        n = min(len(blocks), n_chunks)
+        if chunk >= n:
+            return
+        nk, g = u.nk, u.g
+        cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        dq_c = dq[chunk][u.b]
+        for c0, c1 in blocks[chunk * len(blocks) // n:(chunk + 1) * len(blocks) // n]:
+            bn = c1 - c0
+            k_t, v_t = call.kv(u, c0, c1)
+            dk_j = np.zeros((nk, bn, spec.D), dtype=acc)
+            dv_j = np.zeros((nk, bn, spec.Dv), dtype=acc)
+            for r0, r1, partial in call.query_tiles(u, c0, c1):
+                if r0 not in cache:
+                    cache[r0] = (call.q_tile(u, r0, r1), _rows3(call, dout, u, r0, r1))
+                q_t, do_t = cache[r0]
+                R = q_t.shape[1]
+                p = np.empty((nk, R, bn), dtype=acc)
+                tanh_t = np.empty_like(p) if spec.softcap else None
+                call.scores(p, u, q_t, k_t, r0, r1, c0, c1, partial, tanh_out=tanh_t)
+                vis = (p != -np.inf) if careful else None
+                kern.exp_from_lse(p.reshape(nk * R, bn), call.rows(lse, u, r0, r1))   # the saved softmax
+                pz = p
+                if call.drop_thr:
+                    pz = p.copy()
+                    call.dropout(pz, u, r0, r1, c0)
+                pzT = pz.transpose(0, 2, 1)
+                dv_j += pzT @ do_t if vis is None else exempt_matmul(pzT, do_t, vis.transpose(0, 2, 1))
+                ds = np.matmul(do_t, v_t.transpose(0, 2, 1))   # dp = dout vᵀ
+                call.dropout(ds, u, r0, r1, c0)
+                kern.ds_tile(p.reshape(nk * R, bn), ds.reshape(nk * R, bn), call.rows(delta, u, r0, r1))
+                if vis is not None:
+                    ds[~vis] = 0.0                       # excluded keys get no gradient, NaN or not
+                if dbias is not None and bias_shape is not None:
+                    _add_dbias(dbias, bias_shape, ds, u, r0, r1, c0, c1)
+                if tanh_t is not None:
+                    np.multiply(tanh_t, tanh_t, out=tanh_t)   # d/dz c·tanh(z/c) = 1 − tanh²
+                    np.subtract(1.0, tanh_t, out=tanh_t)
+                    ds *= tanh_t
+                dsT = ds.transpose(0, 2, 1)
+                dk_j += dsT @ q_t if vis is None else exempt_matmul(dsT, q_t, vis.transpose(0, 2, 1))
+                dq_t = ds @ k_t if vis is None else exempt_matmul(ds, k_t, vis)
+                dq_c[u.heads, r0:r1] += dq_t.reshape(nk * g, r1 - r0, spec.D)   # q_t carries qs; fixed below
+            slot = slice(u.h0, u.h0 + nk * g, g)         # a GQA group's sum goes to its first head
+            dk[u.b][slot, c0:c1] = dk_j
+            dv[u.b][slot, c0:c1] = dv_j
+
+    def task(t: tuple[int, int]) -> None:
+        gi, chunk = t
+        for u in groups[gi]:
+            unit_chunk(u, chunk)
+
+    runtime.run([(gi, c) for gi in range(len(groups)) for c in range(n_chunks)], task)
+
+    dq_sum = dq[0]
+    for c in range(1, n_chunks):                         # fixed order: same bits for any thread count
+        dq_sum += dq[c]
+    dq_sum *= spec.scale                                 # dz/dq = scale · k
+    if spec.softcap:                                     # q_t was q · scale / softcap; dz/dk = scale · q
+        dk *= spec.softcap
+    dq_u, dk_u, dv_u = (cast(x, spec.dtype) for x in spec.to_inputs(dq_sum, dk, dv))
+    db = None
+    if dbias is not None:
+        db = cast(dbias.reshape(spec.shapes["bias"]), np.asarray(spec.bias).dtype)
+    ds_ = None
+    if spec.sinks is not None:
+        ds_ = cast(sink_gradient(spec, lse, delta), np.asarray(spec.sinks).dtype)
+    return Grads(dq_u, dk_u, dv_u, db, ds_)

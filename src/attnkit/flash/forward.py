@@ -1,0 +1,227 @@
+"""The flash rung's forward pass and its weights, tile by tile::
+
+    for each task (unit, row block, key part):      tasks run on the worker pool
+        m_i = sink or -inf, l_i = 1 or 0, acc = 0    running max, sum and output
+        for each key tile inside the band:           fully excluded tiles are skipped
+            s = q kᵀ · scale [softcap, bias, ALiBi, -inf where excluded]
+            m_new = max(m_i, rowmax(s));  p = exp(s - m_new)
+            alpha = exp(m_i - m_new)                 rescales the old tiles to the new max
+            l_i = alpha·l_i + rowsum(p);  acc = alpha·acc + dropout(p) v
+        out = acc / l_i,  lse = m_i + log(l_i)       l_i = 0 (no key, no sink): out 0, lse -inf
+
+Key parts of one row block (split-KV, for few rows and many keys) are merged by their
+(m, l) in a fixed order afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..nonfinite import exempt_matmul
+from ..spec import geometry as geo
+from . import runtime
+from .plan import Call, Unit
+
+State = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
+
+
+def cast(x: np.ndarray, dtype: Any) -> np.ndarray:
+    """x in the output dtype. Results below the dtype's smallest subnormal (float16
+    mostly) flush to 0 as they should, not as an error under np.errstate(all='raise')."""
+    with np.errstate(under="ignore"):
+        return x.astype(dtype, copy=False)
+
+
+def _init(call: Call, u: Unit, r0: int, r1: int, with_sink: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(m_i, l_i) before the first key tile: the sink logit is one more score (its
+    value 0, so acc starts at 0)."""
+    n = u.nk * u.g * (r1 - r0)
+    if call.sinks is None or not with_sink:
+        return np.full(n, -np.inf, dtype=call.acc), np.zeros(n, dtype=call.acc)
+    m_i = call.rows(call.sinks, u, r0, r1).astype(call.acc)
+    shift = np.where(m_i == -np.inf, 0.0, m_i)
+    return m_i, np.exp(m_i - shift).astype(call.acc)     # +inf or NaN sink: NaN
+
+
+def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: np.ndarray, want_out: bool,
+                   lo: int | None = None, hi: int | None = None, with_sink: bool = True) -> State:
+    """The tiled loop for rows [r0, r1) of unit u over keys [lo, hi) (default: all):
+    (m_i, l_i, acc | None) with rows flat (nk·g·rows)."""
+    spec, kern = call.spec, call.kern
+    nk, g, m = u.nk, u.g, r1 - r0
+    m_i, l_i = _init(call, u, r0, r1, with_sink)
+    acc = np.zeros((nk, g * m, spec.Dv), dtype=call.acc) if want_out else None
+    pv = np.empty_like(acc) if acc is not None else None
+    for a0, a1, c0, c1, partial in call.tiles(u, r0, r1, lo, hi):
+        rows = slice(a0 - r0, a1 - r0)                   # a strip of a single head's rows, or all
+        whole = a0 == r0 and a1 == r1
+        q_s = q_t if whole else q_t[:, rows]
+        m_s, l_s = (m_i, l_i) if whole else (m_i[rows], l_i[rows])
+        n_rows = q_s.shape[1]
+        s = buf[: nk * n_rows * (c1 - c0)].reshape(nk, n_rows, c1 - c0)
+        k_t, v_t = call.kv(u, c0, c1)
+        fused = call.fuse_index and partial
+        call.scores(s, u, q_s, k_t, a0, a1, c0, c1, partial, fused=fused)
+        vis = (s != -np.inf) if call.careful else None
+        s2 = s.reshape(nk * n_rows, c1 - c0)
+        if fused:                                        # causal/window applied row by row
+            lo_b, hi_b = call.bounds(u, a0, a1)
+            alpha = kern.softmax_tile_bounded(s2, m_s, l_s, lo_b, hi_b, c0)
+        else:
+            alpha = kern.softmax_tile(s2, m_s, l_s)
+        if acc is not None and pv is not None:
+            call.dropout(s, u, a0, a1, c0)
+            acc_s, pv_s = (acc, pv) if whole else (acc[:, rows], pv[:, rows])
+            if vis is None:
+                np.matmul(s, v_t, out=pv_s)
+            else:
+                pv_s[...] = exempt_matmul(s, v_t, vis)
+            if whole:
+                kern.rescale_add(acc.reshape(nk * n_rows, -1), alpha, pv.reshape(nk * n_rows, -1))
+            else:                                        # nk = 1 here: acc[0, rows] is a 2-D view
+                kern.rescale_add(acc_s[0], alpha, pv_s[0])
+    return m_i, l_i, acc
+
+
+def finish(m_i: np.ndarray, l_i: np.ndarray, acc: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(lse, out) from the running state: l_i = 0 (no key, no sink) gives lse −inf, out
+    0; a NaN sum stays NaN."""
+    empty = l_i == 0
+    lse = np.log(l_i, out=np.full_like(l_i, -np.inf), where=~empty)
+    lse += m_i
+    if acc is not None:
+        flat = acc.reshape(l_i.shape[0], -1)
+        np.divide(flat, l_i[:, None], out=flat, where=~empty[:, None])
+        flat[empty] = 0.0
+    return lse, acc
+
+
+def merge_parts(parts: list[State]) -> State:
+    """(m, l, acc) of key parts of the same rows combined, in their order."""
+    m = parts[0][0].copy()
+    for p in parts[1:]:
+        m = np.maximum(m, p[0])
+    shift = np.where(m == -np.inf, 0.0, m)
+    l_i = np.zeros_like(m)
+    acc = None if parts[0][2] is None else np.zeros_like(parts[0][2])
+    for pm, pl, pa in parts:
+        w = np.exp(pm - shift)                           # part's max −inf: weight 0
+        l_i += w * pl
+        if acc is not None and pa is not None:
+            acc += w.reshape(pa.shape[0], -1, 1) * pa
+    return m, l_i, acc
+
+
+def _store(call: Call, lse: np.ndarray, out: np.ndarray | None, u: Unit, r0: int, r1: int,
+           lse_i: np.ndarray, o_i: np.ndarray | None) -> None:
+    lse[u.b][u.heads, r0:r1] = lse_i.reshape(u.nk * u.g, r1 - r0)
+    if out is not None and o_i is not None:
+        out[u.b][u.heads, r0:r1] = o_i.reshape(u.nk * u.g, r1 - r0, -1)
+
+
+def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """(out | None, lse, weights | None) in the accumulation dtype (weights in q's)."""
+    spec = call.spec
+    lse = np.full(spec.lse_shape, -np.inf, dtype=call.acc)
+    out = np.zeros(spec.out_shape, dtype=call.acc) if want_out else None
+    weights = np.zeros(spec.score_shape, dtype=spec.dtype) if want_weights else None
+    blocks = [(u, r0, r1) for u in call.units for r0, r1 in call.row_blocks(u)]
+    tasks: list[tuple[Any, ...]] = []
+    for n_b, (u, r0, r1) in enumerate(blocks):
+        lo, hi = geo.key_range(u.seg, call.band, r0, r1)
+        n = call.splits(len(blocks), hi - lo)
+        cuts = [lo + (hi - lo) * i // n for i in range(n + 1)]
+        tasks += [(n_b, i, n, cuts[i], cuts[i + 1]) for i in range(n)]
+    parts: dict[int, list[Any]] = {n_b: [None] * n for n_b, i, n, _, _ in tasks if n > 1 and i == 0}
+
+    def task(t: tuple[Any, ...]) -> None:
+        n_b, i, n, lo, hi = t
+        u, r0, r1 = blocks[n_b]
+        buf = np.empty(u.nk * u.g * (r1 - r0) * call.key_block(u.g * (r1 - r0)), dtype=call.acc)
+        q_t = call.q_tile(u, r0, r1)
+        state = online_softmax(call, u, q_t, r0, r1, buf, want_out, lo, hi, with_sink=i == 0)
+        if n > 1:
+            parts[n_b][i] = state
+            return
+        lse_i, o_i = finish(*state)
+        _store(call, lse, out, u, r0, r1, lse_i, o_i)
+        if weights is not None:
+            weights_rows(call, u, q_t, r0, r1, lse_i, weights, r0, buf)
+
+    # heaviest tasks first (causal: the last query blocks see the most keys)
+    tasks.sort(key=lambda t: -(t[4] - t[3]) * (blocks[t[0]][2] - blocks[t[0]][1]) * blocks[t[0]][0].nk)
+    runtime.run(tasks, task)
+    for n_b, states in parts.items():                    # split-KV: merge the parts in order
+        u, r0, r1 = blocks[n_b]
+        lse_i, o_i = finish(*merge_parts(states))
+        _store(call, lse, out, u, r0, r1, lse_i, o_i)
+    if weights is not None and parts:
+        runtime.run([blocks[n_b] for n_b in parts],
+                    lambda b: weights_rows(call, b[0], call.q_tile(*b), b[1], b[2],
+                                           call.rows(lse, *b), weights, b[1], None))
+    return out, lse, weights
+
+
+def weights_rows(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, lse_i: np.ndarray,
+                 w: np.ndarray, pos: int, buf: np.ndarray | None) -> None:
+    """w[b][heads, pos:pos + rows] (zero-filled, keys on the last axis) ← exp(scores −
+    lse) for rows [r0, r1) of unit u, tile by tile (weights before dropout)."""
+    nk, m = u.nk, r1 - r0
+    if buf is None:
+        buf = np.empty(nk * u.g * m * call.key_block(u.g * m), dtype=call.acc)
+    dest = w[u.b][u.heads, pos:pos + m]                  # (nk·g, rows, S)
+    lse_h = lse_i.reshape(nk * u.g, m)
+    for a0, a1, c0, c1, partial in call.tiles(u, r0, r1):
+        rows = slice(a0 - r0, a1 - r0)
+        whole = a0 == r0 and a1 == r1
+        q_s = q_t if whole else q_t[:, rows]
+        n_rows = q_s.shape[1]
+        s = buf[: nk * n_rows * (c1 - c0)].reshape(nk, n_rows, c1 - c0)
+        k_t, _ = call.kv(u, c0, c1)
+        call.scores(s, u, q_s, k_t, a0, a1, c0, c1, partial)
+        call.kern.exp_from_lse(s.reshape(nk * n_rows, -1), np.ascontiguousarray(lse_h[:, rows]).reshape(-1))
+        with np.errstate(under="ignore"):                # float16: tiny weights flush to 0
+            dest[:, rows, c0:c1] = s.reshape(nk * u.g, a1 - a0, c1 - c0)
+
+
+def weights(call: Call, lse: Any, rows: np.ndarray) -> np.ndarray:
+    """Weights (..., H, len(rows), S) in q's dtype for the query rows ``rows``, tile by
+    tile: O(len(rows) · S) memory. Without lse each task first runs the forward over
+    its rows (no v needed) to get it."""
+    spec = call.spec
+    w = np.zeros(spec.batch + (spec.H, rows.size, spec.S), dtype=spec.dtype)
+    lse_all = None if lse is None else np.asarray(lse, dtype=call.acc)
+    pieces = []
+    for u in call.units:
+        step = call.BLOCK_M if u.g * u.nk == 1 else None
+        for pos, r0, r1 in _runs(rows):
+            a, z = max(r0, u.seg.q0), min(r1, u.seg.q1)   # the run's rows inside this sequence
+            for c in range(a, z, step or max(z - a, 1)):
+                pieces.append((u, pos + c - r0, c, min(c + step, z) if step else z))
+
+    def task(t: tuple[Any, ...]) -> None:
+        u, pos, r0, r1 = t
+        q_t = call.q_tile(u, r0, r1)
+        buf = np.empty(u.nk * u.g * (r1 - r0) * call.key_block(u.g * (r1 - r0)), dtype=call.acc)
+        if lse_all is None:
+            lse_i, _ = finish(*online_softmax(call, u, q_t, r0, r1, buf, False))
+        else:
+            lse_i = call.rows(lse_all, u, r0, r1)
+        weights_rows(call, u, q_t, r0, r1, lse_i, w, pos, buf)
+
+    runtime.run(pieces, task)
+    return w
+
+
+def _runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """Row indices as runs of consecutive rows: [(pos, r0, r1)], pos = where the run
+    starts in ``rows``."""
+    rows = np.asarray(rows, dtype=np.int64).ravel()
+    if rows.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [rows.size]))
+    return [(int(p), int(rows[p]), int(rows[p]) + int(e - p)) for p, e in zip(starts, ends)]

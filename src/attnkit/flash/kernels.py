@@ -1,0 +1,112 @@
+"""Tile kernels of the flash rung, in place on one (rows × keys) tile: the NumPy set
+(every dtype) and the compiled float32 set (:mod:`.numba_kernels`, when numba is
+installed). Both compute the same thing; the tests run both.
+
+- ``softmax_tile(s, m_i, l_i) -> alpha``: s ← exp(s − m_new) with the running max and
+  sum updated; alpha = exp(m_old − m_new) rescales what came before. A row that has
+  seen only −inf keeps m = −inf (its shift is 0, no NaN); a NaN score makes the row NaN.
+- ``softmax_tile_bounded(s, m_i, l_i, lo, hi, c0)``: the same with row i limited to
+  keys [lo[i], hi[i]) (the causal/window band fused in: no boolean tile).
+- ``rescale_add(o, alpha, pv)``: o ← alpha · o + pv.
+- ``exp_from_lse(s, lse)``: s ← exp(s − lse); keys with s = −inf and rows with
+  lse = −inf give 0 (a NaN lse leaves NaN on the other keys).
+- ``ds_tile(p, dp, delta)``: dp ← p ∘ (dp − delta).
+- ``alibi_tile(s, slopes, r0, c0, sigma)``: s[h, i, j] −= slopes[h] · |r0 + i + sigma − c0 − j|.
+- ``dropout_tile(p, heads, r0, c0, seed, thr, scale)``: p[h, i, j] ← 0 where Philox
+  drops (head n·H + h = heads[h], row r0 + i, key c0 + j), else p · scale.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from .. import philox
+
+
+def _np_softmax_tile(s: np.ndarray, m_i: np.ndarray, l_i: np.ndarray) -> np.ndarray:
+    m_new = np.maximum(m_i, s.max(axis=1))              # NaN propagates
+    shift = np.where(m_new == -np.inf, 0.0, m_new).astype(s.dtype)  # all −inf so far: shift by 0
+    with np.errstate(invalid="ignore"):                  # inf − inf: the row is NaN, no warning
+        np.subtract(s, shift[:, None], out=s)
+        alpha = np.exp(m_i - shift)                      # m_i = −inf gives 0: nothing to rescale
+    np.exp(s, out=s)
+    l_i *= alpha
+    l_i += s.sum(axis=1)
+    m_i[:] = m_new
+    return alpha
+
+
+def _np_softmax_tile_bounded(s: np.ndarray, m_i: np.ndarray, l_i: np.ndarray, lo: np.ndarray,
+                             hi: np.ndarray, c0: int) -> np.ndarray:
+    cols = np.arange(c0, c0 + s.shape[1])
+    np.copyto(s, -np.inf, where=(cols < lo[:, None]) | (cols >= hi[:, None]))
+    return _np_softmax_tile(s, m_i, l_i)
+
+
+def _np_rescale_add(o: np.ndarray, alpha: np.ndarray, pv: np.ndarray) -> None:
+    if not (alpha == 1).all():                           # the running max moved: rescale
+        o *= alpha[:, None]
+    o += pv
+
+
+def _np_exp_from_lse(s: np.ndarray, lse: np.ndarray) -> None:
+    excluded = (s == -np.inf) if np.isnan(lse).any() else None   # exempt from a NaN lse
+    shift = np.where(lse == -np.inf, np.inf, lse).astype(s.dtype)   # lse −inf: weights 0
+    with np.errstate(invalid="ignore"):
+        np.subtract(s, shift[:, None], out=s)
+    np.exp(s, out=s)
+    if excluded is not None:
+        s[excluded] = 0.0
+
+
+def _np_ds_tile(p: np.ndarray, dp: np.ndarray, delta: np.ndarray) -> None:
+    np.subtract(dp, delta[:, None], out=dp)
+    np.multiply(dp, p, out=dp)
+
+
+def _np_alibi_tile(s: np.ndarray, slopes: np.ndarray, r0: int, c0: int, sigma: int) -> None:
+    """s (heads, rows, keys)."""
+    dist = np.abs(np.arange(r0 + sigma - c0, r0 + sigma - c0 + s.shape[1])[:, None]
+                  - np.arange(s.shape[2])[None, :]).astype(s.dtype)
+    s -= slopes.astype(s.dtype)[:, None, None] * dist
+
+
+def _np_dropout_tile(p: np.ndarray, heads: np.ndarray, r0: int, c0: int, seed: int, thr: int,
+                     scale: float) -> None:
+    """p (heads, rows, keys)."""
+    w = philox.words(seed, heads[:, None, None], np.arange(r0, r0 + p.shape[1])[None, :, None],
+                     np.arange(c0, c0 + p.shape[2])[None, None, :])
+    p *= np.where(w >= np.uint32(thr), p.dtype.type(scale), p.dtype.type(0))
+
+
+NUMPY = SimpleNamespace(name="numpy", softmax_tile=_np_softmax_tile,
+                        softmax_tile_bounded=_np_softmax_tile_bounded, rescale_add=_np_rescale_add,
+                        exp_from_lse=_np_exp_from_lse, ds_tile=_np_ds_tile, alibi_tile=_np_alibi_tile,
+                        dropout_tile=_np_dropout_tile)
+
+# Set to False to force the NumPy kernels everywhere (tests use it for the fallback).
+USE_COMPILED = True
+_compiled: list[Any] = []   # [] not tried yet; [None] numba missing; [kernels]
+
+
+def compiled_kernels() -> Any:
+    """The numba float32 kernels, or None when numba is not installed (compiled on
+    first use and cached on disk by numba between processes)."""
+    if not _compiled:
+        try:
+            from . import numba_kernels
+        except ImportError:
+            _compiled.append(None)
+        else:
+            _compiled.append(numba_kernels.KERNELS)
+    return _compiled[0]
+
+
+def for_dtype(dtype: Any) -> Any:
+    """The kernel set for a tile dtype: compiled for float32 when available."""
+    if np.dtype(dtype) == np.float32 and USE_COMPILED:
+        return compiled_kernels() or NUMPY
+    return NUMPY

@@ -1,0 +1,199 @@
+"""float32 tile kernels compiled by numba (see :mod:`.kernels` for what each computes):
+one pass for the row max, one fused pass for exp and the row sum, with a polynomial
+exp that the compiler vectorises. Compiled on first use and cached on disk
+(``cache=True``), so later processes load them instead of compiling.
+
+Fast-math without reassociation keeps every sum in its source order; the row max and
+row sum allow it (the order is then fixed at compile time, so the bits stay the same
+run to run and thread to thread).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+ORDERED = dict(nogil=True, cache=True, error_model="numpy", fastmath={"nsz", "arcp", "contract", "afn"})
+REDUCE = dict(ORDERED, fastmath={"reassoc", "nsz", "arcp", "contract", "afn"})
+f32 = np.float32
+LOG2E = f32(1.44269504088896341)                          # exp(x) = 2^(x · log2 e)
+EXP2_MIN = f32(-125.0)                                   # below 2^-125 the result is 0
+
+
+@intrinsic
+def _f32_from_bits(typingctx, x):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _fmax(typingctx, a, b):  # type: ignore[no-untyped-def]
+    # llvm.maxnum with nnan: the form of max the vectoriser turns into vmaxps (numba's
+    # max() stays scalar); a NaN score may be skipped by the row max but still makes
+    # its row NaN in the exp pass
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        f = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.maxnum", [f], ir.FunctionType(f, [f, f]))
+        return builder.call(fn, args, fastmath=("nnan", "nsz"))
+    return types.float32(types.float32, types.float32), codegen
+
+
+@numba.njit(**ORDERED)
+def exp2_f32(t):  # type: ignore[no-untyped-def]
+    # 2^t = 2^n · 2^r with n = round(t), r = t − n exact, |r| ≤ 1/2; callers fold log2(e)
+    # into t (exp(x − c) = 2^(x·log2 e − c·log2 e)). t ≤ 0 here (scores minus their max).
+    n = np.floor(t + f32(0.5))
+    r = t - n
+    p = f32(1.5356125e-4)                                # near-minimax for (2^r − 1) / r, ≤ 2 ulp
+    p = p * r + f32(1.3398818e-3)
+    p = p * r + f32(9.6184276e-3)
+    p = p * r + f32(5.5503327e-2)
+    p = p * r + f32(2.4022648e-1)
+    p = p * r + f32(6.9314718e-1)
+    y = p * r + f32(1.0)
+    y = y * _f32_from_bits((np.int32(n) + np.int32(127)) << 23)  # 2^n from its exponent bits
+    # below 2^−125 (and for −inf) the bits above are garbage: the result is exactly 0
+    # there; a NaN t fails the test and stays NaN through r
+    return f32(0.0) if t < EXP2_MIN else y
+
+
+@numba.njit(**REDUCE)
+def row_max(row, m):  # type: ignore[no-untyped-def]
+    for j in range(row.shape[0]):
+        m = _fmax(m, row[j])
+    return m
+
+
+@numba.njit(**REDUCE)
+def _softmax_row(seg, m_i, l_i, alpha, i):  # type: ignore[no-untyped-def]
+    m_new = row_max(seg, m_i[i])
+    shift = f32(0.0) if m_new == -np.inf else m_new      # all −inf so far: shift by 0, no NaN
+    total = f32(0.0)
+    for j in range(seg.shape[0]):
+        e = exp2_f32((seg[j] - shift) * LOG2E)           # subtract first: shift·LOG2E may overflow
+        seg[j] = e
+        total += e
+    a = exp2_f32((m_i[i] - shift) * LOG2E)               # m_i = −inf gives 0
+    alpha[i] = a
+    l_i[i] = l_i[i] * a + total
+    m_i[i] = m_new
+
+
+@numba.njit(**REDUCE)
+def _softmax_tile(s, m_i, l_i, alpha):  # type: ignore[no-untyped-def]
+    for i in range(s.shape[0]):
+        _softmax_row(s[i], m_i, l_i, alpha, i)
+
+
+@numba.njit(**REDUCE)
+def _softmax_tile_bounded(s, m_i, l_i, alpha, lo, hi, c0):  # type: ignore[no-untyped-def]
+    # row i limited to the keys [lo[i], hi[i]); the other columns get weight 0
+    w = s.shape[1]
+    for i in range(s.shape[0]):
+        row = s[i]
+        a0 = min(max(lo[i] - c0, 0), w)
+        a1 = min(max(hi[i] - c0, a0), w)
+        row[:a0] = f32(0.0)
+        row[a1:] = f32(0.0)
+        _softmax_row(row[a0:a1], m_i, l_i, alpha, i)     # indexed from 0: the loops vectorise
+
+
+@numba.njit(**ORDERED)
+def rescale_add(o, alpha, pv):  # type: ignore[no-untyped-def]
+    for i in range(o.shape[0]):
+        a = alpha[i]
+        orow, prow = o[i], pv[i]
+        if a == f32(1.0):
+            for j in range(orow.shape[0]):
+                orow[j] += prow[j]
+        else:
+            for j in range(orow.shape[0]):
+                orow[j] = orow[j] * a + prow[j]
+
+
+@numba.njit(**ORDERED)
+def exp_from_lse(s, lse):  # type: ignore[no-untyped-def]
+    for i in range(s.shape[0]):
+        row = s[i]
+        if lse[i] == -np.inf:                            # fully masked row: weights 0
+            row[:] = f32(0.0)
+            continue
+        c = lse[i]
+        for j in range(row.shape[0]):
+            x = row[j]
+            row[j] = f32(0.0) if x == -np.inf else exp2_f32((x - c) * LOG2E)  # excluded: 0 even for a NaN lse
+
+
+@numba.njit(**ORDERED)
+def ds_tile(p, dp, delta):  # type: ignore[no-untyped-def]
+    for i in range(p.shape[0]):
+        d = delta[i]
+        for j in range(p.shape[1]):
+            dp[i, j] = p[i, j] * (dp[i, j] - d)
+
+
+@numba.njit(**ORDERED)
+def alibi_tile(s, slopes, r0, c0, sigma):  # type: ignore[no-untyped-def]
+    for h in range(s.shape[0]):
+        sl = f32(slopes[h])
+        for i in range(s.shape[1]):
+            d0 = r0 + i + sigma - c0
+            row = s[h, i]
+            for j in range(s.shape[2]):
+                row[j] -= sl * f32(abs(d0 - j))
+
+
+@numba.njit(**ORDERED)
+def _philox_word(c0, c1, c2, c3, k0, k1, lane):  # type: ignore[no-untyped-def]
+    # Philox4x32-10 on uint64 holding uint32 values (see attnkit.philox); the word of lane
+    mask = np.uint64(0xFFFFFFFF)
+    for _ in range(10):
+        p0 = c0 * np.uint64(0xD2511F53)
+        p1 = c2 * np.uint64(0xCD9E8D57)
+        n0 = ((p1 >> np.uint64(32)) ^ c1 ^ k0) & mask
+        n2 = ((p0 >> np.uint64(32)) ^ c3 ^ k1) & mask
+        c0, c1, c2, c3 = n0, p1 & mask, n2, p0 & mask
+        k0 = (k0 + np.uint64(0x9E3779B9)) & mask
+        k1 = (k1 + np.uint64(0xBB67AE85)) & mask
+    if lane == 0:
+        return c0
+    if lane == 1:
+        return c1
+    return c2 if lane == 2 else c3
+
+
+@numba.njit(**ORDERED)
+def dropout_tile(p, heads, r0, c0, seed, thr, scale):  # type: ignore[no-untyped-def]
+    k0 = np.uint64(seed & 0xFFFFFFFF)
+    k1 = np.uint64((seed >> 32) & 0xFFFFFFFF)
+    t = np.uint64(thr)
+    sc = f32(scale)
+    for h in range(p.shape[0]):
+        hd = np.uint64(heads[h])
+        h_lo, h_hi = hd & np.uint64(0xFFFFFFFF), hd >> np.uint64(32)
+        for i in range(p.shape[1]):
+            row = np.uint64(r0 + i)
+            for j in range(p.shape[2]):
+                col = c0 + j
+                w = _philox_word(np.uint64(col >> 2), row, h_lo, h_hi, k0, k1, col & 3)
+                p[h, i, j] = p[h, i, j] * sc if w >= t else f32(0.0)
+
+
+def _with_alpha(kernel):  # type: ignore[no-untyped-def]
+    def run(s, m_i, l_i, *bounds):  # type: ignore[no-untyped-def]
+        alpha = np.empty_like(m_i)
+        kernel(s, m_i, l_i, alpha, *bounds)
+        return alpha
+    return run
+
+
+KERNELS = SimpleNamespace(name="numba", softmax_tile=_with_alpha(_softmax_tile),
+                          softmax_tile_bounded=_with_alpha(_softmax_tile_bounded), rescale_add=rescale_add,
+                          exp_from_lse=exp_from_lse, ds_tile=ds_tile, alibi_tile=alibi_tile,
+                          dropout_tile=dropout_tile)

@@ -1,0 +1,271 @@
+"""The tile plan of one flash call: which heads, rows and keys each task covers.
+
+A :class:`Unit` is one sequence of one batch element for a set of query heads: ``nk``
+key-value heads side by side (a batched matmul) with ``g`` query heads each, stacked
+as rows — ``g`` is the GQA group when a whole group's rows fit in one tile (so each
+key-value head is read once for its whole group: decoding, short sequences), else 1.
+Small heads are batched ``nk`` at a time so that a task is worth its Python overhead
+(a BERT batch: 12 heads of 128 × 128 per task). A tile is rows × keys of a unit,
+shaped (nk, g·rows, keys).
+
+Every choice here depends on the shapes only, never on the thread count, so the bits
+do not either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..nonfinite import all_finite
+from ..spec import Spec, broadcast_to
+from ..spec import geometry as geo
+from . import kernels
+
+
+def block_sizes(D: int, dtype: str, backward: bool = False) -> tuple[int, int]:
+    """The tuning table: (BLOCK_M, BLOCK_N) for head dim D, accumulation dtype and
+    pass. A plain function; override per call with ``block_m=`` / ``block_n=``.
+    ``dtype`` is part of the signature but does not change the table today.
+
+    >>> block_sizes(64, "float32")
+    (1024, 512)
+    """
+    if backward:
+        return (256, 256) if D <= 128 else (128, 256)
+    return (1024, 512) if D <= 128 else (512, 512)
+
+
+SUB_M = 128            # row strips for the tiles that causal/window cut through
+SMALL_TILE = 1 << 18   # heads whose whole score matrix is at most this many elements are batched
+MIN_TASKS = 8          # split keys (split-KV) or chunk the backward until this many tasks exist
+MIN_SPLIT = 1024       # keys per split-KV part at least
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Query heads h0 … h0 + nk·g − 1 of batch element b over one sequence: tile
+    index a holds query heads h0 + a·g … h0 + a·g + g − 1, which share kv head
+    (h0 + a·g) // group."""
+
+    b: tuple[int, ...]
+    h0: int
+    nk: int
+    g: int
+    seg: geo.Segment
+
+    @property
+    def heads(self) -> slice:
+        return slice(self.h0, self.h0 + self.nk * self.g)
+
+
+def tile_ready(x: Any, dtype: Any) -> np.ndarray:
+    """x in dtype with its last two dims C-contiguous (BLAS-friendly); copies only
+    when needed, and never expands broadcast batch dims."""
+    x = np.asarray(x)
+    it = np.dtype(dtype).itemsize
+    if x.dtype == dtype and x.strides[-1] == it and (x.shape[-2] == 1 or x.strides[-2] == x.shape[-1] * it):
+        return x
+    return np.ascontiguousarray(x, dtype=dtype)
+
+
+class Call:
+    """Operands, settings and the tile plan shared by every task of one call."""
+
+    def __init__(self, spec: Spec, block_m: int | None, block_n: int | None, backward: bool = False,
+                 dout: Any = None, out: Any = None, lse: Any = None) -> None:
+        self.spec = spec
+        self.acc = np.dtype(spec.acc_dtype)
+        bm, bn = block_sizes(max(spec.D, spec.Dv), spec.acc_dtype, backward)
+        self.BLOCK_M = int(bm if block_m is None else block_m)
+        self.BLOCK_N = int(bn if block_n is None else block_n)
+        if self.BLOCK_M < 1 or self.BLOCK_N < 1:
+            raise ValueError(f"block sizes must be positive, got {self.BLOCK_M}, {self.BLOCK_N}")
+        self.tuned = block_m is None and block_n is None
+        self.kern = kernels.for_dtype(self.acc)
+        self.band = geo.band(spec.causal, spec.window)
+        self.qs = spec.scale / spec.softcap if spec.softcap else spec.scale   # folded into q
+        self.batch_index = list(np.ndindex(*spec.batch))
+        self.q = broadcast_to(np.asarray(spec.q), spec.batch + tuple(spec.q.shape[-3:]))
+        self.k = broadcast_to(tile_ready(spec.k, self.acc), spec.batch + tuple(spec.k.shape[-3:]))
+        self.v = (None if spec.v is None else
+                  broadcast_to(tile_ready(spec.v, self.acc), spec.batch + tuple(spec.v.shape[-3:])))
+        self.masked = spec.keep is not None or spec.drop is not None
+        # NaN/inf in an operand of a product whose other side is 0 on excluded keys:
+        # take the exempt products (attnkit.nonfinite); the plain ones otherwise
+        if backward:
+            self.careful = not all_finite(spec.q, spec.k, spec.v, dout, out) or bool(np.isnan(lse).any())
+        else:
+            self.careful = not all_finite(spec.v)
+        # causal/window alone: the softmax tile takes each row's key bounds
+        self.fuse_index = not self.masked and not self.careful
+        self.slopes = (None if spec.alibi_slopes is None else
+                       broadcast_to(np.asarray(spec.alibi_slopes, dtype=self.acc), spec.batch + (spec.H,)))
+        self.sinks = (None if spec.sinks is None else
+                      broadcast_to(np.asarray(spec.sinks, dtype=self.acc), spec.lse_shape))
+        self.drop_thr = 0
+        if spec.dropout > 0:
+            from .. import philox
+            self.drop_thr = philox.threshold(spec.dropout)
+            self.drop_scale = 1.0 / (1.0 - spec.dropout)
+        self.units = self._units(backward)
+        self._plans: dict[Any, Any] = {}
+
+    # ---- the plan -----------------------------------------------------------------
+    def _units(self, backward: bool) -> list[Unit]:
+        spec = self.spec
+        G, H, Hkv = spec.group, spec.H, spec.Hkv
+        stackable = not (backward and spec.bias is not None)   # dbias adds per head
+        units = []
+        for b in self.batch_index:
+            for seg in geo.segments(spec, b):
+                Lq, Sk = seg.q1 - seg.q0, max(seg.k1 - seg.k0, 1)
+                if stackable and G * Lq <= self.BLOCK_M:
+                    per_head = G * Lq * Sk
+                    nk = max(1, min(Hkv, SMALL_TILE // per_head)) if Sk <= self.BLOCK_N else 1
+                    units += [Unit(b, hk * G, min(nk, Hkv - hk), G, seg) for hk in range(0, Hkv, nk)]
+                else:
+                    units += [Unit(b, h, 1, 1, seg) for h in range(H)]
+        return units
+
+    def row_blocks(self, u: Unit) -> list[tuple[int, int]]:
+        """Query row blocks [r0, r1) covering the unit's sequence."""
+        q0, q1 = u.seg.q0, u.seg.q1
+        if u.g > 1 or u.nk > 1:
+            return [(q0, q1)]
+        return [(i, min(i + self.BLOCK_M, q1)) for i in range(q0, q1, self.BLOCK_M)]
+
+    def key_block(self, rows: int) -> int:
+        """Keys per tile: BLOCK_N, wider for few rows (decoding) at the same tile size."""
+        if not self.tuned or rows >= self.BLOCK_M:
+            return self.BLOCK_N
+        return max(self.BLOCK_N, (self.BLOCK_M * self.BLOCK_N // max(rows, 1)) // self.BLOCK_N * self.BLOCK_N)
+
+    def splits(self, n_tasks: int, keys: int) -> int:
+        """How many parts (split-KV) each row block's keys are cut into, by shape."""
+        if n_tasks >= MIN_TASKS or keys < 2 * MIN_SPLIT:
+            return 1
+        return max(1, min(-(-MIN_TASKS // n_tasks), keys // MIN_SPLIT))
+
+    def key_blocks(self, u: Unit, r0: int, r1: int, lo: int | None = None, hi: int | None = None
+                   ) -> list[tuple[int, int]]:
+        """Key tiles [c0, c1) for rows [r0, r1) inside the band (tiles outside are fully
+        excluded and skipped), optionally within [lo, hi)."""
+        a, z = geo.key_range(u.seg, self.band, r0, r1)
+        a, z = (a if lo is None else max(a, lo)), (z if hi is None else min(z, hi))
+        bn = self.key_block(u.g * (r1 - r0))
+        return [(c, min(c + bn, z)) for c in range(a, z, bn)]
+
+    def partial(self, u: Unit, r0: int, r1: int, c0: int, c1: int) -> bool:
+        return geo.tile_partial(u.seg, self.band, r0, r1, c0, c1)
+
+    def tiles(self, u: Unit, r0: int, r1: int, lo: int | None = None, hi: int | None = None
+              ) -> list[tuple[int, int, int, int, bool]]:
+        """[(a0, a1, c0, c1, partial)]: tiles covering what rows [r0, r1) can see, key
+        block by key block. Where the band cuts through a block of a single head, its
+        rows are taken in strips of SUB_M: strips that see the whole key block are
+        merged, the others clipped to their own key bounds. Worked out once per call
+        for each (sequence, row block, range)."""
+        key = (u.seg, u.g * u.nk > 1, r0, r1, lo, hi)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = [t + (self.partial(u, *t),) for t in self._tiles(u, r0, r1, lo, hi)]
+        return plan
+
+    def _tiles(self, u: Unit, r0: int, r1: int, lo: int | None, hi: int | None) -> Any:
+        for c0, c1 in self.key_blocks(u, r0, r1, lo, hi):
+            if u.g * u.nk > 1 or r1 - r0 <= SUB_M or not self.partial(u, r0, r1, c0, c1):
+                yield r0, r1, c0, c1
+                continue
+            run = None                                   # rows [run, a0) see all of [c0, c1)
+            for a0 in range(r0, r1, SUB_M):
+                a1 = min(a0 + SUB_M, r1)
+                if not self.partial(u, a0, a1, c0, c1):
+                    run = a0 if run is None else run
+                    continue
+                if run is not None:
+                    yield run, a0, c0, c1
+                    run = None
+                s0, s1 = geo.key_range(u.seg, self.band, a0, a1)
+                if max(c0, s0) < min(c1, s1):
+                    yield a0, a1, max(c0, s0), min(c1, s1)
+            if run is not None:
+                yield run, r1, c0, c1
+
+    def query_tiles(self, u: Unit, c0: int, c1: int) -> list[tuple[int, int, bool]]:
+        """[(r0, r1, partial)]: the row blocks of the unit that see any of keys [c0, c1)
+        (the backward's loop; fully excluded tiles skipped)."""
+        key = ("keys", u.seg, u.g * u.nk > 1, c0, c1)
+        plan = self._plans.get(key)
+        if plan is None:
+            lo, hi = geo.query_range(u.seg, self.band, c0, c1)
+            plan = self._plans[key] = [(r0, r1, self.partial(u, r0, r1, c0, c1))
+                                       for r0, r1 in self.row_blocks(u) if r0 < hi and r1 > lo]
+        return plan
+
+    # ---- operands of a tile -----------------------------------------------------
+    def q_tile(self, u: Unit, r0: int, r1: int) -> np.ndarray:
+        """(nk, g·rows, D): q of the unit's heads times qs, in the accumulation dtype."""
+        m, D = r1 - r0, self.spec.D
+        x = self.q[u.b][u.heads, r0:r1].reshape(u.nk, u.g, m, D)
+        out = np.empty((u.nk, u.g * m, D), dtype=self.acc)
+        np.multiply(x, self.qs, out=out.reshape(u.nk, u.g, m, D), dtype=self.acc)
+        return out
+
+    def kv(self, u: Unit, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(nk, keys, D) and (nk, keys, Dv) views of the unit's kv heads (GQA: shared, no copy)."""
+        hk = u.h0 // self.spec.group
+        k = self.k[u.b][hk:hk + u.nk, c0:c1]
+        return k, (None if self.v is None else self.v[u.b][hk:hk + u.nk, c0:c1])
+
+    def rows(self, arr: Any, u: Unit, r0: int, r1: int) -> np.ndarray:
+        """A (..., H, L) array's entries for the tile's rows, flat (nk·g·rows,)."""
+        return np.asarray(arr[u.b][u.heads, r0:r1]).reshape(-1)
+
+    def flat_heads(self, u: Unit) -> np.ndarray:
+        """n·H + h of every head of the unit (dropout's counter)."""
+        n = int(np.ravel_multi_index(u.b, self.spec.batch)) if self.spec.batch else 0
+        return n * self.spec.H + np.arange(u.heads.start, u.heads.stop, dtype=np.int64)
+
+    def scores(self, s: np.ndarray, u: Unit, q_t: np.ndarray, k_t: np.ndarray, r0: int, r1: int,
+               c0: int, c1: int, partial: bool, fused: bool = False,
+               tanh_out: np.ndarray | None = None) -> None:
+        """Fill s (nk, g·rows, keys) with the final scores of one tile: q kᵀ, softcap,
+        bias, ALiBi, −inf where excluded (keep, drop, and the band where it cuts the
+        tile — unless ``fused``: the caller's softmax applies the band itself). tanh_out
+        (optional) receives tanh(s / softcap)."""
+        spec = self.spec
+        np.matmul(q_t, k_t.transpose(0, 2, 1), out=s)
+        if spec.softcap:
+            np.tanh(s, out=s)                            # q was scaled by scale / softcap
+            if tanh_out is not None:
+                tanh_out[...] = s
+            s *= spec.softcap
+        per_head = s.reshape(u.nk * u.g, r1 - r0, c1 - c0)
+        if spec.bias is not None:
+            per_head += geo.mask_tile(spec, spec.bias, u.b, u.heads, r0, r1, c0, c1)
+        if self.slopes is not None:
+            self.kern.alibi_tile(per_head, np.ascontiguousarray(self.slopes[u.b][u.heads]), r0, c0, u.seg.sigma)
+        index = partial and not fused
+        if self.masked or index:
+            ex = geo.tile_excluded(spec, u.seg, u.b, u.heads, r0, r1, c0, c1, index=index)
+            if ex is not None:
+                np.copyto(per_head, -np.inf, where=ex)
+
+    def bounds(self, u: Unit, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per-row key bounds of rows [r0, r1) repeated for every head of the unit (the
+        bounded softmax's lo, hi)."""
+        key = ("bounds", u.seg, u.nk * u.g, r0, r1)
+        b = self._plans.get(key)
+        if b is None:
+            lo, hi = geo.row_key_bounds(u.seg, self.band, r0, r1)
+            b = self._plans[key] = (np.tile(lo, u.nk * u.g), np.tile(hi, u.nk * u.g))
+        return b
+
+    def dropout(self, p: np.ndarray, u: Unit, r0: int, r1: int, c0: int) -> None:
+        """p (nk, g·rows, keys) ← dropout(p), in place."""
+        if self.drop_thr:
+            self.kern.dropout_tile(p.reshape(u.nk * u.g, r1 - r0, -1), self.flat_heads(u), r0, c0,
+                                   int(self.spec.seed), self.drop_thr, self.drop_scale)

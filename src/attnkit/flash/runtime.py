@@ -1,0 +1,361 @@
+"""The flash rung's runtime: worker threads, BLAS held to one thread while tiles run,
+and safety under fork and KeyboardInterrupt.
+
+Threads: :func:`run` executes a call's tasks on the calling thread plus up to
+``get_threads() − 1`` pool workers, which take tasks in order from a shared counter
+(so load balances itself) and sleep on a queue between calls (nothing spins). The
+worker count is :func:`get_threads`: the :func:`threads` setting of the current
+context, else the process default of :func:`set_threads`, else the number of usable
+cores. Results never depend on it: every output element is reduced by one task in a
+fixed order.
+
+BLAS: while any call's tasks run, NumPy's BLAS is held to one thread per worker (a
+tile's matmul is small; OpenBLAS's own threads on top of ours are many times slower).
+threadpoolctl's limit is process-wide, so overlapping calls share it: one dedicated
+thread applies it when the first call enters and restores it when the last leaves
+(OpenMP-based libraries keep the setting per thread, so set and restore happen on the
+same thread). Without threadpoolctl the tiles run on the calling thread and BLAS
+threads itself.
+
+Interrupts and fork: no lock is held across a wait and no Condition is used; every
+wait is on a state that is re-checked, so a KeyboardInterrupt at any point lets the
+call stop its workers (they finish the task in hand and take no more), restore BLAS
+and re-raise. After ``os.fork()`` (multiprocessing, DataLoader workers) the child
+starts with no workers and no BLAS limit of its own: they are made again on first use.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import contextvars
+import itertools
+import numbers
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+_UNSET: Any = object()
+# The worker count: the context's setting (threads()), else the process default
+# (set_threads), else the core count. A ContextVar, so that concurrent calls on other
+# threads never see another thread's `with threads(n)`.
+_threads_var: contextvars.ContextVar = contextvars.ContextVar("attnkit_flash_threads", default=_UNSET)
+_default_threads: list[int | None] = [None]
+_local = threading.local()            # .worker: True on pool threads (nested calls run inline)
+
+
+def _core_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _check_threads(n: Any) -> int | None:
+    if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1):
+        raise ValueError(f"threads: expected a positive int or None, got {n!r}")
+    return None if n is None else int(n)
+
+
+def get_threads() -> int:
+    """Workers the rung uses in the current context: the :func:`threads` setting,
+    else the process default of :func:`set_threads`, else the core count.
+
+    >>> get_threads() >= 1
+    True
+    """
+    n = _threads_var.get()
+    if n is _UNSET:
+        n = _default_threads[0]
+    return n or _core_count()
+
+
+def set_threads(n: int | None = None) -> int | None:
+    """Set the process-wide default number of workers (None = the number of usable
+    cores; any positive integer, NumPy integers included); returns the previous
+    default. One worker runs every tile on the calling thread. A :func:`threads`
+    block in effect in the current context takes precedence.
+
+    >>> old = set_threads(1); get_threads()
+    1
+    >>> _ = set_threads(old)
+    """
+    n = _check_threads(n)
+    old, _default_threads[0] = _default_threads[0], n
+    return old
+
+
+@contextlib.contextmanager
+def threads(n: int | None) -> Iterator[None]:
+    """``with flash.threads(2): ...`` runs the block with n workers (None = the
+    core count). The setting belongs to the current context (thread / task):
+    calls running concurrently elsewhere keep their own.
+
+    >>> with threads(1):
+    ...     get_threads()
+    1
+    """
+    token = _threads_var.set(_check_threads(n))
+    try:
+        yield
+    finally:
+        _threads_var.reset(token)
+
+
+def _wait_until(done: Callable[[], bool], lock: Any, on_interrupt: Callable[[], None]) -> BaseException | None:
+    """Block until ``done()``, waking when ``lock`` is released (and at least every
+    50 ms, so a lost wake-up costs little). A KeyboardInterrupt meanwhile calls
+    ``on_interrupt`` and is returned once done() holds, for the caller to raise."""
+    caught: BaseException | None = None
+    while True:
+        try:
+            while not done():
+                lock.acquire(timeout=0.05)
+            return caught
+        except KeyboardInterrupt as e:
+            caught = caught or e
+            on_interrupt()
+
+
+def _release(lock: Any) -> None:
+    try:
+        lock.release()
+    except RuntimeError:                     # already released: a wake-up is pending anyway
+        pass
+
+
+# ---- the worker pool -------------------------------------------------------------------
+class _Job:
+    """One call's tasks: claimed in order from a shared counter by the caller and the
+    workers that join. ``inside`` holds the workers currently in the job."""
+
+    def __init__(self, fn: Callable[[Any], None], tasks: Sequence[Any]) -> None:
+        self.fn, self.tasks = fn, tasks
+        self.counter = itertools.count()
+        self.errors: list[BaseException] = []
+        self.inside: set[int] = set()
+        self.cancel = False
+        self.wake = _thread.allocate_lock()
+        self.wake.acquire()
+
+    def work(self) -> None:
+        """Run tasks until none is left or the job is cancelled."""
+        n = len(self.tasks)
+        while not self.cancel:
+            i = next(self.counter)
+            if i >= n:
+                return
+            try:
+                self.fn(self.tasks[i])
+            except BaseException as e:      # noqa: BLE001 — re-raised by the caller
+                self.errors.append(e)
+                self.cancel = True
+
+    def join(self, me: int) -> None:
+        """A worker's turn in the job (added to ``inside`` before it looks at cancel,
+        so the caller never returns while it works)."""
+        self.inside.add(me)
+        try:
+            self.work()
+        finally:
+            self.inside.discard(me)
+            _release(self.wake)
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()   # put/get in C: no Python lock to break
+        self.workers: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def grow(self, n: int) -> None:
+        if len(self.workers) >= n:
+            return
+        _register_fork_hooks()
+        with self.lock:
+            while len(self.workers) < n:
+                t = threading.Thread(target=self._loop, args=(self.jobs,), daemon=True,
+                                     name=f"attnkit-flash-{len(self.workers)}")
+                t.start()
+                self.workers.append(t)
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue) -> None:
+        _local.worker = True
+        me = threading.get_ident()
+        while True:
+            job = jobs.get()
+            job.join(me)
+            del job
+
+
+_pool = _Pool()
+
+
+def run(tasks: Sequence[Any], fn: Callable[[Any], None]) -> None:
+    """fn(task) for every task: on the calling thread and up to get_threads() − 1 pool
+    workers, with BLAS held to one thread; or on the calling thread alone (BLAS
+    threading as it likes) without threadpoolctl. Re-raises the first error (or
+    KeyboardInterrupt) after every worker has left the job."""
+    n = min(get_threads(), len(tasks))
+    if blas_controller() is None or n <= 1 or getattr(_local, "worker", False):
+        with blas_single_threaded():
+            for t in tasks:
+                fn(t)
+        return
+    with blas_single_threaded():
+        job = _Job(fn, tasks)
+        try:
+            _pool.grow(n - 1)
+            for _ in range(n - 1):
+                _pool.jobs.put(job)
+            job.work()
+        except BaseException as e:          # noqa: BLE001 — re-raised below
+            job.errors.append(e)
+            job.cancel = True
+        finally:
+            late = _wait_until(lambda: not job.inside, job.wake, lambda: setattr(job, "cancel", True))
+        if late is not None:
+            job.errors.append(late)
+        if job.errors:
+            raise job.errors[0]
+
+
+# ---- BLAS held to one thread -------------------------------------------------------------
+class _Token:
+    """One call's hold on the BLAS limit (weakly referenced by the BLAS thread: a
+    token that dies without its exit still releases the limit)."""
+
+    def __init__(self) -> None:
+        self.acked = False
+        self.lock = _thread.allocate_lock()
+        self.lock.acquire()
+
+
+class _Blas:
+    """The thread that sets and restores the BLAS limit, and its bookkeeping (touched
+    only on that thread)."""
+
+    def __init__(self) -> None:
+        self.cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+        self.controller: Any = _UNSET
+        self.limiter: Any = None
+
+    def start(self) -> None:
+        if self.thread is None:
+            _register_fork_hooks()
+            with self.lock:
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._loop, daemon=True, name="attnkit-blas")
+                    self.thread.start()
+
+    def _loop(self) -> None:
+        active: dict[int, weakref.ref] = {}
+        while True:
+            try:
+                cmd, ref = self.cmds.get(timeout=0.2) if active else self.cmds.get()
+            except queue.Empty:
+                cmd, ref = None, None
+            tok = None if ref is None else ref()
+            if cmd == "enter" and tok is not None:
+                active[id(tok)] = ref
+            elif cmd == "exit" and tok is not None:
+                active.pop(id(tok), None)
+            for key in [key for key, r in active.items() if r() is None]:   # calls that died
+                del active[key]
+            try:
+                if active and self.limiter is None:
+                    self.limiter = self.controller.limit(limits=1, user_api="blas")
+                elif not active and self.limiter is not None:
+                    limiter, self.limiter = self.limiter, None
+                    limiter.restore_original_limits()
+            finally:
+                if tok is not None:
+                    tok.acked = True
+                    _release(tok.lock)
+            del tok
+
+    def request(self, cmd: str, tok: _Token) -> BaseException | None:
+        tok.acked = False
+        self.start()
+        self.cmds.put((cmd, weakref.ref(tok)))
+        return _wait_until(lambda: tok.acked, tok.lock, lambda: None)
+
+
+_blas = _Blas()
+
+
+def blas_controller() -> Any:
+    """A cached threadpoolctl controller, or None when threadpoolctl is missing."""
+    if _blas.controller is _UNSET:
+        with _blas.lock:
+            if _blas.controller is _UNSET:
+                try:
+                    from threadpoolctl import ThreadpoolController
+                except ImportError:
+                    _blas.controller = None
+                else:
+                    _blas.controller = ThreadpoolController()
+    return _blas.controller
+
+
+@contextlib.contextmanager
+def blas_single_threaded() -> Iterator[None]:
+    """BLAS held to one thread inside the block (shared and reference counted across
+    overlapping calls; restored when the last one leaves, even after an interrupt)."""
+    if blas_controller() is None:
+        yield
+        return
+    tok = _Token()
+    try:
+        late = _blas.request("enter", tok)
+        if late is not None:
+            raise late
+        yield
+    finally:
+        late = _blas.request("exit", tok)
+        if late is not None:
+            raise late
+
+
+# ---- fork ---------------------------------------------------------------------------------
+def _before_fork() -> None:
+    _pool.lock.acquire()
+    _blas.lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _blas.lock.release()
+    _pool.lock.release()
+
+
+def _after_fork_in_child() -> None:
+    """The child has only the forking thread: start over with no workers, and undo a
+    BLAS limit that a parent call held at the fork."""
+    global _pool, _blas
+    limiter = _blas.limiter
+    controller = _blas.controller
+    _pool = _Pool()
+    _blas = _Blas()
+    _blas.controller = controller
+    if limiter is not None:
+        try:
+            limiter.restore_original_limits()
+        except Exception:                   # noqa: BLE001 — a best effort in a fresh child
+            pass
+
+
+_fork_hooks: list[bool] = []
+
+
+def _register_fork_hooks() -> None:
+    """Registered with the first worker or BLAS thread (nothing to undo before)."""
+    if not _fork_hooks and hasattr(os, "register_at_fork"):
+        _fork_hooks.append(True)
+        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                            after_in_child=_after_fork_in_child)

@@ -1,0 +1,127 @@
+"""Checks of the arrays a caller hands back (saved out and lse, dout, rows, merge's
+blocks) and of the ring's shards: the same rule as :mod:`attnkit.spec.validate`,
+for the functions that take more than q, k, v and masks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from .core import Spec, dtype_name, is_torch
+from .geometry import combine
+from .validate import FLOAT_DTYPES, as_array, choice, dtype_kind
+
+
+def _same_library(name: str, x: Any, like: Any) -> None:
+    if x is None:
+        raise TypeError(f"{name}: expected an array, got None")
+    if is_torch(x) != is_torch(like) or not hasattr(x, "shape"):
+        want = "a torch.Tensor" if is_torch(like) else "a NumPy array"
+        raise TypeError(f"{name}: expected {want} like q, got {type(x).__name__}")
+    if is_torch(x) and x.device != like.device:
+        raise ValueError(f"{name}: expected a tensor on q's device {like.device}, got {x.device}")
+
+
+def check_like(name: str, x: Any, shape: tuple[int, ...], dtype: str | None = None) -> None:
+    """x must have exactly this shape (and dtype)."""
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    if dtype is not None and dtype_name(x) != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {dtype_name(x)}")
+
+
+def check_lse(spec: Spec, lse: Any, shape: tuple[int, ...]) -> None:
+    """A saved lse: same array library as q, a float dtype, exactly ``shape``."""
+    _same_library("lse", lse, spec.q)
+    if dtype_name(lse) not in FLOAT_DTYPES:
+        raise TypeError(f"lse: expected a float dtype {FLOAT_DTYPES}, got {dtype_name(lse)}")
+    check_like("lse", lse, shape)
+
+
+def check_grad_inputs(spec: Spec, dout: Any, out: Any, lse: Any) -> None:
+    """attention_backward's dout, out (q's dtype, out's user shape) and lse."""
+    for name, x in (("dout", dout), ("out", out)):
+        _same_library(name, x, spec.q)
+        check_like(name, x, spec.user_out_shape, spec.dtype)
+    check_lse(spec, lse, spec.user_lse_shape)
+
+
+def check_rows(spec: Spec, rows: Any) -> np.ndarray:
+    """``rows`` for attention_weights: an int or 1-D ints in [-L, L) -> a NumPy int64
+    array of non-negative row indices."""
+    r = np.asarray(rows.detach().cpu() if is_torch(rows) else as_array("rows", rows, False, required=True))
+    if r.ndim > 1 or (r.size and r.dtype.kind not in "iu"):
+        raise TypeError(f"rows: expected an int or a 1-D sequence of ints, got {r.dtype} of shape {r.shape}")
+    r = np.atleast_1d(r)
+    if r.size and (int(r.min()) < -spec.L or int(r.max()) >= spec.L):   # Python ints: no wrap-around
+        raise ValueError(f"rows: expected indices in [-{spec.L}, {spec.L}) (L={spec.L}), got {r.tolist()[:16]}")
+    return r.astype(np.int64) % spec.L
+
+
+def check_merge(outs: Any, lses: Any) -> tuple[list[Any], list[Any]]:
+    """merge's blocks: equal non-zero numbers of arrays of one library, float dtypes,
+    out blocks (..., Dv) and lse blocks (...) with matching shapes."""
+    blocks = []
+    for name, xs in (("outs", outs), ("lses", lses)):
+        if isinstance(xs, (str, bytes)) or not isinstance(xs, Iterable) or hasattr(xs, "shape"):
+            raise TypeError(f"{name}: expected a list of arrays (one per key block), got {type(xs).__name__}")
+        blocks.append(list(xs))
+    outs, lses = blocks
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"merge: expected equal, non-zero numbers of outs and lses, got {len(outs)} and {len(lses)}")
+    first = outs[0]
+    if not hasattr(first, "shape") or getattr(first, "ndim", 0) < 1:
+        raise TypeError(f"outs[0]: expected an array of shape (..., Dv), got {type(first).__name__}"
+                        + (f" of shape {tuple(first.shape)}" if hasattr(first, "shape") else ""))
+    for i, (o, lse) in enumerate(zip(outs, lses)):
+        _same_library(f"outs[{i}]", o, first)
+        _same_library(f"lses[{i}]", lse, first)
+        for name, x, shape, like in ((f"outs[{i}]", o, tuple(first.shape), first),
+                                     (f"lses[{i}]", lse, tuple(first.shape)[:-1], lses[0])):
+            if dtype_kind(x) != "f":
+                raise TypeError(f"{name}: expected a float dtype {FLOAT_DTYPES}, got {dtype_name(x)}")
+            check_like(name, x, shape, dtype_name(like))
+    return outs, lses
+
+
+# ---- ring attention (attnkit.distributed) -----------------------------------------------
+RING_LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_layout(layout: Any) -> str:
+    return choice("layout", layout, RING_LAYOUTS)
+
+
+def check_world(rank: Any, world: Any) -> None:
+    if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
+        raise ValueError(f"rank, world: expected 0 <= rank < world, got rank={rank!r}, world={world!r}")
+
+
+def check_group(group: Any) -> None:
+    """ring_attention's ``group``: None (the default group) or a ProcessGroup."""
+    if group is None:
+        return
+    import torch.distributed as dist
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: expected None (the default group) or a torch.distributed.ProcessGroup, "
+                        f"got {group!r}")
+
+
+def check_ring_shard(spec: Spec, keep: Any, drop: Any, layout: str) -> Any:
+    """One rank's validated shard for ring attention: key-padding masks only (the
+    query side is the rank's own), even shard lengths for the zigzag layout. Returns
+    the key-padding keep mask (keep and drop combined), or None."""
+    check_layout(layout)
+    for name, m in (("keep", keep), ("drop", drop)):
+        if m is not None and (m.shape[-1] != spec.S or (m.ndim >= 2 and m.shape[-2] != 1)):
+            raise ValueError(f"{name}: ring_attention takes key-padding masks of shape "
+                             f"(..., 1 or H, 1, S_shard={spec.S}) sharded like k, got {tuple(m.shape)}")
+    if layout == "zigzag":
+        for name, n in (("q", spec.L), ("k", spec.S)):
+            if n % 2:
+                raise ValueError(f"{name}: layout='zigzag' needs an even shard length along dim -2 "
+                                 f"(two chunks per rank), got {n}")
+    ex = combine(None, keep, drop)
+    return None if ex is None else ~ex

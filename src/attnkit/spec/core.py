@@ -1,0 +1,182 @@
+"""The Spec: one attention call's validated, normalised inputs (immutable), and the
+shape facts every rung reads from it.
+
+Shape letters (DESIGN.md §1)::
+
+    ...        leading batch dims; they broadcast between q, k, v and masks
+    H / Hkv    query heads / key-value heads, H % Hkv == 0 (GQA; MQA when Hkv == 1)
+    L / S      query length / key-value length (packed: the total tokens Tq / Tk)
+    D / Dv     query-key head dim / value head dim
+
+    q: (..., H, L, D)   k: (..., Hkv, S, D)   v: (..., Hkv, S, Dv)
+    out: (..., H, L, Dv)   lse: (..., H, L)   weights: (..., H, L, S)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+
+def dtype_name(x: Any) -> str:
+    """'float32' for a NumPy float32 array and for a torch.float32 tensor alike."""
+    return str(x.dtype).removeprefix("torch.")
+
+
+def is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def broadcast_to(x: Any, shape: tuple[int, ...]) -> Any:
+    """A broadcast view (no copy) in x's own array library."""
+    return np.broadcast_to(x, shape) if isinstance(x, np.ndarray) else x.broadcast_to(shape)
+
+
+def reduce_to(grad: Any, shape: tuple[int, ...]) -> Any:
+    """Sum a gradient over the dims along which its input was broadcast to grad's shape."""
+    lead = grad.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1
+    )
+    if axes:
+        grad = grad.sum(axis=axes) if isinstance(grad, np.ndarray) else grad.sum(dim=axes)
+    return grad.reshape(shape)
+
+
+def prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Validated, normalised inputs of one call. Arrays keep their library (NumPy or
+    torch); only :func:`attnkit.spec.validate` makes one.
+
+    ``q, k, v`` are at least 3-D (2-D inputs got a head axis); ``batch`` is the
+    broadcast shape of their leading dims. Masks are the user's arrays, not expanded
+    (``keep``/``drop``/``bias`` at least 2-D, ``alibi_slopes`` at least 1-D, ``sinks``
+    at least 2-D: a per-head ``(H,)`` becomes ``(H, 1)``). ``q_lengths``/``kv_lengths``
+    are int arrays broadcast to ``batch`` (or None); ``cu_seqlens_q``/``cu_seqlens_k``
+    1-D int arrays (packed mode, ``packed`` True). ``shapes`` holds the user's own
+    shapes by argument name (gradients are reduced to them).
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    batch: tuple[int, ...]
+    H: int
+    Hkv: int
+    L: int
+    S: int
+    D: int
+    Dv: int
+    scale: float
+    causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+    align: str = "bottom_right"
+    keep: Any = None
+    drop: Any = None
+    bias: Any = None
+    softcap: float | None = None
+    alibi_slopes: Any = None
+    sinks: Any = None
+    q_lengths: Any = None
+    kv_lengths: Any = None
+    cu_seqlens_q: Any = None
+    cu_seqlens_k: Any = None
+    dropout: float = 0.0
+    seed: Any = None
+    dtype: str = "float64"
+    two_d: bool = False
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def from_arrays(cls, q: Any, k: Any, v: Any, *, two_d: bool = False,
+                    shapes: Mapping[str, tuple[int, ...]] | None = None, **options: Any) -> Spec:
+        """A Spec from arrays already in normal form (q, k, v at least 3-D, masks as
+        :func:`~attnkit.spec.validate` leaves them) and validated options; the sizes
+        are read off the arrays. Nothing is checked: for validate itself and for code
+        that rebuilds a Spec from one (the torch op, ring attention)."""
+        H, L, D = (int(n) for n in q.shape[-3:])
+        Hkv, S = (int(n) for n in k.shape[-3:-1])
+        Dv = D if v is None else int(v.shape[-1])
+        lead = [tuple(q.shape[:-3]), tuple(k.shape[:-3])] + ([] if v is None else [tuple(v.shape[:-3])])
+        batch = tuple(int(n) for n in np.broadcast_shapes(*lead))
+        if shapes is None:
+            shapes = {"q": tuple(q.shape), "k": tuple(k.shape)}
+            if v is not None:
+                shapes["v"] = tuple(v.shape)
+            for name in ("bias", "sinks"):
+                if options.get(name) is not None:
+                    shapes[name] = tuple(options[name].shape)
+        return cls(q=q, k=k, v=v, batch=batch, H=H, Hkv=Hkv, L=L, S=S, D=D, Dv=Dv,
+                   dtype=dtype_name(q), two_d=two_d, shapes=dict(shapes), **options)
+
+    def replace(self, **changes: Any) -> Spec:
+        """A copy with some fields changed (for rungs that run a sub-problem)."""
+        return replace(self, **changes)
+
+    # ---- derived facts -------------------------------------------------------
+    @property
+    def torch(self) -> bool:
+        return is_torch(self.q)
+
+    @property
+    def acc_dtype(self) -> str:
+        """Half types accumulate in float32, float64 in float64."""
+        return "float64" if self.dtype == "float64" else "float32"
+
+    @property
+    def group(self) -> int:
+        """Query heads per key-value head (GQA); head h reads kv head h // group."""
+        return self.H // self.Hkv
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def varlen(self) -> bool:
+        """Per-sequence lengths of any kind (padded or packed)."""
+        return self.packed or self.q_lengths is not None or self.kv_lengths is not None
+
+    @property
+    def has_index_mask(self) -> bool:
+        return self.causal or self.window is not None
+
+    @property
+    def score_shape(self) -> tuple[int, ...]:
+        return self.batch + (self.H, self.L, self.S)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.batch + (self.H, self.L, self.Dv)
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        return self.batch + (self.H, self.L)
+
+    @property
+    def user_out_shape(self) -> tuple[int, ...]:
+        """out's shape as the user sees it: 2-D inputs give no head axis."""
+        return self.out_shape[:-3] + self.out_shape[-2:] if self.two_d else self.out_shape
+
+    @property
+    def user_lse_shape(self) -> tuple[int, ...]:
+        return self.lse_shape[:-2] + self.lse_shape[-1:] if self.two_d else self.lse_shape
+
+    def to_inputs(self, dq: Any, dk: Any, dv: Any) -> tuple[Any, Any, Any]:
+        """Gradients per query head (..., H, L|S, X) summed into their kv head (GQA),
+        then over the dims the user's q, k, v were broadcast along: their shapes."""
+        def fold(x: Any) -> Any:  # (..., H, S, X) -> (..., Hkv, S, X)
+            return x.reshape(x.shape[:-3] + (self.Hkv, self.group) + x.shape[-2:]).sum(axis=-3)
+
+        return (reduce_to(dq, self.shapes["q"]), reduce_to(fold(dk), self.shapes["k"]),
+                reduce_to(fold(dv), self.shapes["v"]))

@@ -1,0 +1,348 @@
+"""Argument validation: every user-facing check, run once per call before any compute.
+
+:func:`validate` turns the user's q, k, v and masking keywords into a :class:`Spec`
+or raises a ``TypeError``/``ValueError`` that names the argument as the user wrote
+it, what was expected and what was given. Backends receive the Spec and never check
+again.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+from .core import Spec, dtype_name, is_torch, prod
+from .options import BY_NAME, NAMES
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+INT_KINDS = "iu"
+BACKENDS = ("auto", "reference", "flash", "torch", "triton")
+ALIGNS = ("bottom_right", "top_left")
+
+
+# ---- arrays ------------------------------------------------------------------------
+def compiling() -> bool:
+    """True while torch.compile traces (values of tensors cannot be read then)."""
+    import sys
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.compiler.is_compiling())
+
+
+def as_array(name: str, x: Any, want_torch: bool, required: bool = False) -> Any:
+    """x as an array of the call's library (a torch tensor when q is one, else NumPy);
+    None stays None unless ``required``."""
+    if x is None:
+        if required:
+            raise TypeError(f"{name}: expected an array, got None")
+        return None
+    if want_torch:
+        if not is_torch(x):
+            raise TypeError(f"{name}: expected a torch.Tensor like q, got {type(x).__name__}")
+        import torch
+        if x.layout != torch.strided:
+            raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}; "
+                            "call .to_dense() first")
+        return x
+    if is_torch(x):
+        raise TypeError(f"{name}: got a torch.Tensor but q is not one; pass one array library")
+    try:
+        a = np.asarray(x)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name}: cannot be read as an array ({' '.join(str(e).split())})") from None
+    if a.dtype == object:
+        raise TypeError(f"{name}: expected numbers, got an object array (ragged lists or mixed types?)")
+    return a
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in x.shape)
+
+
+def _as_3d(name: str, x: Any, last: str) -> Any:
+    """(L, D) -> (1, L, D); checks that x has at least 2 dims."""
+    if x.ndim < 2:
+        raise ValueError(f"{name}: expected shape (..., {last}) with at least 2 dims, got {_shape(x)}")
+    return x[None] if x.ndim == 2 else x
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    try:
+        return tuple(np.broadcast_shapes(shape, target)) == tuple(target)
+    except ValueError:
+        return False
+
+
+def _at_least(x: Any, nd: int) -> Any:
+    """x with leading size-1 dims up to nd dims (a view)."""
+    return x.reshape((1,) * (nd - x.ndim) + tuple(x.shape)) if x.ndim < nd else x
+
+
+def _host_ints(x: Any) -> np.ndarray:
+    return np.asarray(x.detach().cpu() if is_torch(x) else x)
+
+
+# ---- scalars -----------------------------------------------------------------------
+def _real(name: str, x: Any, *, positive: bool = False) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or (positive and not x > 0):
+        want = "a positive finite number" if positive else "a finite real number"
+        raise ValueError(f"{name}: expected {want}, got {x!r}")
+    return float(x)
+
+
+def _window(window: Any) -> tuple[int | None, int | None] | None:
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window: expected (left, right) with ints or None, got {window!r}")
+    sides = []
+    for side, x in zip(("left", "right"), window):
+        if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0):
+            raise ValueError(f"window: {side} size must be a non-negative int or None, got {x!r}")
+        sides.append(None if x is None else int(x))
+    return None if sides == [None, None] else (sides[0], sides[1])
+
+
+def choice(name: str, x: Any, allowed: tuple[str, ...]) -> str:
+    if not isinstance(x, str) or x not in allowed:
+        raise ValueError(f"{name}: expected one of {allowed}, got {x!r}")
+    return x
+
+
+def check_seed(seed: Any, name: str = "seed") -> int | None:
+    """A dropout seed: None or an int in [0, 2**64)."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) < 2 ** 64:
+        raise ValueError(f"{name}: expected an int in [0, 2**64), got {seed!r}")
+    return int(seed)
+
+
+# ---- the call ------------------------------------------------------------------------
+def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = True,
+             **options: Any) -> Spec:
+    """Check every argument and return a Spec. Raises TypeError / ValueError naming the
+    argument, what was expected and what was given. ``need_v=False`` (weights only):
+    v must be None."""
+    unknown = sorted(set(options) - set(NAMES))
+    if unknown:
+        raise TypeError(f"{', '.join(unknown)}: unexpected keyword argument(s); the masking "
+                        f"keywords are {', '.join(NAMES)}")
+    opt = {name: options.get(name, BY_NAME[name].default) for name in NAMES}
+    want_torch = is_torch(q)
+    q = as_array("q", q, want_torch, required=True)
+    k = as_array("k", k, want_torch, required=True)
+    v = as_array("v", v, want_torch, required=True) if need_v else None
+    shapes = {"q": _shape(q), "k": _shape(k)}
+    if v is not None:
+        shapes["v"] = _shape(v)
+
+    dt = dtype_name(q)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x is None:
+            continue
+        d = dtype_name(x)
+        if d not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected a float dtype {FLOAT_DTYPES}, got {d}")
+        if d != dt:
+            raise TypeError(f"{name}: dtype {d} differs from q's dtype {dt}; cast them to one dtype")
+    if want_torch:
+        for name in ("k", "v") + tuple(n for n in NAMES if BY_NAME[n].schema == "Tensor?" and n != "seed"):
+            x = {"k": k, "v": v}.get(name, opt.get(name))
+            if is_torch(x) and x.device != q.device:
+                raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {x.device}")
+
+    two_d = q.ndim == 2
+    q = _as_3d("q", q, "H, L, D")
+    k = _as_3d("k", k, "Hkv, S, D")
+    v = _as_3d("v", v, "Hkv, S, Dv") if v is not None else None
+    H, L, D = (int(n) for n in q.shape[-3:])
+    Hkv, S, Dk = (int(n) for n in k.shape[-3:])
+    if Dk != D:
+        raise ValueError(f"k: expected last dim D={D} (q's head dim), got shape {shapes['k']}")
+    Dv = D
+    if v is not None:
+        Hv, Sv, Dv = (int(n) for n in v.shape[-3:])
+        if Sv != S or Hv != Hkv:
+            raise ValueError(f"v: expected shape (..., Hkv={Hkv}, S={S}, Dv) like k, got {shapes['v']}")
+    if 0 in (H, Hkv, L, S, D, Dv):
+        raise ValueError(f"q, k, v: H, Hkv, L, S, D and Dv must be positive, got q {shapes['q']}, "
+                         f"k {shapes['k']}" + (f", v {shapes['v']}" if v is not None else ""))
+    if H % Hkv != 0:
+        raise ValueError(f"k: query heads H={H} must be a multiple of key-value heads Hkv={Hkv} "
+                         f"(k shape {shapes['k']})")
+    lead = [_shape(q)[:-3], _shape(k)[:-3]] + ([_shape(v)[:-3]] if v is not None else [])
+    try:
+        batch = tuple(int(n) for n in np.broadcast_shapes(*lead))
+    except ValueError:
+        raise ValueError(f"q, k, v: leading batch dims {lead} do not broadcast") from None
+    if 0 in batch:
+        raise ValueError(f"q, k, v: batch dims must be non-empty, got batch shape {batch} "
+                         f"(q {shapes['q']}, k {shapes['k']})")
+    score_shape = batch + (H, L, S)
+
+    arrays: dict[str, Any] = {}
+    for name in ("keep", "drop", "bias"):
+        m = as_array(name, opt[name], want_torch)
+        if m is not None:
+            d = dtype_name(m)
+            if name != "bias" and d != "bool":
+                pol = "attend" if name == "keep" else "masked out"
+                raise TypeError(f"{name}: expected a boolean mask (True = {pol}), got dtype {d}")
+            if name == "bias" and d not in FLOAT_DTYPES:
+                raise TypeError(f"bias: expected a float dtype {FLOAT_DTYPES}, got {d}")
+            if not _broadcasts_to(_shape(m), score_shape):
+                raise ValueError(f"{name}: expected a shape that broadcasts to (..., H, L, S) = "
+                                 f"{score_shape}, got {_shape(m)}")
+            shapes[name] = _shape(m)
+            m = _at_least(m, 2)
+        arrays[name] = m
+
+    slopes = as_array("alibi_slopes", opt["alibi_slopes"], want_torch)
+    if slopes is not None:
+        if dtype_name(slopes) not in FLOAT_DTYPES:
+            raise TypeError(f"alibi_slopes: expected a float dtype {FLOAT_DTYPES}, got {dtype_name(slopes)}")
+        if not _broadcasts_to(_shape(slopes), batch + (H,)):
+            raise ValueError(f"alibi_slopes: expected a shape that broadcasts to (..., H) = {batch + (H,)}, "
+                             f"got {_shape(slopes)}")
+        shapes["alibi_slopes"] = _shape(slopes)
+        slopes = _at_least(slopes, 1)
+
+    sinks = as_array("sinks", opt["sinks"], want_torch)
+    if sinks is not None:
+        if dtype_name(sinks) not in FLOAT_DTYPES:
+            raise TypeError(f"sinks: expected a float dtype {FLOAT_DTYPES}, got {dtype_name(sinks)}")
+        shapes["sinks"] = _shape(sinks)
+        if sinks.ndim == 1:
+            if sinks.shape[0] != H:
+                raise ValueError(f"sinks: a 1-D sinks array is one logit per head, expected shape ({H},), "
+                                 f"got {_shape(sinks)}")
+            sinks = sinks.reshape(H, 1)
+        elif not _broadcasts_to(_shape(sinks), batch + (H, L)):
+            raise ValueError(f"sinks: expected shape (H,) = ({H},) or a shape that broadcasts to "
+                             f"(..., H, L) = {batch + (H, L)}, got {_shape(sinks)}")
+
+    lengths = _lengths(opt, want_torch, batch, L, S, shapes)
+    cu = _cu_seqlens(opt, want_torch, batch, L, S, shapes, lengths)
+
+    scale = 1.0 / math.sqrt(D) if opt["scale"] is None else _real("scale", opt["scale"])
+    softcap = None if opt["softcap"] is None else _real("softcap", opt["softcap"], positive=True)
+    causal = opt["causal"]
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal: expected True or False, got {causal!r}")
+    window = _window(opt["window"])
+    align = choice("align", opt["align"], ALIGNS)
+    choice("backend", backend, BACKENDS)
+    p = opt["dropout"]
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p < 1:
+        raise ValueError(f"dropout: expected a probability 0 <= p < 1, got {p!r}")
+    seed = check_seed(opt["seed"])
+    if p > 0 and seed is None and not want_torch:
+        raise ValueError("seed: dropout > 0 needs a seed (an int >= 0) so that the backward pass and "
+                         "every rung drop the same weights")
+
+    return Spec.from_arrays(q, k, v, scale=scale, causal=bool(causal), window=window, align=align,
+                            keep=arrays["keep"], drop=arrays["drop"], bias=arrays["bias"], softcap=softcap,
+                            alibi_slopes=slopes, sinks=sinks, q_lengths=lengths[0], kv_lengths=lengths[1],
+                            cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], dropout=float(p), seed=seed,
+                            two_d=two_d, shapes=shapes)
+
+
+def dtype_kind(x: Any) -> str:
+    """NumPy's kind letter of x's dtype ('f', 'i', 'u', 'b', ...) for either library."""
+    name = dtype_name(x)
+    if name in FLOAT_DTYPES:
+        return "f"
+    try:
+        return np.dtype(name).kind
+    except TypeError:
+        return "?"
+
+
+def _int_array(name: str, x: Any, want_torch: bool) -> Any:
+    a = as_array(name, x, want_torch)
+    if a is not None and dtype_kind(a) not in INT_KINDS:
+        raise TypeError(f"{name}: expected integers, got dtype {dtype_name(a)}")
+    return a
+
+
+def _lengths(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: int,
+             shapes: dict) -> tuple[Any, Any]:
+    """q_lengths / kv_lengths broadcast to the batch dims, values checked."""
+    out = []
+    for name, n, axis in (("q_lengths", L, "L"), ("kv_lengths", S, "S")):
+        a = _int_array(name, opt[name], want_torch)
+        if a is not None:
+            if not _broadcasts_to(_shape(a), batch):
+                raise ValueError(f"{name}: expected a shape that broadcasts to the batch dims {batch}, "
+                                 f"got {_shape(a)}")
+            shapes[name] = _shape(a)
+            if not compiling():
+                h = _host_ints(a)
+                if h.size and (h.min() < 0 or h.max() > n):
+                    raise ValueError(f"{name}: expected lengths in [0, {axis}={n}], got {h.ravel().tolist()[:16]}")
+            a = a.broadcast_to(batch) if want_torch else np.broadcast_to(a, batch)
+        out.append(a)
+    return out[0], out[1]
+
+
+def _cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: int,
+                shapes: dict, lengths: tuple[Any, Any]) -> tuple[Any, Any]:
+    cq = _int_array("cu_seqlens_q", opt["cu_seqlens_q"], want_torch)
+    ck = _int_array("cu_seqlens_k", opt["cu_seqlens_k"], want_torch)
+    if cq is None and ck is None:
+        return None, None
+    if cq is None or ck is None:
+        missing = "cu_seqlens_q" if cq is None else "cu_seqlens_k"
+        raise ValueError(f"{missing}: packed sequences need both cu_seqlens_q and cu_seqlens_k")
+    if lengths != (None, None):
+        raise ValueError("q_lengths, kv_lengths: not combined with cu_seqlens_q/cu_seqlens_k "
+                         "(packed sequences carry their lengths in the offsets)")
+    if prod(batch) != 1:
+        raise ValueError(f"q: packed sequences (cu_seqlens_q) take q (H, Tq, D) or (1, H, Tq, D), "
+                         f"got batch dims {batch}")
+    for name, a, total, axis in (("cu_seqlens_q", cq, L, "Tq"), ("cu_seqlens_k", ck, S, "Tk")):
+        if a.ndim != 1 or a.shape[0] < 2:
+            raise ValueError(f"{name}: expected a 1-D array of B + 1 >= 2 offsets, got shape {_shape(a)}")
+        shapes[name] = _shape(a)
+        if compiling():
+            continue
+        h = _host_ints(a).astype(np.int64)
+        if h[0] != 0:
+            raise ValueError(f"{name}: expected offsets starting at 0, got {h.tolist()[:16]}")
+        if (np.diff(h) < 0).any():
+            raise ValueError(f"{name}: expected non-decreasing offsets, got {h.tolist()[:16]}")
+        if h[-1] != total:
+            raise ValueError(f"{name}: the last offset must be the packed length {axis}={total}, "
+                             f"got {int(h[-1])}")
+    if cq.shape[0] != ck.shape[0]:
+        raise ValueError(f"cu_seqlens_k: expected {cq.shape[0]} offsets like cu_seqlens_q, got {ck.shape[0]}")
+    return cq, ck
+
+
+def validate_seed(Q: Any, K: Any, V: Any, mask: Any) -> Spec:
+    """The seed function's inputs: 2-D NumPy matrices; ``mask`` any truthy array (True
+    or nonzero = masked out), as the seed's np.where read it."""
+    arrays = []
+    for name, x in (("Q", Q), ("K", K), ("V", V)):
+        if is_torch(x):
+            raise TypeError(f"{name}: the seed's function takes NumPy arrays; use attnkit.attention "
+                            "for torch tensors")
+        a = as_array(name, x, False, required=True)
+        if a.ndim != 2:
+            raise ValueError(f"{name}: expected a 2-D matrix, got shape {a.shape}")
+        arrays.append(a)
+    Q, K, V = arrays
+    if mask is not None:
+        if is_torch(mask):
+            raise TypeError("mask: the seed's function takes a NumPy array")
+        mask = as_array("mask", mask, False)
+        if mask.dtype.kind not in "biuf":
+            raise TypeError(f"mask: expected a boolean or numeric array (True = masked out), got {mask.dtype}")
+        mask = mask.astype(bool)
+        if not _broadcasts_to(mask.shape, (Q.shape[0], K.shape[0])):
+            raise ValueError(f"mask: expected a shape that broadcasts to (L, S) = {(Q.shape[0], K.shape[0])}, "
+                             f"got {mask.shape}")
+    return validate(Q, K, V, drop=mask)

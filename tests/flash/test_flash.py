@@ -1,0 +1,306 @@
+"""The flash rung against the rung below (the reference; float64 ≤ 1e-12, low
+precision by the 2× rule of DESIGN.md §6), PyTorch autograd as a peer, weights from
+lse, determinism across thread counts, tile skipping, and linear memory."""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+from cases import assert_grads_close, both, random_case
+
+import attnkit
+from attnkit import flash, reference
+from attnkit.flash import plan
+from attnkit.spec import validate
+from attnkit.spec import geometry as geo
+from attnkit.testing import error_budget, make_qkv, max_error
+
+F = dict(backend="flash")
+
+
+@pytest.mark.parametrize("seed", range(48))
+def test_float64_matches_reference(seed, monkeypatch):
+    q, k, v, kw, blocks = random_case(seed, extras=True)
+    monkeypatch.setattr(plan, "SUB_M", 1 + seed % 5)      # row strips along the diagonal band
+    spec = validate(q, k, v, **kw)
+    (o1, l1, w1, g1), (o0, l0, w0, g0) = both(flash, spec, blocks, seed)
+    assert o1.dtype == np.float64 and l1.dtype == np.float64
+    assert max_error(o1, o0) <= 1e-12
+    assert max_error(l1, l0) <= 1e-12
+    assert max_error(w1, w0) <= 1e-12
+    assert_grads_close(g1, g0, 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_default_tiles_match_reference(seed):
+    """The tuned plan (stacked GQA groups, batched small heads, split-KV, wide key
+    tiles for few rows) on shapes that take each path."""
+    rng = np.random.default_rng(seed)
+    shapes = [((2, 8, 1, 32), (2, 2, 3000, 32)),        # decoding: split-KV, one read per group
+              ((3, 4, 7, 16), (3, 4, 9, 16)),          # small heads batched
+              ((1, 6, 130, 8), (1, 2, 900, 8)),        # a group stacked, several key tiles
+              ((1, 2, 1500, 8), (1, 1, 1200, 8))][seed % 4]
+    q, k, v = make_qkv(*shapes, seed=seed)
+    kw = [dict(), dict(causal=True), dict(window=(40, 3)), dict(kv_lengths=rng.integers(0, shapes[1][-2], 1)
+                                                                 .repeat(shapes[0][0]))][seed // 2 % 4]
+    spec = validate(q, k, v, **kw)
+    (o1, l1, _, g1), (o0, l0, _, g0) = both(flash, spec, {}, seed, need_weights=False)
+    assert max_error(o1, o0) <= 1e-12 and max_error(l1, l0) <= 1e-12
+    assert_grads_close(g1, g0, 1e-12)
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "keep", "drop", "bias", "softcap", "all"])
+@pytest.mark.parametrize("L, S", [(13, 30), (30, 13), (1, 17), (17, 1), (33, 33)])
+@pytest.mark.parametrize("align", ["bottom_right", "top_left"])
+def test_each_mask_kind_alone_and_combined(kind, L, S, align, monkeypatch):
+    monkeypatch.setattr(plan, "SUB_M", 5)
+    rng = np.random.default_rng(L * 100 + S)
+    q, k, v = make_qkv((2, 4, L, 8), (2, 2, S, 8), 6, seed=L + S)
+    masks = dict(causal=dict(causal=True), window=dict(window=(3, 2)),
+                 keep=dict(keep=rng.random((4, L, S)) < 0.7), drop=dict(drop=rng.random((L, S)) < 0.3),
+                 bias=dict(bias=np.where(rng.random((S,)) < 0.2, -np.inf, rng.standard_normal(S))),
+                 softcap=dict(softcap=1.5))
+    kw = {}
+    for name in (masks if kind == "all" else [kind]):
+        kw.update(masks[name])
+    if "causal" in kw or "window" in kw:
+        kw["align"] = align
+    spec = validate(q, k, v, **kw)
+    (o1, l1, w1, g1), (o0, l0, w0, g0) = both(flash, spec, dict(block_m=12, block_n=7))
+    for a, b in zip((o1, l1, w1), (o0, l0, w0)):
+        assert max_error(a, b) <= 1e-12
+    assert_grads_close(g1, g0, 1e-12)
+
+
+def test_window_one_side_unbounded_and_long_rows():
+    q, k, v = make_qkv((1, 1025, 8), (1, 97, 8), 8, seed=9)
+    for window in [(None, 3), (5, None), (0, 0)]:
+        spec = validate(q, k, v, window=window)
+        (o1, l1, _, g1), (o0, l0, _, g0) = both(flash, spec, dict(block_m=64, block_n=16), need_weights=False)
+        assert max(max_error(a, b) for a, b in zip((o1, l1) + g1[:3], (o0, l0) + g0[:3])) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("seed", range(0, 48, 4))
+def test_low_precision_within_twice_the_reference_error(seed, dtype, kernels):
+    q, k, v, kw, blocks = random_case(seed, dtype, extras=True)
+    spec = validate(q, k, v, **kw)
+    oracle_spec = validate(*(x.astype(np.float64) for x in (q, k, v)), **kw)
+    (o1, l1, w1, g1), (o0, l0, w0, g0) = both(flash, spec, blocks, seed)
+    oo, lo, wo = reference.rung_forward(oracle_spec, True)
+    assert o1.dtype == dtype and w1.dtype == dtype and l1.dtype == np.float32
+    assert max_error(o1, oo) <= error_budget(oo, o0)
+    assert max_error(l1, lo) <= error_budget(lo, l0)
+    assert max_error(w1, wo) <= error_budget(wo, w0)
+    # backward on the same (low precision) out and lse, against the float64 oracle
+    dout = np.random.default_rng(seed).standard_normal(o0.shape)
+    go = reference.rung_backward(oracle_spec, dout, o0.astype(np.float64), l0.astype(np.float64))
+    for a, b, c in zip(g1, g0, go):
+        if c is not None:
+            assert a.dtype == b.dtype
+            assert max_error(a, c) <= error_budget(c, b)
+
+
+def test_float32_kernels_agree_at_tile_size(kernels):
+    """Default block sizes, several tiles, causal: the shape the benchmark runs."""
+    q, k, v = make_qkv((2, 300, 64), (2, 700, 64), dtype="float32", seed=3)
+    spec = validate(q, k, v, causal=True)
+    oracle = reference.rung_forward(validate(*(x.astype(np.float64) for x in (q, k, v)), causal=True))
+    same = reference.rung_forward(spec)
+    out, lse, _ = flash.rung_forward(spec)
+    assert max_error(out, oracle[0]) <= error_budget(oracle[0], same[0])
+    assert max_error(lse, oracle[1]) <= error_budget(oracle[1], same[1])
+
+
+def test_fully_masked_rows_zero_minus_inf_no_warnings(kernels):
+    q, k, v = make_qkv((2, 6, 8), (2, 5, 8), dtype="float32", seed=1)
+    keep = np.ones((6, 5), bool)
+    keep[1] = False
+    bias = np.zeros((6, 5), np.float32)
+    bias[4] = -np.inf                                    # a row masked by -inf bias alone
+    kw = dict(keep=keep, bias=bias, causal=True)         # bottom-right, L > S: row 0 sees nothing
+    with np.errstate(all="raise"):
+        out, lse, w = attnkit.attention(q, k, v, return_lse=True, return_weights=True, **kw, **F)
+        dq, dk, dv, db = attnkit.attention_backward(np.ones_like(out), q, k, v, out, lse, **kw, **F)
+        wr = attnkit.attention_weights(q, k, lse=lse, rows=[0, 1, 4], **kw, **F)
+    for r in (0, 1, 4):
+        assert np.all(out[:, r] == 0) and np.all(w[:, r] == 0) and np.all(lse[:, r] == -np.inf)
+        assert np.all(dq[:, r] == 0) and np.all(db[r] == 0)
+    assert np.all(wr == 0)
+    assert np.all(np.isfinite(lse[:, [2, 3, 5]]))
+    assert all(np.all(np.isfinite(g)) for g in (dq, dk, dv, db))
+
+
+def test_backward_matches_torch_autograd():
+    torch = pytest.importorskip("torch")
+    from peers import torch_sdpa
+    rng = np.random.default_rng(0)
+    cases = [dict(), dict(causal=True, align="top_left"), dict(window=(3, 1)),
+             dict(keep=rng.random((40, 33)) < 0.9, bias=rng.standard_normal((4, 40, 33))),
+             dict(drop=rng.random((1, 33)) < 0.2, causal=True)]
+    for i, kw in enumerate(cases):
+        q, k, v = make_qkv((2, 4, 40, 16), (2, 2, 33, 16), 12, seed=i)
+        out, lse = attnkit.attention(q, k, v, return_lse=True, **kw, **F)
+        peer, leaves = torch_sdpa(q, k, v, requires_grad=True, **kw)
+        dead = np.isnan(peer.detach().numpy()).any(-1)
+        dout = rng.standard_normal(out.shape)
+        dout[dead] = 0                                   # the peer's NaN rows carry no gradient
+        peer.masked_fill(torch.tensor(dead)[..., None], 0).backward(torch.tensor(dout))
+        grads = attnkit.attention_backward(dout, q, k, v, out, lse, **kw, **F)
+        for ours, leaf in zip(grads, leaves):
+            assert ours.shape == tuple(leaf.shape)
+            assert max_error(ours, leaf.grad.numpy()) <= 1e-12
+
+
+def test_backward_of_a_key_block_with_global_out_and_lse():
+    """Ring attention: a key block's gradient from the global out and lse is that
+    block's share; dq sums over blocks, dk/dv are the block's slices."""
+    q, k, v = make_qkv((2, 20, 8), (2, 30, 8), seed=4)
+    out, lse = attnkit.attention(q, k, v, causal=True, return_lse=True, **F)
+    dout = np.random.default_rng(1).standard_normal(out.shape)
+    dq, dk, dv = attnkit.attention_backward(dout, q, k, v, out, lse, causal=True, **F)
+    keep = geo.index_visible(validate(q, k, v, causal=True))
+    dq_sum = 0
+    for a, b in [(0, 12), (12, 30)]:
+        g = attnkit.attention_backward(dout, q, k[:, a:b], v[:, a:b], out, lse, keep=keep[..., a:b], **F)
+        dq_sum = dq_sum + g[0]
+        assert max_error(g[1], dk[:, a:b]) <= 1e-12 and max_error(g[2], dv[:, a:b]) <= 1e-12
+    assert max_error(dq_sum, dq) <= 1e-12
+
+
+def test_lse_gradient_matches_reference_and_central_differences():
+    """dlse (a gradient for lse) enters the Jacobian term: flash = reference, and both
+    are the derivative of lse · c by central differences."""
+    q, k, v = make_qkv((2, 33, 8), (2, 41, 8), seed=6)
+    spec = validate(q, k, v, causal=True, bias=np.random.default_rng(2).standard_normal((33, 41)))
+    out, lse, _ = reference.rung_forward(spec)
+    rng = np.random.default_rng(3)
+    dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+    ref = reference.rung_backward(spec, dout, out, lse, dlse)
+    got = flash.rung_backward(spec, dout, out, lse, dlse, block_m=16, block_n=16)
+    assert_grads_close(got, ref, 1e-12)
+    eps, i = 1e-6, (1, 5, 3)                             # d(Σ out·dout + lse·dlse)/dq[i]
+
+    def loss(qq):
+        o, l, _ = reference.rung_forward(validate(qq, k, v, causal=True, bias=spec.bias))
+        return (o * dout).sum() + (l * dlse).sum()
+    qp, qm = q.copy(), q.copy()
+    qp[i] += eps
+    qm[i] -= eps
+    assert abs((loss(qp) - loss(qm)) / (2 * eps) - ref[0][i]) < 1e-7
+
+
+@pytest.mark.parametrize("with_lse", [True, False])
+def test_attention_weights_rows(with_lse):
+    q, k, v = make_qkv((2, 3, 50, 8), (2, 1, 70, 8), seed=5)
+    kw = dict(causal=True, bias=np.random.default_rng(0).standard_normal((50, 70)))
+    out, lse, w = attnkit.attention(q, k, v, return_lse=True, return_weights=True, backend="reference", **kw)
+    rows = [49, 3, 4, 5, 5, 0]                            # any order, repeats, a run of 3
+    got = attnkit.attention_weights(q, k, lse=lse if with_lse else None, rows=rows, **kw, **F)
+    assert got.shape == (2, 3, 6, 70)
+    assert max_error(got, w[..., rows, :]) <= 1e-12
+    assert max_error(attnkit.attention_weights(q[0, 0], k[0, 0], rows=-1, **F)[0],
+                     attnkit.attention_weights(q[0, 0], k[0, 0], backend="reference")[-1]) <= 1e-12
+
+
+def test_deterministic_bits_repeated_and_across_thread_counts(kernels):
+    q, k, v = make_qkv((1, 2, 300, 16), (1, 1, 250, 16), 16, dtype="float32", seed=6)
+    kw = dict(causal=True, bias=np.random.default_rng(0).standard_normal((300, 250)).astype(np.float32))
+    spec = validate(q, k, v, **kw)
+    blocks = dict(block_m=32, block_n=32)
+    dout = np.random.default_rng(1).standard_normal((1, 2, 300, 16)).astype(np.float32)
+    dec = validate(*make_qkv((2, 8, 1, 16), (2, 2, 4000, 16), dtype="float32", seed=7))   # split-KV decoding
+    results = []
+    for n in (1, 2, 3, 2):
+        with flash.threads(n):
+            out, lse, _ = flash.rung_forward(spec, **blocks)
+            results.append((out, lse) + tuple(flash.rung_backward(spec, dout, out, lse, **blocks))[:4]
+                           + flash.rung_forward(dec)[:2])
+    for r in results[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(results[0], r))
+
+
+def test_causal_skips_excluded_tiles(monkeypatch):
+    """Causal L = S computes about half the tiles, and none of the skipped ones."""
+    seen = []
+    scores = plan.Call.scores
+
+    def spy(self, s, u, q_t, k_t, r0, r1, c0, c1, *a, **kw):
+        seen.append((r0, c0))
+        return scores(self, s, u, q_t, k_t, r0, r1, c0, c1, *a, **kw)
+
+    monkeypatch.setattr(plan.Call, "scores", spy)
+    q, k, v = make_qkv((1, 256, 8), (1, 256, 8), seed=0)
+    counts = []
+    for causal in (False, True):
+        seen.clear()
+        flash.rung_forward(validate(q, k, v, causal=causal), block_m=16, block_n=16)
+        counts.append(len(seen))
+        assert all(c0 <= r0 + 15 for r0, c0 in seen) or not causal
+    assert counts[0] == 256 and counts[1] == 16 * 17 // 2
+
+
+def test_gqa_reads_shared_kv_without_copies():
+    q, k, v = make_qkv((2, 8, 5, 4), (2, 2, 6, 4), dtype="float32", seed=0)
+    call = plan.Call(validate(q, k, v), None, None)
+    assert {u.g for u in call.units} == {4}               # each group's four heads as one tile
+    for u in call.units:
+        kh, vh = call.kv(u, 0, 6)
+        hk = u.h0 // 4
+        assert np.shares_memory(kh, k[u.b[0], hk]) and np.shares_memory(vh, v[u.b[0], hk])
+
+
+def test_forward_and_backward_never_allocate_an_L_by_S_array():
+    L = S = 8192
+    q, k, v = make_qkv((1, L, 16), (1, S, 16), dtype="float32", seed=0)
+    spec = validate(q, k, v, causal=True)
+    flash.rung_forward(validate(q[:, :64], k[:, :64], v[:, :64]))  # compile / warm up outside the trace
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        out, lse, _ = flash.rung_forward(spec)
+        fwd_peak = tracemalloc.get_traced_memory()[1] - base
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        flash.rung_backward(spec, out, out, lse)
+        bwd_peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert fwd_peak < L * S // 8                         # a boolean L × S mask alone is 8× this
+    assert bwd_peak < L * S // 2
+
+
+def test_auto_picks_flash_for_numpy_unless_every_head_is_small():
+    from attnkit import backends
+    q, k, v = make_qkv((2, 200, 4), (2, 300, 4), seed=0)
+    assert backends.select(validate(q, k, v)) is flash
+    assert backends.select(validate(q[:, :3], k[:, :5], v[:, :5])) is reference
+    q, k, v = make_qkv((300, 2, 100, 4), (300, 2, 100, 4), seed=0)   # small heads, but many
+    assert backends.select(validate(q, k, v)) is flash
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_scale_zero_gives_uniform_weights_and_zero_dq_dk(softcap):
+    q, k, v = make_qkv((2, 5, 4), (2, 7, 4), seed=21)
+    kw = dict(scale=0.0, softcap=softcap)
+    out, lse = attnkit.attention(q, k, v, return_lse=True, **kw, **F)
+    ref, rlse = attnkit.attention(q, k, v, return_lse=True, **kw, backend="reference")
+    assert max_error(out, ref) <= 1e-12 and max_error(lse, rlse) <= 1e-12
+    got = attnkit.attention_backward(np.ones_like(out), q, k, v, out, lse, **kw, **F)
+    want = attnkit.attention_backward(np.ones_like(ref), q, k, v, ref, rlse, **kw, backend="reference")
+    for g, w in zip(got, want):
+        assert max_error(g, w) <= 1e-12
+
+
+def test_float16_under_errstate_raise_does_not_underflow():
+    q, k, v = make_qkv((2, 3, 70, 16), (2, 3, 90, 16), 16, dtype="float16", seed=12)
+    dout = np.random.default_rng(3).standard_normal((2, 3, 70, 16)).astype(np.float16) * np.float16(1e-3)
+    spec = validate(q, k, v, causal=True)
+    with np.errstate(all="raise"):
+        out, lse, w = flash.rung_forward(spec, need_weights=True, block_m=32, block_n=32)
+        grads = flash.rung_backward(spec, dout, out, lse, block_m=32, block_n=32)
+        w2 = attnkit.attention_weights(q, k, causal=True, **F)
+        o2 = attnkit.attention(q, k, v, causal=True, **F)
+    assert out.dtype == w.dtype == w2.dtype == o2.dtype == np.float16
+    assert all(g.dtype == np.float16 and np.isfinite(g).all() for g in grads[:3])
+    assert np.isfinite(out).all() and np.isfinite(w).all() and max_error(w, w2) <= 1e-3

@@ -1,0 +1,88 @@
+"""The flash rung's tile kernels: the NumPy set and the compiled float32 set compute
+the same thing, including the edge rows (nothing seen yet, bounds outside the tile,
+huge negative scores), and the per-tile ALiBi and dropout terms."""
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit import philox
+from attnkit.flash import kernels as K
+from attnkit.testing import make_qkv, max_error
+
+
+def kernel_set(name):
+    return K.NUMPY if name == "numpy" else K.compiled_kernels()
+
+
+def test_bounded_softmax_tile_is_the_masked_tile(kernels):
+    """The fused causal/window softmax (row bounds, no mask) against the plain tile
+    with −inf outside the bounds, including empty rows and bounds outside the tile."""
+    kern = kernel_set(kernels)
+    rng = np.random.default_rng(0)
+    rows, w, c0 = 9, 37, 20
+    s = (rng.standard_normal((rows, w)) * 3).astype(np.float32)
+    lo = np.array([0, 20, 25, 30, 57, 60, 40, 22, 10])
+    hi = np.array([25, 57, 26, 30, 70, 80, 45, 56, 15])
+    m0 = np.array([-np.inf, 1.0, -np.inf, 2.0, -np.inf, 0.5, 9.0, -np.inf, -np.inf], np.float32)
+    l0 = np.where(np.isfinite(m0), 1.5, 0.0).astype(np.float32)
+    cols = np.arange(c0, c0 + w)
+    masked = np.where((cols >= lo[:, None]) & (cols < hi[:, None]), s, -np.inf).astype(np.float32)
+    m1, l1, m2, l2 = m0.copy(), l0.copy(), m0.copy(), l0.copy()
+    s1, s2 = s.copy(), masked.copy()
+    a1 = kern.softmax_tile_bounded(s1, m1, l1, lo, hi, c0)
+    a2 = kern.softmax_tile(s2, m2, l2)
+    assert np.array_equal(m1, m2)
+    for x, y in ((s1, s2), (l1, l2), (a1, a2)):
+        assert np.all(np.isfinite(x)) and np.allclose(x, y, rtol=1e-6, atol=0)
+    assert np.all(s1[(cols < lo[:, None]) | (cols >= hi[:, None])] == 0)
+
+
+def test_nan_scores_make_the_row_nan_and_other_rows_exact(kernels):
+    kern = kernel_set(kernels)
+    s = np.array([[1.0, np.nan, 0.5], [0.2, 0.1, 0.0], [np.inf, 0.0, 1.0]], np.float32)
+    m, l = np.full(3, -np.inf, np.float32), np.zeros(3, np.float32)
+    kern.softmax_tile(s, m, l)
+    assert np.isnan(l[0]) and np.isnan(l[2]) and np.isfinite(l[1])
+    assert abs(l[1] - np.exp(np.float32([0.0, -0.1, -0.2])).sum()) < 1e-6
+
+
+def test_exp_from_lse_exempts_excluded_keys_from_a_nan_lse(kernels):
+    kern = kernel_set(kernels)
+    s = np.array([[0.5, -np.inf], [0.5, -np.inf], [0.5, 0.25]], np.float32)
+    kern.exp_from_lse(s, np.array([np.nan, -np.inf, 1.0], np.float32))
+    assert np.isnan(s[0, 0]) and s[0, 1] == 0                 # NaN lse: NaN where visible, 0 where excluded
+    assert np.all(s[1] == 0)                                  # lse −inf (fully masked): 0
+    assert np.allclose(s[2], np.exp(np.float32([-0.5, -0.75])), rtol=1e-6)
+
+
+def test_alibi_and_dropout_tiles_agree_between_kernel_sets():
+    if K.compiled_kernels() is None:
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(1)
+    s = rng.standard_normal((3, 5, 11)).astype(np.float32)
+    slopes = rng.uniform(0.1, 1, 3).astype(np.float32)
+    outs = []
+    for kern in (K.NUMPY, K.compiled_kernels()):
+        t = s.copy()
+        kern.alibi_tile(t, slopes, 7, 2, 4)
+        kern.dropout_tile(t, np.array([0, 9, 2 ** 33]), 7, 2, 2 ** 40 + 5, philox.threshold(0.3), 1 / 0.7)
+        outs.append(t)
+    assert np.allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    dist = np.abs((7 + np.arange(5) + 4)[:, None] - (2 + np.arange(11))[None, :])
+    kept = philox.kept(2 ** 40 + 5, 0.3, np.array([0, 9, 2 ** 33])[:, None, None],
+                       (7 + np.arange(5))[None, :, None], (2 + np.arange(11))[None, None, :])
+    want = np.where(kept, (s - slopes[:, None, None] * dist) / np.float32(0.7), 0)
+    assert np.allclose(outs[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_huge_negative_bias_row_on_every_kernel(kernels):
+    """A row whose scores are all near float32's most negative value (an additive
+    finfo.min padding mask) is a uniform row, as in the reference, on both kernel sets."""
+    q, k, v = (x.astype(np.float32) for x in make_qkv((1, 3, 8), (1, 5, 8), seed=22))
+    bias = np.zeros((3, 5), np.float32)
+    bias[1] = np.finfo(np.float32).min
+    out = attnkit.attention(q, k, v, bias=bias, backend="flash")
+    ref = attnkit.attention(q, k, v, bias=bias, backend="reference")
+    assert np.all(np.isfinite(out)) and max_error(out, ref) <= 1e-5
+    assert max_error(out[0, 1], v[0].mean(0)) <= 1e-5

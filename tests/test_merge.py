@@ -1,0 +1,37 @@
+"""merge: attention over disjoint key blocks combined by lse equals attention over all
+keys (NumPy arrays and torch tensors); fully masked rows and NaN blocks."""
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit.testing import make_qkv, max_error
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_merge_of_random_key_blocks_is_the_whole(seed):
+    """Split keys into random disjoint blocks, attend to each, merge: the full result
+    (NumPy arrays and torch tensors). Rows fully masked inside a block have lse -inf."""
+    rng = np.random.default_rng(seed)
+    L, S = 11, int(rng.integers(5, 40))
+    q, k, v = make_qkv((2, 3, L, 8), (2, 3, S, 8), 5, seed=seed)
+    keep = rng.random((L, S)) < 0.6
+    keep[0] = False                                      # masked in every block
+    cuts = np.sort(rng.choice(np.arange(1, S), size=min(3, S - 1), replace=False))
+    edges = [0, *cuts.tolist(), S]
+    parts = [attnkit.attention(q, k[..., a:b, :], v[..., a:b, :], keep=keep[:, a:b], return_lse=True,
+                               backend="flash") for a, b in zip(edges[:-1], edges[1:])]
+    whole, whole_lse = attnkit.attention(q, k, v, keep=keep, return_lse=True, backend="reference")
+    out, lse = attnkit.merge([p[0] for p in parts], [p[1] for p in parts])
+    assert max_error(out, whole) <= 1e-12 and max_error(lse, whole_lse) <= 1e-12
+    assert np.all(out[..., 0, :] == 0) and np.all(lse[..., 0] == -np.inf)
+    torch = pytest.importorskip("torch")
+    tout, tlse = attnkit.merge([torch.tensor(p[0]) for p in parts], [torch.tensor(p[1]) for p in parts])
+    assert max_error(tout.numpy(), whole) <= 1e-12 and max_error(tlse.numpy(), whole_lse) <= 1e-12
+
+
+def test_a_nan_block_makes_its_rows_nan():
+    out = [np.ones((2, 3)), np.zeros((2, 3))]
+    lse = [np.array([0.0, np.nan]), np.array([0.0, 0.0])]
+    o, l = attnkit.merge(out, lse)
+    assert np.isfinite(o[0]).all() and np.isnan(o[1]).all() and np.isnan(l[1])
