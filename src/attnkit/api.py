@@ -171,6 +171,8 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
            [0.33, 0.33]])
     """
     spec = validate(q, k, v, backend=backend, **masking)
+    if spec.dropout > 0 and spec.seed is None:
+        raise ValueError("seed: attention_backward with dropout needs the seed the forward pass used")
     check_grad_inputs(spec, dout, out, lse)
     dout, out = (_head_unsqueeze(spec.two_d, x, 2) for x in (dout, out))
     lse = _head_unsqueeze(spec.two_d, lse, 1)

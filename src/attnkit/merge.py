@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from .nonfinite import quiet
+
 
 def _xp(x: Any) -> Any:
     """The array namespace of x: numpy, or torch for tensors."""
@@ -40,7 +42,7 @@ def merge(outs: list[Any], lses: list[Any]) -> tuple[Any, Any]:
     lse = xp.where(empty, xp.full_like(m, -float("inf")), xp.log(safe) + m)
     scale = (w / safe)[..., None]                             # each block's share per row
     if xp is np:
-        with np.errstate(invalid="ignore", under="ignore"):
+        with quiet():
             out = sum(scale[i] * outs[i].astype(scale.dtype) for i in range(len(outs)))
             return out.astype(outs[0].dtype), lse
     out = sum(scale[i] * outs[i].to(scale.dtype) for i in range(len(outs)))

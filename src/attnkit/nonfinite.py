@@ -21,6 +21,13 @@ from typing import Any
 import numpy as np
 
 
+def quiet() -> Any:
+    """The floating-point error state every rung computes in: NaN, inf, overflow and
+    underflow are results (the rule above), not warnings or errors — whatever
+    ``np.errstate`` the caller set."""
+    return np.errstate(invalid="ignore", over="ignore", divide="ignore", under="ignore")
+
+
 def all_finite(*xs: Any) -> bool:
     """True when every array is free of NaN and inf (one reduction each, no temporaries
     of the array's size); None entries are skipped."""

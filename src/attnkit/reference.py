@@ -20,7 +20,7 @@ import numpy as np
 
 from . import philox
 from .backends import Grads
-from .nonfinite import exempt_matmul
+from .nonfinite import exempt_matmul, quiet
 from .spec import Spec, broadcast_to, reduce_to
 from .spec import geometry as geo
 
@@ -146,8 +146,7 @@ def from_lse(scores: np.ndarray, lse: np.ndarray) -> np.ndarray:
     score −inf and rows with lse −inf give 0; a NaN lse gives NaN on the other keys."""
     lse = lse[..., None]
     shift = np.where(lse == -np.inf, np.inf, lse)        # lse −inf: exp(s − inf) = 0
-    with np.errstate(invalid="ignore"):
-        w = np.exp(scores - shift)
+    w = np.exp(scores - shift)
     return np.where(scores == -np.inf, 0.0, w)
 
 
@@ -214,12 +213,14 @@ def _user_dtype(spec: Spec, name: str) -> Any:
 
 
 def rung_forward(spec: Spec, need_weights: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    out, lse, weights = forward(spec)
+    with quiet():
+        out, lse, weights = forward(spec)
     return out.astype(spec.dtype), lse, (weights.astype(spec.dtype) if need_weights else None)
 
 
 def rung_backward(spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None, need_dbias: bool = True) -> Grads:
-    g = backward(spec, dout, out, lse, dlse)
+    with quiet():
+        g = backward(spec, dout, out, lse, dlse)
     dt = spec.dtype
     return Grads(g.dq.astype(dt), g.dk.astype(dt), g.dv.astype(dt),
                  None if g.dbias is None or not need_dbias else g.dbias.astype(_user_dtype(spec, "bias")),
@@ -227,6 +228,11 @@ def rung_backward(spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None, n
 
 
 def rung_weights(spec: Spec, lse: Any = None, rows: Any = None) -> np.ndarray:
+    with quiet():
+        return _weights(spec, lse, rows)
+
+
+def _weights(spec: Spec, lse: Any, rows: Any) -> np.ndarray:
     q, k, _ = _operands(spec)
     scores, _ = final_scores(spec, q, k)
     if lse is None:

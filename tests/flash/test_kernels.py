@@ -8,6 +8,7 @@ import pytest
 import attnkit
 from attnkit import philox
 from attnkit.flash import kernels as K
+from attnkit.nonfinite import quiet
 from attnkit.testing import make_qkv, max_error
 
 
@@ -42,7 +43,8 @@ def test_nan_scores_make_the_row_nan_and_other_rows_exact(kernels):
     kern = kernel_set(kernels)
     s = np.array([[1.0, np.nan, 0.5], [0.2, 0.1, 0.0], [np.inf, 0.0, 1.0]], np.float32)
     m, l = np.full(3, -np.inf, np.float32), np.zeros(3, np.float32)
-    kern.softmax_tile(s, m, l)
+    with quiet():                                         # how every rung runs its tiles
+        kern.softmax_tile(s, m, l)
     assert np.isnan(l[0]) and np.isnan(l[2]) and np.isfinite(l[1])
     assert abs(l[1] - np.exp(np.float32([0.0, -0.1, -0.2])).sum()) < 1e-6
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..backends import Grads
+from ..nonfinite import quiet
 from ..spec import Spec
 from . import backward as _backward
 from . import forward as _forward
@@ -49,23 +50,26 @@ def rung_forward(spec: Spec, need_weights: bool = False, *, block_m: int | None 
                  block_n: int | None = None) -> tuple[Any, np.ndarray, Any]:
     """(out, lse, weights | None): out in q's dtype, lse in the accumulation dtype.
     weights (when asked) come from lse tile by tile, like :func:`rung_weights`."""
-    call = Call(spec, block_m, block_n)
-    out, lse, weights = _forward.forward(call, spec.v is not None, need_weights)
-    return (None if out is None else _forward.cast(out, spec.dtype)), lse, weights
+    with quiet():
+        call = Call(spec, block_m, block_n)
+        out, lse, weights = _forward.forward(call, spec.v is not None, need_weights)
+        return (None if out is None else _forward.cast(out, spec.dtype)), lse, weights
 
 
 def rung_backward(spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None, need_dbias: bool = True, *,
                   block_m: int | None = None, block_n: int | None = None) -> Grads:
     """Gradients from the saved out and lse (and a gradient ``dlse`` for lse,
     optional), reduced to the shapes the user passed; dbias has bias's dtype."""
-    call = Call(spec, block_m, block_n, backward=True, dout=dout, out=out, lse=lse)
-    return _backward.backward(call, dout, out, lse, dlse, need_dbias)
+    with quiet():
+        call = Call(spec, block_m, block_n, backward=True, dout=dout, out=out, lse=lse)
+        return _backward.backward(call, dout, out, lse, dlse, need_dbias)
 
 
 def rung_weights(spec: Spec, lse: Any = None, rows: Any = None, *, block_m: int | None = None,
                  block_n: int | None = None) -> np.ndarray:
     """Weights (..., H, len(rows), S) in q's dtype for the query rows ``rows`` (all
     if None), as exp(scores − lse) tile by tile: O(len(rows) · S) memory."""
-    call = Call(spec, block_m, block_n)
-    rows = np.arange(spec.L) if rows is None else np.asarray(rows, dtype=np.int64).ravel()
-    return _forward.weights(call, lse, rows)
+    with quiet():
+        call = Call(spec, block_m, block_n)
+        rows = np.arange(spec.L) if rows is None else np.asarray(rows, dtype=np.int64).ravel()
+        return _forward.weights(call, lse, rows)

@@ -75,8 +75,7 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
     spec, acc = call.spec, call.acc
     dout = broadcast_to(tile_ready(dout, acc), spec.out_shape)
     lse = np.asarray(lse, dtype=acc)
-    with np.errstate(invalid="ignore"):
-        delta = np.einsum("...d,...d->...", dout, np.asarray(out, dtype=acc))   # Σ_j w·dw, O(L) per head
+    delta = np.einsum("...d,...d->...", dout, np.asarray(out, dtype=acc))   # Σ_j w·dw, O(L) per head
     if dlse is not None:                                 # a gradient for lse: d lse / d scores = w
         delta = delta - np.asarray(dlse, dtype=acc)
     bias_shape = _bias_shape(call) if need_dbias else None

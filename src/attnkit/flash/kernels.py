@@ -1,4 +1,5 @@
-"""Tile kernels of the flash rung, in place on one (rows × keys) tile: the NumPy set
+"""Tile kernels of the flash rung, in place on one (rows × keys) tile (run under
+:func:`attnkit.nonfinite.quiet`): the NumPy set
 (every dtype) and the compiled float32 set (:mod:`.numba_kernels`, when numba is
 installed). Both compute the same thing; the tests run both.
 
@@ -29,9 +30,8 @@ from .. import philox
 def _np_softmax_tile(s: np.ndarray, m_i: np.ndarray, l_i: np.ndarray) -> np.ndarray:
     m_new = np.maximum(m_i, s.max(axis=1))              # NaN propagates
     shift = np.where(m_new == -np.inf, 0.0, m_new).astype(s.dtype)  # all −inf so far: shift by 0
-    with np.errstate(invalid="ignore"):                  # inf − inf: the row is NaN, no warning
-        np.subtract(s, shift[:, None], out=s)
-        alpha = np.exp(m_i - shift)                      # m_i = −inf gives 0: nothing to rescale
+    np.subtract(s, shift[:, None], out=s)                # inf − inf: the row is NaN
+    alpha = np.exp(m_i - shift)                          # m_i = −inf gives 0: nothing to rescale
     np.exp(s, out=s)
     l_i *= alpha
     l_i += s.sum(axis=1)
@@ -55,8 +55,7 @@ def _np_rescale_add(o: np.ndarray, alpha: np.ndarray, pv: np.ndarray) -> None:
 def _np_exp_from_lse(s: np.ndarray, lse: np.ndarray) -> None:
     excluded = (s == -np.inf) if np.isnan(lse).any() else None   # exempt from a NaN lse
     shift = np.where(lse == -np.inf, np.inf, lse).astype(s.dtype)   # lse −inf: weights 0
-    with np.errstate(invalid="ignore"):
-        np.subtract(s, shift[:, None], out=s)
+    np.subtract(s, shift[:, None], out=s)
     np.exp(s, out=s)
     if excluded is not None:
         s[excluded] = 0.0

@@ -38,6 +38,8 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from ..nonfinite import quiet
+
 _UNSET: Any = object()
 # The worker count: the context's setting (threads()), else the process default
 # (set_threads), else the core count. A ContextVar, so that concurrent calls on other
@@ -149,7 +151,8 @@ class _Job:
             if i >= n:
                 return
             try:
-                self.fn(self.tasks[i])
+                with quiet():
+                    self.fn(self.tasks[i])
             except BaseException as e:      # noqa: BLE001 — re-raised by the caller
                 self.errors.append(e)
                 self.cancel = True
@@ -202,7 +205,7 @@ def run(tasks: Sequence[Any], fn: Callable[[Any], None]) -> None:
     KeyboardInterrupt) after every worker has left the job."""
     n = min(get_threads(), len(tasks))
     if blas_controller() is None or n <= 1 or getattr(_local, "worker", False):
-        with blas_single_threaded():
+        with blas_single_threaded(), quiet():
             for t in tasks:
                 fn(t)
         return

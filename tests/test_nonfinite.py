@@ -1,0 +1,178 @@
+"""NaN and inf are never turned into numbers (DESIGN.md §2): a NaN or inf that reaches
+a row's softmax or weighted sum makes that row NaN, as PyTorch SDPA does; excluded
+keys are exempt (their scores and values are never read); every rung agrees —
+reference, flash (both kernel sets, small tiles so that excluded tiles are skipped
+or cut), and the torch op on CPU tensors — forward and backward."""
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit import flash, reference
+from attnkit.nonfinite import all_finite, exempt_matmul
+from attnkit.spec import validate
+from attnkit.testing import make_qkv
+
+torch = pytest.importorskip("torch")
+
+
+def same(a, b, tol=1e-12):
+    """Equal NaN and inf patterns; finite entries within tol (relative to the size of
+    the value when it is larger than 1)."""
+    if a is None or b is None:
+        assert a is None and b is None
+        return
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape
+    assert np.array_equal(np.isnan(a), np.isnan(b)), (np.isnan(a).sum(), np.isnan(b).sum())
+    assert np.array_equal(np.isposinf(a), np.isposinf(b)) and np.array_equal(np.isneginf(a), np.isneginf(b))
+    fin = np.isfinite(a)
+    assert not fin.any() or (np.abs(a[fin] - b[fin]) / np.maximum(1, np.abs(b[fin]))).max() <= tol
+
+
+def case(kind):
+    """(q, k, v, kw, rows that must be NaN or None): one non-finite input per case."""
+    q, k, v = make_qkv((2, 6, 4), (1, 6, 4), 3, seed=3)
+    kw = {}
+    if kind == "nan_key":                        # every row sees key 2
+        k[0, 2, 1] = np.nan
+    elif kind == "nan_query_row":
+        q[1, 4, 0] = np.nan
+    elif kind == "inf_key":
+        k[0, 3, 2] = np.inf
+    elif kind == "overflow":                     # scores beyond float32
+        q, k, v = (x.astype(np.float32) for x in (q, k, v))
+        q[0, 1] *= 1e20
+        k[0, 5] *= 1e20
+    elif kind == "inf_bias":
+        kw["bias"] = np.zeros((6, 6))
+        kw["bias"][2, 4] = np.inf
+    elif kind == "nan_bias_excluded":            # a NaN bias on an excluded key: exempt
+        kw["bias"] = np.zeros((6, 6))
+        kw["bias"][1, 4] = np.nan
+        kw["causal"] = True
+    elif kind == "nan_key_excluded":             # key 4 unseen by rows 0..3 under causal
+        k[0, 4, 0] = np.nan
+        kw["causal"] = True
+    elif kind == "nan_value_excluded":
+        v[0, 4, 1] = np.nan
+        kw["causal"] = True
+    elif kind == "inf_value_excluded_by_keep":
+        v[0, 1, 0] = np.inf
+        kw["keep"] = np.ones((6, 6), bool)
+        kw["keep"][:3, 1] = False
+    elif kind == "nan_sink":
+        kw["sinks"] = np.array([0.0, np.nan])
+    elif kind == "inf_sink":
+        kw["sinks"] = np.array([np.inf, 0.0])
+    return q, k, v, kw
+
+
+KINDS = ["nan_key", "nan_query_row", "inf_key", "overflow", "inf_bias", "nan_bias_excluded",
+         "nan_key_excluded", "nan_value_excluded", "inf_value_excluded_by_keep", "nan_sink", "inf_sink"]
+
+
+def sdpa(q, k, v, kw):
+    """PyTorch's F.scaled_dot_product_attention on the same inputs: the boolean masks as
+    a boolean attn_mask, a bias as an additive float mask (excluded keys -inf); with
+    sinks, the eager formula (softmax over the scores and a sink column, which is
+    dropped), since SDPA has no sinks."""
+    import torch.nn.functional as F
+    tq, tk, tv = (torch.tensor(x) for x in (q, k, v))
+    keep = torch.ones(6, 6, dtype=torch.bool)
+    if kw.get("causal"):
+        keep &= torch.ones(6, 6, dtype=torch.bool).tril()
+    if "keep" in kw:
+        keep &= torch.tensor(kw["keep"])
+    if "sinks" in kw:
+        scores = (tq @ tk.transpose(-1, -2) / 2.0).masked_fill(~keep, float("-inf"))
+        sink = torch.tensor(kw["sinks"]).to(scores.dtype)[:, None, None].expand(2, 6, 1)
+        return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ tv
+    mask = keep
+    if "bias" in kw:
+        mask = torch.tensor(kw["bias"]).to(tq.dtype).masked_fill(~keep, float("-inf"))
+    return F.scaled_dot_product_attention(tq, tk.expand(2, 6, 4), tv.expand(2, 6, 3), attn_mask=mask)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_rung_agrees_forward(kind, monkeypatch):
+    q, k, v, kw = case(kind)
+    ref_out, ref_lse = attnkit.attention(q, k, v, return_lse=True, backend="reference", **kw)
+    assert not np.isfinite(ref_out).all() or kind.endswith("excluded") or kind.endswith("keep")
+    for use in (False, True):
+        monkeypatch.setattr(flash.kernels, "USE_COMPILED", use)
+        for blocks in (dict(block_m=2, block_n=2), dict(block_m=1, block_n=3), {}):
+            out, lse, _ = flash.rung_forward(validate(q, k, v, **kw), **blocks)
+            same(out, ref_out, 1e-5)
+            same(lse, ref_lse, 1e-5)
+    tq, tk, tv = (torch.tensor(x) for x in (q, k, v))
+    tkw = {n: torch.tensor(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
+    out, lse = attnkit.attention(tq, tk, tv, return_lse=True, **tkw)
+    same(out.numpy(), ref_out, 1e-5)
+    same(lse.numpy(), ref_lse, 1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_pytorch_where_it_reads_the_same_values(kind):
+    """PyTorch's softmax on masked_fill'ed scores, visible values only: the same NaN
+    rows and the same numbers elsewhere."""
+    q, k, v, kw = case(kind)
+    if kind in ("nan_bias_excluded", "nan_key_excluded"):
+        pytest.skip("PyTorch scores an excluded key before masking it (NaN + -inf is NaN); "
+                    "attnkit exempts excluded keys from their scores (DESIGN.md §2)")
+    ours = attnkit.attention(q, k, v, backend="reference", **kw)
+    peer = sdpa(q, k, v, kw).numpy()
+    if kind in ("nan_value_excluded", "inf_value_excluded_by_keep"):
+        # 0 · NaN in PyTorch's matmul poisons rows that never see the key; attnkit's exempt
+        # keys do not: compare on the rows PyTorch computes from visible values alone
+        rows = np.isfinite(peer).all(-1)
+        same(ours[rows], peer[rows], 1e-6)
+        return
+    same(ours, peer, 1e-6)
+
+
+def test_rows_that_do_not_see_a_nan_are_exact():
+    q, k, v, kw = case("nan_key_excluded")
+    clean_k = k.copy()
+    clean_k[0, 4, 0] = 0.0
+    out = attnkit.attention(q, k, v, backend="flash", **kw)
+    want = attnkit.attention(q, clean_k, v, backend="flash", **kw)
+    assert np.isnan(out[:, 4:]).all() and np.array_equal(out[:, :4], want[:, :4])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_rung_agrees_backward(kind, monkeypatch):
+    q, k, v, kw = case(kind)
+    out, lse = attnkit.attention(q, k, v, return_lse=True, backend="reference", **kw)
+    dout = np.random.default_rng(0).standard_normal(out.shape).astype(out.dtype)
+    want = reference.rung_backward(validate(q, k, v, **kw), dout, out, lse)
+    for use in (False, True):
+        monkeypatch.setattr(flash.kernels, "USE_COMPILED", use)
+        for blocks in (dict(block_m=2, block_n=2), {}):
+            got = flash.rung_backward(validate(q, k, v, **kw), dout, out, lse, **blocks)
+            for a, b in zip(got, want):
+                same(a, b, 1e-5)
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    tkw = {n: torch.tensor(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
+    tout = attnkit.attention(tq, tk, tv, **tkw)
+    grads = torch.autograd.grad(tout, (tq, tk, tv), torch.tensor(dout))
+    for a, b in zip(grads, want):
+        same(a.numpy(), b, 1e-5)
+
+
+def test_excluded_keys_get_exactly_zero_gradient_even_when_non_finite():
+    q, k, v, kw = case("nan_value_excluded")
+    out, lse = attnkit.attention(q, k, v, return_lse=True, backend="flash", **kw)
+    dq, dk, dv = attnkit.attention_backward(np.ones_like(out), q, k, v, out, lse, backend="flash", **kw)
+    assert np.isfinite(dq[:, :4]).all()                   # rows 0..3 never see key 4
+    assert np.isnan(dq[:, 4:]).any()
+
+
+def test_helpers():
+    assert all_finite(np.ones(3), None) and not all_finite(np.array([1.0, np.inf]))
+    assert all_finite(np.full(4, np.finfo(np.float16).max, np.float16))   # a sum that overflows is not a NaN
+    a = np.array([[0.5, 0.0], [0.25, 0.75]])
+    b = np.array([[1.0, 2.0], [np.inf, 3.0]])
+    vis = np.array([[True, False], [True, True]])
+    r = exempt_matmul(a, b, vis)
+    assert np.array_equal(r[0], [0.5, 1.0]) and np.isnan(r[1, 0]) and r[1, 1] == 0.25 * 2 + 0.75 * 3
