@@ -1,5 +1,8 @@
-"""Hugging Face transformers on attnkit: tiny random BERT and Llama built from configs
-(no downloads) give the eager outputs with attn_implementation="attnkit"."""
+"""Hugging Face transformers on attnkit: tiny random models built from configs (no
+downloads) give sdpa's / eager's outputs with attn_implementation="attnkit" — decoders
+with left and right padding, encoders, encoder-decoders, generation with a cache,
+gradients (sink parameters included), training with dropout, packed (padding-free)
+batches — and the integration refuses keywords it cannot honour."""
 
 import pytest
 
@@ -9,7 +12,18 @@ transformers = pytest.importorskip("transformers")
 import attnkit.hf  # noqa: E402
 from attnkit import api  # noqa: E402
 
-TOL = 1e-5
+COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+              max_position_embeddings=64)
+DECODERS = {
+    "llama": lambda: transformers.LlamaConfig(num_key_value_heads=2, **COMMON),
+    "qwen3": lambda: transformers.Qwen3Config(num_key_value_heads=2, head_dim=8, **COMMON),
+    "mistral": lambda: transformers.MistralConfig(num_key_value_heads=2, sliding_window=5, **COMMON),
+    "gemma2": lambda: transformers.Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=5, **COMMON),
+    "gemma3": lambda: transformers.Gemma3TextConfig(num_key_value_heads=2, head_dim=8, sliding_window=5, **COMMON),
+    "gpt_oss": lambda: transformers.GptOssConfig(num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                                 num_experts_per_tok=2, sliding_window=5, **COMMON),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -31,78 +45,234 @@ def calls(monkeypatch):
     return seen
 
 
-def build(kind, impl):
-    torch.manual_seed(0)                         # same random weights for every impl
-    if kind == "bert":
-        cfg = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=64, max_position_embeddings=64)
-        return transformers.BertModel(cfg) if impl is None else \
-            transformers.AutoModel.from_config(cfg, attn_implementation=impl).eval()
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
-    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
+def decoder(name, impl, dtype=torch.float64):
+    torch.manual_seed(0)                         # the same random weights for every implementation
+    return transformers.AutoModelForCausalLM.from_config(DECODERS[name](), attn_implementation=impl,
+                                                         experts_implementation="eager").to(dtype).eval()
 
 
-def batch():
+def batch(n=3, L=11):
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 97, (3, 11), generator=g)
-    mask = torch.ones(3, 11, dtype=torch.long)
-    mask[1, 7:] = 0                              # right padding
-    mask[2, :4] = 0                              # left padding
+    ids = torch.randint(1, 97, (n, L), generator=g)
+    mask = torch.ones(n, L, dtype=torch.long)
+    mask[1, :4] = 0                              # left padding
+    if n > 2:
+        mask[2, 7:] = 0                          # right padding
     return ids, mask
 
 
-def run(model, **kw):
+def logits(model, **kw):
     with torch.no_grad():
-        attn = kw.pop("attn", False)
-        out = model(**kw, output_attentions=attn)
-    return out
+        return model(**kw).logits
 
 
-def test_bert_with_padding_matches_eager(calls):
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_decoders_match_sdpa_in_float64_and_eager_in_float32(name, calls):
     ids, mask = batch()
-    eager = run(build("bert", "eager"), input_ids=ids, attention_mask=mask, attn=True)
-    ours_model = build("bert", "attnkit")
-    assert ours_model.config._attn_implementation == "attnkit"
-    ours = run(ours_model, input_ids=ids, attention_mask=mask, attn=True)
     real = mask.bool()
-    assert (eager.last_hidden_state - ours.last_hidden_state)[real].abs().max() <= TOL
-    assert len(calls) == 2 and all(c["keep"] is not None and not c["causal"] for c in calls)
-    for a, b in zip(eager.attentions, ours.attentions):        # output_attentions: exact weights
-        assert (a - b).abs().max() <= TOL
-    no_pad = run(ours_model, input_ids=ids)                    # no padding: no mask at all
-    assert calls[-1]["keep"] is None and not calls[-1]["causal"]
-    assert (run(build("bert", "eager"), input_ids=ids).last_hidden_state
-            - no_pad.last_hidden_state).abs().max() <= TOL
+    ours = logits(decoder(name, "attnkit"), input_ids=ids, attention_mask=mask)
+    tol = 1e-10
+    try:
+        peer = logits(decoder(name, "sdpa"), input_ids=ids, attention_mask=mask)
+    except ValueError:                           # no sdpa support: eager, whose left-padded rows are NaN in
+        peer = logits(decoder(name, "eager"), input_ids=ids, attention_mask=mask)   # float64 and whose softmax
+        real = real & torch.isfinite(peer).all(-1)                                    # runs in float32
+        assert real[0].all() and real[2].any()
+        tol = 1e-6
+    assert (ours - peer)[real].abs().max() <= tol
+    eager = logits(decoder(name, "eager", torch.float32), input_ids=ids, attention_mask=mask)
+    ours32 = logits(decoder(name, "attnkit", torch.float32), input_ids=ids, attention_mask=mask)
+    assert (ours32 - eager)[real].abs().max() <= 1e-5
+    plain = [c for c in calls if c.get("bias") is None and c.get("window") is None]
+    for c in plain:                              # never an L × S mask for a plain layer's padding
+        keep = c.get("keep")
+        assert keep is None or keep.shape[-2] == 1 or name in ("mistral", "gemma2", "gemma3", "gpt_oss")
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_llama_causal_gqa_matches_eager(calls, padded):
+def test_right_padding_becomes_lengths(calls):
     ids, mask = batch()
-    kw = {"input_ids": ids, "attention_mask": mask} if padded else {"input_ids": ids}
-    eager = run(build("llama", "eager"), **kw).logits
-    ours = run(build("llama", "attnkit"), **kw).logits
-    real = mask.bool() if padded else torch.ones_like(mask, dtype=torch.bool)
-    assert (eager - ours)[real].abs().max() <= TOL           # left-padded rows see no key: 0, not eager's mean
-    assert calls and all(c["causal"] == (not padded) and (c["keep"] is not None) == padded for c in calls)
+    mask[1] = 1                                   # right padding only
+    logits(decoder("llama", "attnkit"), input_ids=ids, attention_mask=mask)
+    assert calls and all(c.get("kv_lengths") is not None and c.get("keep") is None for c in calls)
+    assert calls[0]["kv_lengths"].tolist() == mask.sum(-1).tolist() and calls[0]["align"] == "top_left"
 
 
-def test_llama_generate_with_cache_matches_eager():
-    """Decoding one query against a growing KV cache (L = 1 < S) with padding."""
-    ids, mask = batch()
-    ids, mask = ids[:2], mask[:2].clone()
-    mask[1] = torch.tensor([0, 0, 0] + [1] * 8)                # left padding for generation
+def test_no_padding_means_no_mask(calls):
+    ids, _ = batch()
+    logits(decoder("llama", "attnkit"), input_ids=ids)
+    assert calls and all(c["causal"] and c.get("keep") is None and c.get("kv_lengths") is None for c in calls)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_oss", "gemma2"])
+def test_generate_with_a_cache_matches_sdpa(name):
+    """Greedy decoding, one query against a growing KV cache, left padding."""
+    ids, mask = batch(2)
+    mask[1] = torch.tensor([0, 0, 0] + [1] * 8)
     outs = []
-    for impl in ("eager", "attnkit"):
-        model = build("llama", impl)
+    for impl in ("sdpa" if name == "llama" else "eager", "attnkit"):
         with torch.no_grad():
-            outs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                                       pad_token_id=0))
+            outs.append(decoder(name, impl, torch.float32).generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                                                     do_sample=False, pad_token_id=0))
     assert torch.equal(outs[0], outs[1])
 
 
-def test_dropout_in_training_is_refused():
-    model = build("bert", "attnkit").train()
+def test_sink_parameters_get_eager_gradients():
     ids, mask = batch()
-    with pytest.raises(ValueError, match="dropout"):
-        model(input_ids=ids, attention_mask=mask)
+    grads = []
+    for impl in ("eager", "attnkit"):
+        model = decoder("gpt_oss", impl)
+        model.zero_grad()
+        out = model(input_ids=ids[:1], labels=ids[:1])       # no padding: eager is finite
+        out.loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if n.endswith("sinks")})
+    assert grads[0] and set(grads[0]) == set(grads[1])
+    for n in grads[0]:
+        assert (grads[0][n] - grads[1][n]).abs().max() <= 1e-10
+
+
+def test_per_token_sinks_reach_the_softmax():
+    """A model that hands per-token sinks (B, H, L, 1) to the attention function."""
+    q, k, v = (torch.randn(2, 4, 5, 8, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(2, 4, 5, 1, dtype=torch.float64)
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = attnkit.hf.attention_forward(module, q, k, v, None, scaling=0.35, sinks=sinks)
+    scores = (q @ k.transpose(-1, -2) * 0.35).masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+    w = torch.softmax(torch.cat([scores, sinks], -1), -1)[..., :-1]
+    assert (out - (w @ v).transpose(1, 2)).abs().max() <= 1e-12
+
+
+def encoder_batch():
+    ids, mask = batch()
+    return dict(input_ids=ids, attention_mask=mask), mask.bool()
+
+
+def test_bert_with_padding_and_attentions_matches_eager(calls):
+    cfg = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=64)
+    inputs, real = encoder_batch()
+    outs = []
+    for impl in ("eager", "attnkit"):
+        torch.manual_seed(0)
+        model = transformers.BertModel._from_config(cfg, attn_implementation=impl).double().eval()
+        with torch.no_grad():
+            outs.append(model(**inputs, output_attentions=True))
+    assert (outs[0].last_hidden_state - outs[1].last_hidden_state)[real].abs().max() <= 1e-10
+    pairs = real[:, None, :, None] & real[:, None, None, :]
+    for a, b in zip(outs[0].attentions, outs[1].attentions):   # output_attentions: the exact weights
+        assert (a - b).masked_fill(~pairs, 0).abs().max() <= 1e-10
+    assert all(not c["causal"] and c.get("keep") is not None and c["keep"].shape[-2] == 1 for c in calls)
+
+
+def test_gpt2_returns_attentions_although_it_does_not_pass_the_keyword():
+    ids, _ = batch()
+    outs = []
+    for impl in ("eager", "attnkit"):
+        with torch.no_grad():
+            outs.append(decoder("gpt2", impl)(input_ids=ids, output_attentions=True).attentions)
+    assert len(outs[1]) == 2 and all(a is not None for a in outs[1])
+    for a, b in zip(*outs):
+        assert (a - b).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("name", ["t5", "bart", "whisper", "vit"])
+def test_encoder_decoders_and_vision_match_sdpa(name):
+    ids, mask = batch()
+    dec = torch.randint(1, 97, (3, 6), generator=torch.Generator().manual_seed(2))
+    if name == "t5":
+        cfg = transformers.T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                    decoder_start_token_id=0)
+        cls, inputs = transformers.T5ForConditionalGeneration, dict(input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+    elif name == "bart":
+        cfg = transformers.BartConfig(vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                      decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                      max_position_embeddings=64)
+        cls, inputs = transformers.BartForConditionalGeneration, dict(input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+    elif name == "whisper":
+        cfg = transformers.WhisperConfig(vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=2,
+                                         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                         decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+                                         max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                         decoder_start_token_id=1)
+        g = torch.Generator().manual_seed(3)
+        cls, inputs = transformers.WhisperForConditionalGeneration, dict(
+            input_features=torch.randn(3, 8, 32, generator=g, dtype=torch.float64), decoder_input_ids=dec)
+    else:
+        cfg = transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=64)
+        g = torch.Generator().manual_seed(3)
+        cls, inputs = transformers.ViTModel, dict(pixel_values=torch.randn(2, 3, 16, 16, generator=g, dtype=torch.float64))
+    outs = []
+    for impl in ("sdpa", "attnkit"):
+        torch.manual_seed(0)
+        model = cls._from_config(cfg, attn_implementation=impl).double().eval()
+        with torch.no_grad():
+            o = model(**inputs)
+        outs.append(o.logits if getattr(o, "logits", None) is not None else o.last_hidden_state)
+    assert (outs[0] - outs[1]).abs().max() <= 1e-10
+
+
+def test_packed_batch_equals_the_sequences_unpacked(calls):
+    """Padding-free training: three sequences packed into one row with restarting
+    position_ids give the loss (and gradients) of the same sequences one by one."""
+    lengths = [5, 3, 7]
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(1, 97, (n,), generator=g) for n in lengths]
+    packed = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    model = decoder("llama", "attnkit")
+    logits_packed = model(input_ids=packed, position_ids=pos).logits[0]
+    assert any(c.get("cu_seqlens_q") is not None for c in calls)
+    start = 0
+    for s in seqs:
+        alone = model(input_ids=s[None]).logits[0]
+        assert (logits_packed[start:start + len(s)] - alone).abs().max() <= 1e-10
+        start += len(s)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "t5"])
+def test_training_with_dropout_runs_and_is_reproducible(name, calls):
+    ids, mask = batch()
+    if name == "bert":
+        cfg = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=64)
+        cls, kw = transformers.BertForMaskedLM, dict(input_ids=ids, attention_mask=mask, labels=ids)
+    elif name == "gpt2":
+        cfg, cls = DECODERS["gpt2"](), transformers.GPT2LMHeadModel
+        kw = dict(input_ids=ids, labels=ids)
+    else:
+        cfg = transformers.T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                    decoder_start_token_id=0)
+        cls, kw = transformers.T5ForConditionalGeneration, dict(input_ids=ids, attention_mask=mask, labels=ids[:, :6].contiguous())
+    assert cfg.to_dict().get("attention_probs_dropout_prob", cfg.to_dict().get("attn_pdrop", cfg.to_dict().get("dropout_rate"))) > 0
+
+    def losses(impl, seeds):
+        torch.manual_seed(0)
+        model = cls._from_config(cfg, attn_implementation=impl).train()
+        out = []
+        for s in seeds:
+            torch.manual_seed(s)
+            loss = model(**kw).loss
+            out.append(float(loss))
+        loss.backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad and p.grad is not None)
+        return out
+
+    a = losses("attnkit", [7, 7, 8])
+    assert a[0] == a[1] and a[0] != a[2]                 # torch.manual_seed makes a step reproducible
+    assert calls and all(c["dropout"] > 0 for c in calls)   # attention dropout itself, not only hidden dropout
+    ours, eager = losses("attnkit", range(24)), losses("eager", range(24))
+    mean = lambda x: sum(x) / len(x)                     # noqa: E731
+    sd = (sum((x - mean(eager)) ** 2 for x in eager) / (len(eager) - 1)) ** 0.5
+    assert abs(mean(ours) - mean(eager)) <= 4 * sd / len(eager) ** 0.5 * 2 ** 0.5 + 1e-6
+
+
+def test_unknown_keywords_that_change_the_result_are_refused():
+    q = torch.randn(1, 2, 3, 4)
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="^frobnicate"):
+        attnkit.hf.attention_forward(module, q, q, q, None, frobnicate=True)
+    with pytest.raises(ValueError, match="^head_mask"):
+        attnkit.hf.attention_forward(module, q, q, q, None, head_mask=torch.ones(2))
+    out, w = attnkit.hf.attention_forward(module, q, q, q, None, use_cache=True, frobnicate=None, layer_idx=0)
+    assert out.shape == (1, 3, 2, 4) and w is None

@@ -161,3 +161,112 @@ def test_deterministic_bits():
     a = attnkit.attention(q, k, v, return_lse=True, **kw, **R)
     b = attnkit.attention(q, k, v, return_lse=True, **kw, **R)
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+# ---- the new terms, each against an independent formula ------------------------------------
+def _softmax_with_column(scores, extra):
+    """softmax over the keys and one extra column, the column dropped (sinks by hand)."""
+    full = np.concatenate([scores, extra[..., None]], axis=-1)
+    m = np.max(full, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    e = np.exp(full - m)
+    return (e / e.sum(-1, keepdims=True))[..., :-1], (np.log(e.sum(-1)) + m[..., 0])
+
+
+@pytest.mark.parametrize("shape", ["per_head", "per_row"])
+def test_sinks_are_one_extra_logit_with_zero_value(shape):
+    q, k, v = make_qkv((2, 3, 5, 4), (2, 3, 7, 4), seed=1)
+    rng = np.random.default_rng(2)
+    sinks = rng.standard_normal(3) if shape == "per_head" else rng.standard_normal((2, 3, 5))
+    keep = rng.random((5, 7)) < 0.7
+    keep[2] = False                                          # a fully masked row: out 0, lse = sink
+    out, lse, w = attnkit.attention(q, k, v, sinks=sinks, keep=keep, return_lse=True, return_weights=True, **R)
+    scores = np.where(keep, q @ np.swapaxes(k, -1, -2) / 2.0, -np.inf)
+    s = np.broadcast_to(sinks[:, None] if sinks.ndim == 1 else sinks, (2, 3, 5))
+    ww, ll = _softmax_with_column(scores, s)
+    assert max_error(w, ww) <= 1e-12 and max_error(lse, ll) <= 1e-12
+    assert max_error(out, ww @ v) <= 1e-12
+    assert np.all(out[..., 2, :] == 0) and max_error(lse[..., 2], s[..., 2]) <= 1e-12
+    assert np.all(w.sum(-1) < 1)                             # the rest went to the sink
+
+
+def test_sink_gradients_by_finite_differences():
+    q, k, v = make_qkv((1, 2, 4, 3), (1, 2, 6, 3), seed=4)
+    sinks = np.array([0.3, -1.2])
+    out, lse = attnkit.attention(q, k, v, sinks=sinks, causal=True, return_lse=True, **R)
+    dout = np.random.default_rng(5).standard_normal(out.shape)
+    dq, dk, dv, dsinks = attnkit.attention_backward(dout, q, k, v, out, lse, sinks=sinks, causal=True, **R)
+    assert dsinks.shape == (2,)
+    eps = 1e-6
+    for h in range(2):
+        sp, sm = sinks.copy(), sinks.copy()
+        sp[h] += eps
+        sm[h] -= eps
+        f = [(attnkit.attention(q, k, v, sinks=s, causal=True, **R) * dout).sum() for s in (sp, sm)]
+        assert abs((f[0] - f[1]) / (2 * eps) - dsinks[h]) < 1e-7
+
+
+@pytest.mark.parametrize("align", ["bottom_right", "top_left"])
+@pytest.mark.parametrize("L, S", [(5, 5), (3, 8), (8, 3)])
+def test_alibi_is_minus_slope_times_distance_from_the_diagonal(align, L, S):
+    q, k, v = make_qkv((2, 3, L, 4), (2, 3, S, 4), seed=L * S)
+    slopes = np.array([0.5, 0.25, 0.125])
+    off = S - L if align == "bottom_right" else 0
+    dist = np.abs(np.arange(L)[:, None] + off - np.arange(S)[None, :])
+    bias = -slopes[:, None, None] * dist
+    for kw in (dict(), dict(causal=True)):
+        got = attnkit.attention(q, k, v, alibi_slopes=slopes, align=align, return_lse=True, **kw, **R)
+        want = attnkit.attention(q, k, v, bias=bias, align=align, return_lse=True, **kw, **R)
+        assert all(max_error(a, b) <= 1e-12 for a, b in zip(got, want))
+        dout = np.ones_like(got[0])
+        ga = attnkit.attention_backward(dout, q, k, v, *got, alibi_slopes=slopes, align=align, **kw, **R)
+        gb = attnkit.attention_backward(dout, q, k, v, *want, bias=bias, align=align, **kw, **R)[:3]
+        assert all(max_error(a, b) <= 1e-12 for a, b in zip(ga, gb))
+
+
+def _one_by_one(q, k, v, ql, kl, kw):
+    """Each sequence attended alone (its own lengths, no lengths arguments)."""
+    out = np.zeros(q.shape[:-1] + (v.shape[-1],))
+    lse = np.full(q.shape[:-1], -np.inf)
+    for b in range(q.shape[0]):
+        if ql[b] == 0 or kl[b] == 0:
+            continue
+        o, l = attnkit.attention(q[b, :, :ql[b]], k[b, :, :kl[b]], v[b, :, :kl[b]], return_lse=True, **kw, **R)
+        out[b, :, :ql[b]], lse[b, :, :ql[b]] = o, l
+    return out, lse
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(2, 1)), dict(causal=True, align="top_left")])
+def test_lengths_equal_each_sequence_alone(kw):
+    q, k, v = make_qkv((4, 2, 6, 3), (4, 1, 9, 3), 2, seed=7)
+    ql, kl = np.array([6, 3, 0, 1]), np.array([9, 4, 5, 0])
+    got = attnkit.attention(q, k, v, q_lengths=ql, kv_lengths=kl, return_lse=True, **kw, **R)
+    want = _one_by_one(q, k, v, ql, kl, kw)
+    assert all(max_error(a, b) <= 1e-12 for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(1, 1)), dict(causal=True, align="top_left")])
+def test_packed_equals_each_sequence_alone(kw):
+    rng = np.random.default_rng(8)
+    lq, lk = [3, 0, 5, 2], [4, 2, 5, 6]
+    cq, ck = np.cumsum([0] + lq), np.cumsum([0] + lk)
+    q, k, v = make_qkv((2, cq[-1], 4), (1, ck[-1], 4), 3, seed=9)
+    bias = rng.standard_normal((cq[-1], ck[-1]))
+    out, lse = attnkit.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, bias=bias, return_lse=True, **kw, **R)
+    for b in range(4):
+        if lq[b] == 0:
+            continue
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        o, l = attnkit.attention(q[:, rq], k[:, rk], v[:, rk], bias=bias[rq, rk], return_lse=True, **kw, **R)
+        assert max_error(out[:, rq], o) <= 1e-12 and max_error(lse[:, rq], l) <= 1e-12
+
+
+def test_dropout_keeps_the_same_entries_and_averages_to_no_dropout():
+    q, k, v = make_qkv((2, 8, 4), (2, 8, 4), seed=10)
+    plain = attnkit.attention(q, k, v, **R)
+    a = attnkit.attention(q, k, v, dropout=0.3, seed=5, **R)
+    assert np.array_equal(a, attnkit.attention(q, k, v, dropout=0.3, seed=5, **R))
+    assert not np.array_equal(a, attnkit.attention(q, k, v, dropout=0.3, seed=6, **R))
+    assert np.array_equal(attnkit.attention(q, k, v, dropout=0.0, seed=5, **R), plain)
+    mean = np.mean([attnkit.attention(q, k, v, dropout=0.3, seed=s, **R) for s in range(600)], axis=0)
+    assert max_error(mean, plain) < 0.1                       # about 4 standard errors at 600 draws

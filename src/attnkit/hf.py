@@ -1,32 +1,39 @@
 """Hugging Face ``transformers`` on attnkit: ``attn_implementation="attnkit"``.
 
 :func:`register` adds attnkit to transformers' ``AttentionInterface`` (the attention
-function) and ``AttentionMaskInterface`` (the mask builder: transformers' boolean SDPA
-mask, True = attend, passed to attnkit as ``keep=``; without a registered mask builder
-transformers would build no padding mask at all for a new name). Then any model whose
-attention goes through the interface (BERT, Llama, Mistral, Qwen, Gemma, ...) runs on
-attnkit::
+function) and ``AttentionMaskInterface`` (the mask builder). Then any model whose
+attention goes through the interface (Llama, Qwen, Mistral, Gemma, gpt-oss, BERT,
+T5, BART, ViT, Whisper, GPT-2, ...) runs on attnkit::
 
     import attnkit.hf, transformers
     attnkit.hf.register()
     model = transformers.AutoModel.from_config(config, attn_implementation="attnkit")
 
-``transformers`` is an optional dependency (``pip install attnkit[hf]``); importing
-this module does not import it.
+``transformers`` and ``torch`` are optional dependencies (``pip install
+'attnkit[hf]'``); importing this module imports neither.
 
-How the model's arguments map (the same decisions as transformers' SDPA path):
+How the model's arguments map:
 
-- ``attention_mask``: boolean → ``keep``; float (additive, e.g. a user's 4-D mask) →
-  ``bias``; None → causal when the layer is causal (``is_causal`` keyword, else
-  ``module.is_causal``) and more than one query, with top-left alignment, which is what
-  transformers leaves to ``is_causal`` (it only skips the mask when L == S, L == 1,
-  or for an empty-cache prefill).
+- Masks. For a plain causal or bidirectional layer the mask builder hands over only
+  the 2-D padding mask (like FlashAttention's), never an L × S mask: no padding →
+  no mask (causal aligned bottom-right: the last query sees the last key, which is
+  right for prefill, chunked prefill and decoding with a cache); right padding with
+  L == S → ``kv_lengths`` (tiles past each sequence's end are skipped); other
+  padding → a (B, 1, 1, S) key-padding ``keep``. Every other mask (sliding windows,
+  static caches while decoding, image-token or prefix patterns) is transformers' own
+  boolean SDPA mask (True = attend) passed as ``keep``; a float mask is ``bias``.
+- Packed sequences (padding-free training): ``cu_seq_lens_q/k`` keywords, or
+  ``position_ids`` that restart within one row, run as packed sequences
+  (``cu_seqlens_q/k``), checked against the mask transformers built.
 - GQA: key and value keep their Hkv heads (no ``repeat_kv`` copy).
-- ``softcap`` (Gemma 2) and ``position_bias`` (added to the scores) are supported.
-- ``dropout`` must be 0 (``model.eval()``, or attention dropout 0 in the config):
-  attnkit computes exact attention.
-- With ``output_attentions=True`` the exact weights are returned, detached (no
-  gradient); otherwise None, like SDPA.
+- ``softcap`` (Gemma 2), ``position_bias`` (T5: added to the scores), ``s_aux``
+  (gpt-oss: one sink logit per head) and ``sinks`` (per-token sink logits,
+  (B, H, L, 1)) are supported; ``dropout`` (training) uses attnkit's dropout with a
+  seed from torch's generator (``torch.manual_seed`` makes a step reproducible).
+- Attention weights: returned (exact, detached) when transformers records them
+  (``output_attentions=True``); otherwise None, like SDPA.
+- Any other keyword that can change the result raises ``ValueError`` naming it; the
+  harmless ones are listed in :data:`HARMLESS`.
 - Fully masked query rows (e.g. left padding under a causal mask) give 0 where
   eager gives an average of V; real tokens are unaffected.
 
@@ -39,40 +46,153 @@ True
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import api
 
 NAME = "attnkit"
+# keywords transformers passes that cannot change the attention result
+HARMLESS = frozenset({
+    "output_attentions", "output_hidden_states", "output_router_logits", "use_cache", "cache_position",
+    "past_key_values", "past_key_value", "layer_idx", "num_items_in_batch", "return_dict", "deterministic",
+    "max_length_q", "max_length_k", "position_embeddings", "token_type_ids", "seq_idx",
+})
+HANDLED = frozenset({"is_causal", "softcap", "s_aux", "sinks", "position_bias", "sliding_window",
+                     "cu_seq_lens_q", "cu_seq_lens_k", "position_ids", "head_mask", "layer_head_mask"})
 
 
-def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _torch_required() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise ImportError("attnkit.hf needs torch and transformers: pip install 'attnkit[hf]'") from None
+    return torch
+
+
+def _recording_attentions() -> bool:
+    """True when transformers is collecting attention weights (output_attentions=True),
+    also for models that do not pass that keyword down."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:                      # other transformers versions: the keyword only
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and ("attentions" in collected or "cross_attentions" in collected)
+
+
+def _packed_offsets(torch: Any, position_ids: Any) -> Any:
+    """cu_seqlens from one row of position_ids that restarts (a new sequence wherever
+    a position does not follow the previous one by 1), or None."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] < 2:
+        return None
+    p = position_ids[0]
+    starts = torch.nonzero(p[1:] - p[:-1] != 1).reshape(-1) + 1
+    if starts.numel() == 0:
+        return None
+    zero = torch.zeros(1, dtype=starts.dtype, device=starts.device)
+    end = torch.full((1,), p.numel(), dtype=starts.dtype, device=starts.device)
+    return torch.cat([zero, starts, end])
+
+
+def _is_block_causal(torch: Any, mask: Any, cu: Any, causal: bool) -> bool:
+    """Whether a (1, 1|H, T, T) boolean mask is exactly packed sequences cu (causal
+    inside each when ``causal``)."""
+    T = int(cu[-1])
+    seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=mask.device), torch.diff(cu))
+    want = seq[:, None] == seq[None, :]
+    if causal:
+        want &= torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
+    return bool((mask == want).all())
+
+
+def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                      scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Any, Any]:
     """transformers' attention-function signature: query (B, H, L, D), key
     (B, Hkv, S, D), value (B, Hkv, S, Dv) → (out (B, L, H, Dv), weights or None)."""
-    if dropout:
-        raise ValueError(f"dropout: attnkit computes exact attention without weight dropout, got {dropout}; "
-                         "use model.eval() or set the attention dropout to 0")
+    torch = _torch_required()
+    unknown = sorted(n for n, x in kwargs.items() if n not in HARMLESS | HANDLED and x is not None)
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: attnkit's transformers integration does not know "
+                         "this keyword and cannot honour it (it may change the result)")
+    for name in ("head_mask", "layer_head_mask"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}: head masks are not supported by attnkit")
+    L, S = query.shape[-2], key.shape[-2]
+    is_causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    opts: dict[str, Any] = dict(scale=scaling, softcap=kwargs.get("softcap"), dropout=float(dropout or 0.0))
+    if kwargs.get("position_bias") is not None:
+        opts["bias"] = kwargs["position_bias"]
     if kwargs.get("s_aux") is not None:
-        raise ValueError("s_aux (attention sinks) is not supported by attnkit")
-    masks = {"keep": None, "bias": kwargs.get("position_bias")}
-    causal = False
-    if attention_mask is None:
-        is_causal = kwargs.get("is_causal")
-        is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        causal = bool(is_causal) and query.shape[-2] > 1
+        opts["sinks"] = kwargs["s_aux"]
+    if kwargs.get("sinks") is not None:
+        s = kwargs["sinks"]
+        opts["sinks"] = s[..., 0] if s.dim() == 4 and s.shape[-1] == 1 else s
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and L == S and query.shape[0] == 1:
+        cu = _packed_offsets(torch, kwargs.get("position_ids"))
+        if cu is not None and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.dtype == torch.bool
+                                                          and _is_block_causal(torch, attention_mask, cu, causal))):
+            cu_q = cu_k = cu
+    if cu_q is not None:
+        opts.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k if cu_k is not None else cu_q,
+                    causal=causal, align="bottom_right")
+        attention_mask = None
+    elif attention_mask is None:
+        opts.update(causal=causal and L > 1, align="bottom_right")
+        if kwargs.get("sliding_window") is not None and causal:
+            opts["window"] = (int(kwargs["sliding_window"]) - 1, 0)
+    elif attention_mask.dim() == 2:                       # the padding mask of a plain layer
+        pad = attention_mask.bool()
+        T = pad.shape[-1]
+        if T < S:                                         # a static cache: slots past T are empty
+            key, value, S = key[..., :T, :], value[..., :T, :], T
+        opts.update(causal=causal and L > 1, align="bottom_right")
+        right_padded = bool((pad.int().diff(dim=-1) <= 0).all())      # ones, then zeros
+        if pad.all():
+            pass
+        elif right_padded and L == S:
+            opts.update(kv_lengths=pad.sum(-1), align="top_left")
+        else:
+            opts["keep"] = pad[:, None, None, :]
     elif attention_mask.dtype.is_floating_point:
-        masks["bias"] = attention_mask if masks["bias"] is None else masks["bias"] + attention_mask
+        opts["bias"] = attention_mask if opts.get("bias") is None else opts["bias"] + attention_mask
     else:
-        masks["keep"] = attention_mask
-    want = bool(kwargs.get("output_attentions"))
-    res = api.attention(query, key, value, scale=scaling, causal=causal, align="top_left",
-                        softcap=kwargs.get("softcap"), return_weights=want, **masks)
+        opts["keep"] = attention_mask
+    want = bool(kwargs.get("output_attentions")) or _recording_attentions()
+    res = api.attention(query, key, value, return_weights=want, **opts)
     out, weights = res if want else (res, None)
     return out.transpose(1, 2).contiguous(), weights
 
 
+def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                   mask_function: Any = None, attention_mask: Any = None, allow_is_causal_skip: bool = True,
+                   allow_is_bidirectional_skip: bool = False, local_size: int | None = None,
+                   **kwargs: Any) -> Any:
+    """transformers' mask-builder signature. Plain causal or bidirectional layers get
+    the 2-D padding mask (None without padding); everything else transformers' own
+    boolean SDPA mask."""
+    from transformers import masking_utils as mu
+    plain = ((mask_function is mu.causal_mask_function and allow_is_causal_skip and local_size is None)
+             or (mask_function is mu.bidirectional_mask_function and allow_is_bidirectional_skip))
+    if plain and kv_offset == 0 and (attention_mask is None or attention_mask.dim() == 2) \
+            and (attention_mask is None or attention_mask.shape[-1] <= kv_length):
+        if attention_mask is None or (attention_mask.shape[-1] == kv_length and bool(attention_mask.all())):
+            return None
+        return attention_mask.bool()
+    return mu.sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                        mask_function=mask_function, attention_mask=attention_mask,
+                        allow_is_causal_skip=False, allow_is_bidirectional_skip=False, local_size=local_size,
+                        **kwargs)
+
+
 def register(name: str = NAME) -> None:
     """Make ``attn_implementation=name`` ("attnkit") work in transformers. Idempotent."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
+    _torch_required()
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+    except ImportError:
+        raise ImportError("attnkit.hf needs transformers: pip install 'attnkit[hf]'") from None
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, attention_mask)

@@ -125,3 +125,46 @@ def check_ring_shard(spec: Spec, keep: Any, drop: Any, layout: str) -> Any:
                                  f"(two chunks per rank), got {n}")
     ex = combine(None, keep, drop)
     return None if ex is None else ~ex
+
+
+# ---- attnkit.torch.MultiheadAttention ------------------------------------------------------
+def check_mha_config(embed_dim: Any, num_heads: Any, num_kv_heads: Any, dropout: Any) -> None:
+    """MultiheadAttention's constructor arguments."""
+    for name, x in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise ValueError(f"{name}: expected a positive int, got {x!r}")
+    if embed_dim % num_heads:
+        raise ValueError(f"embed_dim: must be divisible by num_heads={num_heads}, got {embed_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads: must divide num_heads={num_heads}, got {num_kv_heads}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"dropout: expected 0 <= dropout < 1, got {dropout!r}")
+
+
+def check_mha_inputs(query: Any, key: Any, value: Any, dims: tuple[int, int, int], num_heads: int,
+                     key_padding_mask: Any, attn_mask: Any) -> None:
+    """MultiheadAttention.forward's inputs, batch-first (B, L, E) / (B, S, kdim) /
+    (B, S, vdim) after the layout change; errors name the module's own arguments."""
+    for name, x, d, last in (("query", query, dims[0], "embed_dim"), ("key", key, dims[1], "kdim"),
+                             ("value", value, dims[2], "vdim")):
+        if x.dim() != 3 or x.shape[-1] != d:
+            raise ValueError(f"{name}: expected shape (B, L, {last}={d}) (or unbatched (L, {d})), got {tuple(x.shape)}")
+    B, L, S = query.shape[0], query.shape[1], key.shape[1]
+    if key.shape[:2] != value.shape[:2]:
+        raise ValueError(f"value: expected {tuple(key.shape[:2])} in its first dims like key, got {tuple(value.shape)}")
+    if key.shape[0] != B:
+        raise ValueError(f"key: expected batch size {B} like query, got {tuple(key.shape)}")
+    if key_padding_mask is not None:
+        kind = dtype_kind(key_padding_mask)
+        if kind not in "bf":
+            raise TypeError(f"key_padding_mask: expected bool (True = ignore) or float (added), got "
+                            f"{dtype_name(key_padding_mask)}")
+        if tuple(key_padding_mask.shape) != (B, S):
+            raise ValueError(f"key_padding_mask: expected shape (B, S) = {(B, S)}, got {tuple(key_padding_mask.shape)}")
+    if attn_mask is not None:
+        if dtype_kind(attn_mask) not in "bf":
+            raise TypeError(f"attn_mask: expected bool (True = not allowed) or float (added), got {dtype_name(attn_mask)}")
+        ok = tuple(attn_mask.shape) in ((L, S), (B * num_heads, L, S))
+        if not ok:
+            raise ValueError(f"attn_mask: expected shape (L, S) = {(L, S)} or (B·num_heads, L, S) = "
+                             f"{(B * num_heads, L, S)}, got {tuple(attn_mask.shape)}")

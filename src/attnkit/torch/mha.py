@@ -25,8 +25,10 @@ torch's top-left alignment (query i sees keys 0..i), on its own or together with
 Differences from torch: ``batch_first`` defaults to True; the returned weights are
 exact but carry no gradient (they are recomputed from the forward's lse, so the output
 path is the same with or without them — pass ``need_weights=False`` to skip the
-extra L × S work); attention-weight dropout, ``add_bias_kv`` and ``add_zero_attn``
-are not supported; a fully masked query row gives 0, not NaN.
+extra L × S work; with dropout they are the weights before dropout); ``add_bias_kv``
+and ``add_zero_attn`` are not supported; a fully masked query row gives 0, not NaN.
+Attention-weight dropout (``dropout=p`` while training) is attnkit's: its seed comes
+from torch's generator, so ``torch.manual_seed`` makes a step reproducible.
 
 >>> import torch
 >>> from attnkit.torch import MultiheadAttention
@@ -49,13 +51,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from .. import api
+from ..spec.checks import check_mha_config, check_mha_inputs
 
 
 class MultiheadAttention(nn.Module):
     """Multi-head (and grouped-query) attention on attnkit; see the module docstring.
 
-    Args: ``embed_dim`` E, ``num_heads`` H (E % H == 0), ``dropout`` (must be 0 while
-    training), ``bias`` (projection biases), ``add_bias_kv``/``add_zero_attn`` (must
+    Args: ``embed_dim`` E, ``num_heads`` H (E % H == 0), ``dropout`` (of the attention
+    weights while training), ``bias`` (projection biases), ``add_bias_kv``/``add_zero_attn`` (must
     be False), ``kdim``/``vdim`` (key/value feature sizes, default E),
     ``batch_first`` (default True), ``num_kv_heads`` Hkv (default H; H % Hkv == 0).
     """
@@ -64,15 +67,10 @@ class MultiheadAttention(nn.Module):
                  add_zero_attn=False, kdim=None, vdim=None, batch_first=True, device=None,
                  dtype=None, *, num_kv_heads=None):
         super().__init__()
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim: must be divisible by num_heads={num_heads}, got {embed_dim}")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_kv_heads: must divide num_heads={num_heads}, got {num_kv_heads}")
+        check_mha_config(embed_dim, num_heads, num_kv_heads, dropout)
         if add_bias_kv or add_zero_attn:
             raise ValueError("add_bias_kv and add_zero_attn are not supported by attnkit.torch.MultiheadAttention")
-        if dropout < 0 or dropout >= 1:
-            raise ValueError(f"dropout: expected 0 <= dropout < 1, got {dropout}")
         kw = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
@@ -139,9 +137,6 @@ class MultiheadAttention(nn.Module):
         or (B·H, L, S): bool True = not allowed, float = added. Returns (out (B, L, E),
         weights (B, L, S) averaged over heads, (B, H, L, S) with
         ``average_attn_weights=False``, or None with ``need_weights=False``)."""
-        if self.training and self.dropout > 0:
-            raise ValueError("dropout: attnkit computes exact attention without weight dropout; "
-                             "set dropout=0 (and drop out the output instead) or call .eval()")
         key = query if key is None else key
         value = key if value is None else value
         unbatched = query.dim() == 2
@@ -150,6 +145,8 @@ class MultiheadAttention(nn.Module):
             key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
         elif not self.batch_first:
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        check_mha_inputs(query, key, value, (self.embed_dim, self.kdim, self.vdim), self.num_heads,
+                         key_padding_mask, attn_mask)
         B, L, _ = query.shape
         S = key.shape[1]
         (wq, wk, wv), (bq, bk, bv) = self._weights()
@@ -167,7 +164,8 @@ class MultiheadAttention(nn.Module):
                 masks["keep"] = ~m                                   # drop may hold attn_mask
             else:
                 masks["bias"] = m if masks["bias"] is None else masks["bias"] + m
-        res = api.attention(q, k, v, causal=bool(is_causal), align="top_left",
+        p = self.dropout if self.training else 0.0
+        res = api.attention(q, k, v, causal=bool(is_causal), align="top_left", dropout=p,
                             return_weights=need_weights, **masks)
         out, w = res if need_weights else (res, None)
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))
