@@ -88,6 +88,15 @@ def test_parse_matrix():
       "--bias", "0,-inf,1;0.5,0,0", "--scale", "0.3", "--softcap", "2"],
      {"keep": np.array([[1, 1, 0], [1, 1, 1]], bool),
       "bias": np.array([[0, -np.inf, 1], [0.5, 0, 0]]), "scale": 0.3, "softcap": 2.0}),
+    (["--random", "4", "5", "3", "--sinks", "0.5"], {"sinks": np.array([0.5])}),
+    (["--random", "3", "5", "2", "--sinks", "0,1,-1"], {"sinks": np.array([[0.0, 1.0, -1.0]])}),
+    (["--random", "4", "6", "2", "--alibi", "0.5", "--causal"], {"alibi_slopes": np.array([0.5]), "causal": True}),
+    (["--random", "5", "5", "2", "--packed", "2,3", "--causal"],
+     {"cu_seqlens_q": np.array([0, 2, 5]), "cu_seqlens_k": np.array([0, 2, 5]), "causal": True}),
+    (["--random", "4", "7", "2", "--packed", "2,2", "3,4"],
+     {"cu_seqlens_q": np.array([0, 2, 4]), "cu_seqlens_k": np.array([0, 3, 7])}),
+    (["--random", "4", "5", "2", "--dropout", "0.3", "--dropout-seed", "9"], {"dropout": 0.3, "seed": 9}),
+    (["--random", "4", "5", "2", "--dropout", "0.3"], {"dropout": 0.3, "seed": 0}),
 ])
 def test_json_parses_and_matches_attention(capsys, argv, kw):
     rc, out, err = run(capsys, "explain", "--json", *argv)
@@ -221,6 +230,35 @@ BAD = [
     (["--plot", "/nonexistent/folder/x.png"], "cannot write /nonexistent/folder/x.png"),
     (["--align", "middle"], "invalid choice"),
     (["--mistakes", "--random", "2", "3", "4"], "--mistakes: uses its own random inputs; drop --random"),
+    (["--mistakes", "--sinks", "1"], "--mistakes: uses its own random inputs; drop --sinks"),
+    (["--random", "2", "3", "4", "--seed", "-5"], "--seed: expected an integer >= 0, got -5"),
+    (["--random", "2", "3", "4", "--seed", "x"], "--seed: expected an integer, got 'x'"),
+    (["--random", "20000", "20000", "4"], "--random: explain keeps every step of the 20000 × 20000 "
+                                          "score matrix; 400,000,000 scores is over its limit of 1,000,000"),
+    (["--random", "2", "2", "1000000"], "--random: explain shows every value; 2,000,000 values in q"),
+    (["--packed", "20000", "20000"], "--packed: explain keeps every step of the 20000 × 20000"),
+    (["--random", "5", "5", "2", "--packed", "2,2"],
+     "--packed: the lengths 2,2 add up to 4, but there are 5 queries"),
+    (["--random", "4", "5", "2", "--packed", "2,2", "2,2"],
+     "--packed: the lengths 2,2 add up to 4, but there are 5 keys"),
+    (["--packed", "1", "2", "3"], "--packed: expected one list of lengths (queries and keys alike) or two"),
+    (["--packed", "2,x"], "--packed: expected an integer, got 'x'"),
+    (["--packed", "2,0"], "--packed: expected an integer >= 1, got 0"),
+    (["--packed", "2,3", "5"], "--packed: 2 query lengths but 1 key length"),
+    (["--q", "1,0", "--k", "1,0;0,1", "--v", "1;2", "--packed", "2"],
+     "--packed: the lengths 2 add up to 2, but there is 1 query"),
+    (["--random", "3", "4", "2", "--sinks", "1,2"],
+     "--sinks: expected 1 value (one sink logit for every query) or L = 3"),
+    (["--sinks", "nan"], "--sinks: values must be finite"),
+    (["--alibi", "x"], "--alibi: expected a number, got 'x'"),
+    (["--alibi", "inf"], "--alibi: expected a finite number, got 'inf'"),
+    (["--scale", "nan"], "--scale: expected a finite number, got 'nan'"),
+    (["--softcap", "0"], "--softcap: expected a positive finite number, got '0'"),
+    (["--dropout", "1.5"], "--dropout: expected a probability 0 <= p < 1, got '1.5'"),
+    (["--dropout", "x"], "--dropout: expected a number, got 'x'"),
+    (["--dropout-seed", "3"], "--dropout-seed: only used with --dropout P"),
+    (["--dropout", "0.5", "--dropout-seed", "-1"], "--dropout-seed: expected an integer >= 0, got -1"),
+    (["--dropout", "0.5", "--dropout-seed", str(2 ** 64)], "--dropout-seed: expected an integer below"),
 ]
 
 
@@ -262,3 +300,147 @@ def test_missing_matplotlib_says_how_to_install(capsys, monkeypatch, tmp_path):
 def test_info_still_works(capsys):
     rc, out, _ = run(capsys, "info")
     assert rc == 0 and out.startswith("attnkit backends on this machine:") and "reference" in out
+
+
+def test_random_size_cap_allocates_nothing(capsys, monkeypatch):
+    monkeypatch.setattr(np.random, "default_rng", lambda *a: pytest.fail("allocated"))
+    rc, out, err = run(capsys, "explain", "--random", "20000", "20000", "4")
+    assert rc == 1 and out == "" and "over its limit" in err
+
+
+# ---- the command itself: --version, bare attnkit, python -m attnkit ----------------------
+def test_version(capsys):
+    rc, out, err = run(capsys, "--version")
+    assert rc == 0 and out.strip() == f"attnkit {attnkit.__version__}" and err == ""
+
+
+def test_bare_attnkit_lists_the_commands_and_succeeds(capsys):
+    rc, out, err = run(capsys)
+    assert rc == 0 and err == "" and out.startswith("usage: attnkit")
+    for cmd in ("explain", "info", "bench", "--version"):
+        assert cmd in out, cmd
+
+
+def test_python_dash_m_attnkit():
+    r = subprocess.run([sys.executable, "-m", "attnkit", "explain"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    for s in WORKED:
+        assert s in r.stdout, s
+    r = subprocess.run([sys.executable, "-m", "attnkit"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: attnkit")
+
+
+# ---- honest text -----------------------------------------------------------------------------
+def test_overflowing_scores_print_the_honest_text(capsys):
+    rc, out, err = run(capsys, "explain", "--q", "1e200,1e200", "--k", "1e200,1e200;1,1", "--v", "1,0;0,1")
+    assert rc == 0, err
+    text = " ".join(out.split())
+    assert "q0's row is NaN because a non-finite value reached its softmax: q0·k0 overflowed to inf" in text
+    assert "Reading: q0's output is NaN" in text and "attnkit never turns NaN into numbers" in text
+    for lie in ("(not NaN)", "nan%", "every key is excluded", "almost alone"):
+        assert lie not in text, lie
+    rc, out, _ = run(capsys, "explain", "--json", "--q", "1e200,1e200", "--k", "1e200,1e200;1,1",
+                     "--v", "1,0;0,1")
+    d = json.loads(out)
+    assert rc == 0 and d["steps"]["weights"] == [["nan", "nan"]] and d["steps"]["scores"][0][0] == "inf"
+
+
+@pytest.mark.parametrize("argv", [["--q", "1,0", "--k", "1,0;0,1", "--v", "10,0;0,10"],
+                                  ["--random", "3", "4", "2"], ["--packed", "2,3"]])
+def test_own_inputs_are_not_called_the_worked_example(capsys, argv):
+    rc, out, _ = run(capsys, "explain", *argv)
+    assert rc == 0 and "worked example" not in out and "seed's" not in out and "rung" not in out
+    if argv[0] != "--q":
+        assert "Random inputs: q, k, v drawn from a normal distribution with --seed 0, the seed of " \
+               "the random numbers" in " ".join(out.split())
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_help_has_no_internal_words(capsys):
+    rc, out, _ = run(capsys, "explain", "--help")
+    assert rc == 0 and "seed's" not in out and "rung" not in out
+    for flag in ("--sinks", "--alibi", "--packed", "--dropout", "--dropout-seed"):
+        assert flag in out, flag
+
+
+def test_report_on_own_inputs_is_headed_as_such(capsys, tmp_path):
+    rc, _, err = run(capsys, "explain", "--random", "3", "4", "2", "--sinks", "1", "--report", str(tmp_path / "r"))
+    assert rc == 0, err
+    page = (tmp_path / "r" / "index.html").read_text(encoding="utf-8")
+    assert "<h2>Your inputs, step by step</h2>" in page and "<h2>The worked example</h2>" not in page
+    assert "Random inputs" in page and "<th>sink</th>" in page
+    rc, _, _ = run(capsys, "explain", "--causal", "--report", str(tmp_path / "e"))
+    assert "<h2>The worked example</h2>" in (tmp_path / "e" / "index.html").read_text(encoding="utf-8")
+
+
+# ---- the new terms -----------------------------------------------------------------------------
+def test_packed_alone_is_two_random_sequences_side_by_side(capsys):
+    rc, out, _ = run(capsys, "explain", "--packed", "2,3", "--seed", "4", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["shapes"]["q"] == [5, 2] and d["cu_seqlens_q"] == [0, 2, 5]
+    q = np.random.default_rng(4).standard_normal((5, 2))
+    np.testing.assert_array_equal(np.array(d["inputs"]["q"]), q)
+    ex = np.array(d["steps"]["excluded"])
+    assert ex.tolist() == [[False, False, True, True, True]] * 2 + [[True, True, False, False, False]] * 3
+    rc, out, _ = run(capsys, "explain", "--packed", "2,3")
+    lines = out.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("Step 2d"))
+    assert [x.split()[1:] for x in lines[at + 2: at + 7]] == [list("··xxx")] * 2 + [list("xx···")] * 3
+
+
+def test_sinks_alibi_dropout_text(capsys):
+    rc, out, _ = run(capsys, "explain", "--sinks", "0.5", "--alibi", "0.5", "--dropout", "0.5",
+                     "--dropout-seed", "3")
+    text = " ".join(out.split())
+    assert rc == 0
+    for s in ("masks: ALiBi (slope 0.5), sinks, dropout 0.5 (seed 3)", "then ALiBi (slope 0.5):",
+              "sink e^0.500", "Step 3a dropout p = 0.5 (dropout seed 3)", "The sink takes"):
+        assert s in text, s
+
+
+def test_plot_title_names_the_masks(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    from attnkit import plot
+    figs = []
+    save = plot.save
+    monkeypatch.setattr(plot, "save", lambda fig, path: (figs.append(fig), save(fig, path))[1])
+    path = tmp_path / "p.png"
+    rc, out, err = run(capsys, "explain", "--packed", "2,3", "--causal", "--alibi", "0.5", "--sinks", "0",
+                       "--dropout", "0.2", "--plot", str(path))
+    assert rc == 0, err
+    title = figs[0]._suptitle.get_text()
+    assert title.endswith("masks: ALiBi (slope 0.5), causal (bottom_right), packed (2 sequences), "
+                          "sinks, dropout 0.2 (seed 0)")
+    assert [ax.get_title().split()[0] for ax in figs[0].axes if ax.get_title()] == [
+        "ALiBi", "scores", "weights", "after", "output"]
+    _check_png(path, 300, 1200)
+
+
+# ---- info ---------------------------------------------------------------------------------------
+def test_info_lists_versions_and_the_blas(capsys):
+    from importlib import metadata
+    rc, out, _ = run(capsys, "info")
+    assert rc == 0 and out.startswith("attnkit backends on this machine:")
+    assert f"attnkit {attnkit.__version__}, Python " in out
+    for dist, label in (("numpy", "NumPy"), ("numba", "numba"), ("threadpoolctl", "threadpoolctl"),
+                        ("torch", "torch"), ("triton", "Triton")):
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            version = "not installed"
+        assert re.search(rf"^  {label} +{re.escape(version)}$", out, flags=re.M), label
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    blas = [x for x in threadpoolctl.threadpool_info() if x["user_api"] == "blas"]
+    assert blas
+    for lib in blas:
+        n = lib["num_threads"]
+        assert f"blas    {lib['internal_api']} {lib['version']}: {n} thread" in out
+    assert "A rung is one backend" in out
+
+
+def test_info_without_threadpoolctl(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)
+    rc, out, _ = run(capsys, "info")
+    assert rc == 0 and "threadpoolctl is not installed" in out and "reference" in out
+

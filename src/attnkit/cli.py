@@ -1,16 +1,19 @@
-"""The `attnkit` command: explain | info | bench.
+"""The `attnkit` command (also `python -m attnkit`): explain | info | bench.
 
-    attnkit explain                          the seed's worked example, step by step
+    attnkit explain                          the worked example, step by step
     attnkit explain --q "1,0" --k "1,0;0,1" --v "10,0;0,10" --labels apple,cheese
     attnkit explain --random 4 6 8 --seed 1 --causal --plot weights.png
     attnkit explain --report out/            a self-contained HTML page
     attnkit explain --mistakes [--plot entropy.png]
-    attnkit info                             which backends run here
+    attnkit explain --packed 2,3 --causal    two sequences side by side (random inputs)
+    attnkit explain --sinks 0.5 --alibi 0.5 --dropout 0.3 --dropout-seed 1
+    attnkit info                             versions, the BLAS, which backends run here
     attnkit bench --shape 1 8 4096 64 --causal --backward   speed here, next to torch SDPA
 
 Matrices are written as text, rows separated by ";" and values by "," (or spaces):
 "1,0;0,1" is the 2 × 2 identity. Masks use 1/0 (or t/f, x/.): for --drop 1 = masked
-out, for --keep 1 = may attend. Bad input gives a one-line error and exit status 1.
+out, for --keep 1 = may attend. Bad input gives a one-line error naming the flag and
+exit status 1 (2 for usage errors); bare `attnkit` lists the commands and exits 0.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def _is_float(c):
     return True
 
 
-def _int(text, name, lo=0, none_ok=False):
+def _int(text, name, lo=0, none_ok=False, hi=None):
     if none_ok and text.lower() in ("none", "-", "inf"):
         return None
     try:
@@ -93,42 +96,93 @@ def _int(text, name, lo=0, none_ok=False):
         raise ValueError(f"{name}: expected an integer{' or none' if none_ok else ''}, got {text!r}") from None
     if x < lo:
         raise ValueError(f"{name}: expected an integer >= {lo}, got {x}")
+    if hi is not None and x >= hi:
+        raise ValueError(f"{name}: expected an integer below {hi}, got {x}")
     return x
 
 
+def _float(text, name, positive=False):
+    """A finite float from the command line (positive when asked); errors name the flag."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise ValueError(f"{name}: expected a number, got {text!r}") from None
+    if not np.isfinite(x) or (positive and not x > 0):
+        raise ValueError(f"{name}: expected a {'positive ' if positive else ''}finite number, got {text!r}")
+    return x
+
+
+def _lengths(text, name):
+    """Sequence lengths like "2,3" (each >= 1)."""
+    parts = [c for c in re.split(r"[,\s]+", text.strip()) if c]
+    if not parts:
+        raise ValueError(f"{name}: expected lengths like 2,3, got {text!r}")
+    return [_int(c, name, lo=1) for c in parts]
+
+
+def _count(n, noun):
+    """ "1 query", "2 queries", "3 keys"."""
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2] not in "aeiou" else f"{n} {noun}s"
+
+
+def _packed(args):
+    """(query lengths, key lengths) from --packed, or None."""
+    if args.packed is None:
+        return None
+    if len(args.packed) > 2:
+        raise ValueError("--packed: expected one list of lengths (queries and keys alike) or "
+                         f"two (queries, then keys), got {len(args.packed)}")
+    lq = _lengths(args.packed[0], "--packed")
+    lk = _lengths(args.packed[-1], "--packed")
+    if len(lq) != len(lk):
+        raise ValueError(f"--packed: {_count(len(lq), 'query length')} but {_count(len(lk), 'key length')}")
+    return lq, lk
+
+
 def _inputs(args):
-    """(q, k, v, labels, query_labels, is_example) from the command line."""
-    from .explain import EXAMPLE
+    """(q, k, v, labels, query_labels, kind) from the command line; kind is "example"
+    (the built-in worked example), "random" or "given"."""
+    from .explain import EXAMPLE, check_size
     given = [x is not None for x in (args.q, args.k, args.v)]
     if args.random is not None and any(given):
         raise ValueError("--random: give either --random L S D or --q/--k/--v, not both")
-    if args.random is not None:
-        L, S, D = (_int(x, "--random", lo=1) for x in args.random)
-        rng = np.random.default_rng(args.seed)
+    seed = _int(args.seed, "--seed", lo=0)
+    packed = _packed(args)
+    if args.random is not None or (packed and not any(given)):
+        if args.random is not None:
+            L, S, D = (_int(x, "--random", lo=1) for x in args.random)
+        else:                                      # --packed alone: random inputs of its lengths
+            L, S, D = sum(packed[0]), sum(packed[1]), 2
+        check_size((L, D), (S, D), (S, D), arg="--random" if args.random is not None else "--packed")
+        rng = np.random.default_rng(seed)
         q, k, v = (rng.standard_normal(shape) for shape in ((L, D), (S, D), (S, D)))
-        example = False
+        kind = "random"
     elif any(given):
         q, k, v = (None if t is None else parse_matrix(t, n)
                    for t, n in ((args.q, "--q"), (args.k, "--k"), (args.v, "--v")))
         missing = [n for n, g in zip(("--q", "--k", "--v"), given) if not g]
         if missing:
             raise ValueError(f"{', '.join(missing)}: required with --q/--k/--v (or use --random L S D)")
-        example = False
+        kind = "given"
     else:
         q, k, v = (np.array(EXAMPLE[n]) for n in ("q", "k", "v"))
-        example = True
+        kind = "example"
+    example = kind == "example"
     labels = args.labels.split(",") if args.labels else (EXAMPLE["labels"] if example else None)
     qlabels = args.query_labels.split(",") if args.query_labels else (
         EXAMPLE["query_labels"] if example else None)
-    return q, k, v, labels, qlabels, example
+    return q, k, v, labels, qlabels, kind
 
 
-def _options(args) -> dict:
+def _options(args, L, S) -> dict:
+    """The masking keywords from the flags (only those given); L, S: the inputs' sizes."""
     opts = {"causal": args.causal, "align": args.align}
     if args.scale is not None:
-        opts["scale"] = args.scale
+        opts["scale"] = _float(args.scale, "--scale")
     if args.softcap is not None:
-        opts["softcap"] = args.softcap
+        opts["softcap"] = _float(args.softcap, "--softcap", positive=True)
     if args.window is not None:
         opts["window"] = tuple(_int(x, "--window", none_ok=True) for x in args.window)
     for name in ("keep", "drop"):
@@ -136,6 +190,34 @@ def _options(args) -> dict:
             opts[name] = parse_matrix(getattr(args, name), f"--{name}", bool)
     if args.bias is not None:
         opts["bias"] = parse_matrix(args.bias, "--bias")
+    if args.alibi is not None:
+        opts["alibi_slopes"] = np.array([_float(args.alibi, "--alibi")])
+    if args.sinks is not None:
+        x = parse_matrix(args.sinks, "--sinks")
+        if x.size == 1:
+            opts["sinks"] = x.reshape(1)            # one logit for every query (the one head's)
+        elif x.shape[0] == 1 and x.size == L:
+            opts["sinks"] = x                       # (1, L): one logit per query
+        else:
+            raise ValueError(f"--sinks: expected 1 value (one sink logit for every query) or "
+                             f"L = {L} (one per query), got {x.size}")
+    packed = _packed(args)
+    if packed is not None:
+        for lens, n, who in ((packed[0], L, "query"), (packed[1], S, "key")):
+            if sum(lens) != n:
+                raise ValueError(f"--packed: the lengths {','.join(map(str, lens))} add up to "
+                                 f"{sum(lens)}, but there {'is' if n == 1 else 'are'} {_count(n, who)}")
+        opts["cu_seqlens_q"], opts["cu_seqlens_k"] = (np.concatenate([[0], np.cumsum(x)]).astype(np.int64)
+                                                      for x in packed)
+    if args.dropout is not None:
+        p = _float(args.dropout, "--dropout")
+        if not 0 <= p < 1:
+            raise ValueError(f"--dropout: expected a probability 0 <= p < 1, got {args.dropout!r}")
+        opts["dropout"] = p
+        opts["seed"] = 0 if args.dropout_seed is None else _int(args.dropout_seed, "--dropout-seed", lo=0,
+                                                                        hi=2 ** 64)
+    elif args.dropout_seed is not None:
+        raise ValueError("--dropout-seed: only used with --dropout P")
     return opts
 
 
@@ -172,17 +254,25 @@ def _cmd_explain(args) -> int:
         if args.plot:
             _say(args, f"wrote {plot.save(plot.entropy_figure(m['entropy']), args.plot)}")
         trace = story = None                         # the report shows the worked example
+        heading = "The worked example"
     else:
-        q, k, v, labels, qlabels, example = _inputs(args)
-        opts = _options(args)
+        q, k, v, labels, qlabels, kind = _inputs(args)
+        opts = _options(args, q.shape[0], k.shape[0])
         trace = ex.explain(q, k, v, labels=labels, query_labels=qlabels, **opts)
-        plain = example and not (args.labels or args.query_labels) and opts == {
+        plain = kind == "example" and not (args.labels or args.query_labels) and opts == {
             "causal": False, "align": "bottom_right"}
         story = ex.worked_example() if plain else trace.render()
+        if kind == "random":
+            from .explain.formatting import wrap
+            note = (f"Random inputs: q, k, v drawn from a normal distribution with --seed "
+                    f"{_int(args.seed, '--seed')}, the seed of the random numbers: the same seed "
+                    "gives the same inputs.")
+            story = "\n".join(wrap([note], ex.WIDTH) + ["", story])
+        heading = "The worked example" if kind == "example" else "Your inputs, step by step"
         if args.json:
             data = trace.to_dict()
             data["inputs"] = {"q": q.tolist(), "k": k.tolist(), "v": v.tolist()}
-            print(json.dumps(data))
+            print(json.dumps(data, allow_nan=False))
         else:
             print(story)
         if args.plot:
@@ -190,27 +280,68 @@ def _cmd_explain(args) -> int:
         m = ex.mistakes(progress=_progress) if args.report else None
     if args.report:
         if trace is None:
-            trace = ex.explain(*(ex.EXAMPLE[n] for n in ("q", "k", "v")), labels=ex.EXAMPLE["labels"],
-                               query_labels=ex.EXAMPLE["query_labels"])
-            story = ex.worked_example()
+            trace, story = ex.example_trace(), ex.worked_example()
         page = plot.report_html(trace, "attnkit explain: attention, step by step", story,
-                                m, ex.mistakes_text(m))
+                                m, ex.mistakes_text(m), story_title=heading)
         _say(args, f"wrote {plot.write_report(args.report, page)}")
     return 0
 
 
 # explain's options that choose inputs or masks (not allowed with --mistakes)
 _INPUT_OPTIONS = ("q", "k", "v", "random", "labels", "query_labels", "causal", "window", "keep",
-                  "drop", "bias", "scale", "softcap")
+                  "drop", "bias", "scale", "softcap", "alibi", "sinks", "packed", "dropout",
+                  "dropout_seed")
+# the packages `attnkit info` reports: (distribution, name as written)
+_VERSIONS = (("numpy", "NumPy"), ("numba", "numba"), ("threadpoolctl", "threadpoolctl"),
+             ("torch", "torch"), ("triton", "Triton"), ("matplotlib", "matplotlib"))
+
+
+def _version(dist) -> str:
+    from importlib import metadata
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _blas() -> list[str]:
+    """One line per BLAS / OpenMP library loaded in this process, with its threads."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return ["  threadpoolctl is not installed, so the BLAS cannot be listed "
+                "(pip install 'attnkit[fast]')"]
+    lines = []
+    for lib in threadpool_info():
+        n = lib.get("num_threads")
+        extra = ", ".join(str(lib[x]) for x in ("architecture", "threading_layer") if lib.get(x))
+        name = " ".join(str(x) for x in (lib.get("internal_api", "?"), lib.get("version")) if x)
+        lines.append(f"  {lib.get('user_api', '?'):<7} {name}: {n} thread{'s' if n != 1 else ''}"
+                     + (f" ({extra})" if extra else ""))
+        lines.append(f"          {lib.get('filepath', '')}")
+    return lines or ["  none found"]
 
 
 def _cmd_info(args) -> int:
-    from .backends import info
+    import platform
     import textwrap
+
+    from . import __version__
+    from .backends import info
     print("attnkit backends on this machine:")
     for name, status, desc in info():
         print(f"  {name:<10} {desc}")
         print(textwrap.fill(status, 78, initial_indent=" " * 13, subsequent_indent=" " * 13))
+    print(textwrap.fill("(A rung is one backend of attnkit's ladder: each is tested against the one "
+                        "below it, down to the reference, the definition.)", 78,
+                        initial_indent="  ", subsequent_indent="  "))
+    print("")
+    print(f"attnkit {__version__}, Python {platform.python_version()}")
+    for dist, label in _VERSIONS:
+        print(f"  {label:<14} {_version(dist)}")
+    print("BLAS and OpenMP libraries loaded (threadpoolctl.threadpool_info()):")
+    for line in _blas():
+        print(line)
     return 0
 
 
@@ -250,15 +381,18 @@ def _explain_parser(sub):
     p = sub.add_parser(
         "explain", help="the four steps of attention on a worked example or your numbers",
         description="Attention step by step on real numbers, computed by attnkit's reference "
-                    "code. With no arguments: the seed's worked example.",
+                    "code (its definition). With no arguments: the worked example (a query "
+                    "wanting 'sweet'; keys apple and cheese).",
         epilog='Matrices: rows by ";", values by "," -- e.g. --q "1,0" --k "1,0;0,1". '
                "Masks: 1/0 per (query, key). Figures need matplotlib: pip install 'attnkit[plot]'.")
-    src = p.add_argument_group("inputs (default: the seed's worked example)")
+    src = p.add_argument_group("inputs (default: the worked example)")
     src.add_argument("--q", metavar="MATRIX", help='queries, L rows of D values: "1,0;0,1"')
     src.add_argument("--k", metavar="MATRIX", help="keys, S rows of D values")
     src.add_argument("--v", metavar="MATRIX", help="values, S rows of Dv values")
-    src.add_argument("--random", nargs=3, metavar=("L", "S", "D"), help="random normal q, k, v")
-    src.add_argument("--seed", type=int, default=0, help="seed for --random (default 0)")
+    src.add_argument("--random", nargs=3, metavar=("L", "S", "D"),
+                     help="random normal q, k, v (L · S at most 1,000,000)")
+    src.add_argument("--seed", default="0", metavar="N",
+                     help="the random seed for --random: the same seed gives the same numbers (default 0)")
     src.add_argument("--labels", metavar="A,B,...", help="names of the S keys (e.g. apple,cheese)")
     src.add_argument("--query-labels", metavar="A,B,...", help="names of the L queries")
     m = p.add_argument_group("masks and options (as in attnkit.attention)")
@@ -270,10 +404,22 @@ def _explain_parser(sub):
     m.add_argument("--keep", metavar="MASK", help='L x S, 1 = may attend: "1,0;1,1"')
     m.add_argument("--drop", metavar="MASK", help="L x S, 1 = masked out")
     m.add_argument("--bias", metavar="MATRIX", help="L x S additive bias (-inf allowed)")
-    m.add_argument("--scale", type=float, help="score scale (default 1/sqrt(D))")
-    m.add_argument("--softcap", type=float, help="softcap · tanh(scores / softcap)")
+    m.add_argument("--scale", metavar="X", help="score scale (default 1/sqrt(D))")
+    m.add_argument("--softcap", metavar="X", help="softcap · tanh(scores / softcap)")
+    m.add_argument("--alibi", metavar="SLOPE", help="ALiBi: add -SLOPE · |diag(i) - j| to the scores")
+    m.add_argument("--sinks", metavar="VALUES",
+                   help="a sink logit: 1 value for every query or L values, one per query "
+                        "(the weights then sum to less than 1)")
+    m.add_argument("--packed", nargs="+", metavar="LENGTHS",
+                   help='packed sequences side by side, e.g. "2,3" (cu_seqlens); a second list '
+                        "gives the key lengths; alone: random inputs of those lengths")
+    m.add_argument("--dropout", metavar="P", help="drop each weight with probability P "
+                   "(the kept ones ÷ (1 - P))")
+    m.add_argument("--dropout-seed", metavar="N",
+                   help="the random seed that decides which weights drop (default 0)")
     o = p.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="machine-readable: every step (-inf as null)")
+    o.add_argument("--json", action="store_true",
+                   help='machine-readable: every step (-inf as null, NaN as "nan")')
     o.add_argument("--plot", metavar="FILE", help="heatmaps of scores, weights and outputs "
                    "(.png/.svg/.pdf); with --mistakes, entropy against d_k")
     o.add_argument("--report", metavar="DIR", help="write DIR/index.html, a self-contained page")
@@ -283,13 +429,27 @@ def _explain_parser(sub):
     p.set_defaults(fn=_cmd_explain)
 
 
-def main(argv=None) -> int:
-    p = _Parser(prog="attnkit", description="Exact scaled dot-product attention.")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+def parser() -> argparse.ArgumentParser:
+    """The `attnkit` command line."""
+    from . import __version__
+    p = _Parser(prog="attnkit", description="Exact scaled dot-product attention.",
+                epilog="Run `attnkit COMMAND --help` for a command's options. "
+                       "`python -m attnkit` is the same command.")
+    p.add_argument("--version", action="version", version=f"attnkit {__version__}")
+    sub = p.add_subparsers(dest="cmd", title="commands", metavar="COMMAND", parser_class=_Parser)
     _explain_parser(sub)
-    sub.add_parser("info", help="which backends run here, and why the others do not").set_defaults(fn=_cmd_info)
+    sub.add_parser("info", help="versions, the BLAS, and which backends run here (and why "
+                                "the others do not)").set_defaults(fn=_cmd_info)
     _bench_parser(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
+    if args.cmd is None:                           # bare `attnkit`: the commands, and success
+        p.print_help()
+        return 0
     from .plot import PlotUnavailable
     try:
         return args.fn(args)

@@ -85,13 +85,25 @@ def png_base64(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+NAN_COLOUR = "#e8a0a0"       # cells that are NaN: a non-finite value reached that row
+EXCLUDED_COLOUR = "#a6a6a6"  # excluded keys (darker than coolwarm's middle, #dddddd)
+
+
 def _heatmap(ax, a, rows, cols, title, cmap, fmt="{:.2f}", masked=None, vmin=None, vmax=None):
+    """``a`` as an image with labelled axes: excluded cells (``masked``) grey with ×,
+    NaN cells red with "NaN", ±inf cells grey with "inf"; values written in the
+    cells when L and S are small."""
     a = np.asarray(a, dtype=float)
-    shown = np.ma.masked_invalid(a) if masked is None else np.ma.array(a, mask=masked | ~np.isfinite(a))
-    cm = _cmap(cmap)
-    im = ax.imshow(shown, cmap=cm, aspect="auto", vmin=vmin, vmax=vmax, interpolation="nearest")
+    ex = np.zeros(a.shape, bool) if masked is None else np.asarray(masked, bool)
+    shown = np.ma.array(a, mask=ex | ~np.isfinite(a))
+    im = ax.imshow(shown, cmap=_cmap(cmap), aspect="auto", vmin=vmin, vmax=vmax, interpolation="nearest")
+    nan = np.isnan(a) & ~ex
+    if nan.any():
+        from matplotlib.colors import ListedColormap
+        ax.imshow(np.ma.array(np.zeros(a.shape), mask=~nan), cmap=ListedColormap([NAN_COLOUR]),
+                  aspect="auto", interpolation="nearest")
     L, S = a.shape
-    small = L <= MAX_ANNOTATED and S <= MAX_ANNOTATED
+    small = L <= MAX_ANNOTATED and S <= MAX_ANNOTATED + 1
     if S <= 2 * MAX_ANNOTATED:
         ax.set_xticks(range(S), [str(c) for c in cols], rotation=45 if S > 6 else 0)
     if L <= 2 * MAX_ANNOTATED:
@@ -99,14 +111,17 @@ def _heatmap(ax, a, rows, cols, title, cmap, fmt="{:.2f}", masked=None, vmin=Non
     if small:
         for i in range(L):
             for j in range(S):
-                excluded = (masked is not None and masked[i, j]) or not np.isfinite(a[i, j])
-                if excluded:
-                    ax.text(j, i, "×", ha="center", va="center", color="#555555", fontsize=12)
-                    continue
-                r, g, bl, _ = im.cmap(im.norm(a[i, j]))
-                dark = 0.299 * r + 0.587 * g + 0.114 * bl < 0.5      # luminance of the cell
-                ax.text(j, i, fmt.format(a[i, j]), ha="center", va="center", fontsize=9,
-                        color="white" if dark else "black")
+                x = a[i, j]
+                if ex[i, j]:
+                    ax.text(j, i, "×", ha="center", va="center", color="#333333", fontsize=12)
+                elif not np.isfinite(x):
+                    word = "NaN" if np.isnan(x) else ("inf" if x > 0 else "-inf")
+                    ax.text(j, i, word, ha="center", va="center", color="#222222", fontsize=9)
+                else:
+                    r, g, bl, _ = im.cmap(im.norm(x))
+                    dark = 0.299 * r + 0.587 * g + 0.114 * bl < 0.5      # luminance of the cell
+                    ax.text(j, i, fmt.format(x), ha="center", va="center", fontsize=9,
+                            color="white" if dark else "black")
     ax.set_title(title, fontsize=10)
     ax.figure.colorbar(im, ax=ax, shrink=0.8)
     return im
@@ -114,39 +129,91 @@ def _heatmap(ax, a, rows, cols, title, cmap, fmt="{:.2f}", masked=None, vmin=Non
 
 def _cmap(name):
     from matplotlib import colormaps
-    return colormaps[name].with_extremes(bad="#d9d9d9")      # excluded cells: grey
+    return colormaps[name].with_extremes(bad=EXCLUDED_COLOUR)
+
+
+def _sequence_lines(ax, seqs):
+    """Packed inputs: a line between sequences, so the diagonal blocks stand out."""
+    for q0, _, k0, _ in seqs[1:]:
+        ax.axhline(q0 - 0.5, color="black", lw=1.2)
+        ax.axvline(k0 - 0.5, color="black", lw=1.2)
+
+
+def panels(trace, block=None) -> list[dict]:
+    """The panels of :func:`trace_figure`, left to right, as dicts (name, data,
+    columns, title, cmap, masked, vmin, vmax): the ALiBi penalty (with alibi_slopes),
+    the scores the softmax saw, the weights (a last column "sink" with sinks), the
+    weights after dropout (with dropout) and the outputs."""
+    b = trace.blocks()[0] if block is None else block
+    s = trace.spec
+    ex = None if trace.excluded is None else trace.pick(trace.excluded, b)
+    keys, L, S = trace.labels, s.L, s.S
+    small = L <= MAX_ANNOTATED and S <= MAX_ANNOTATED
+    note = "" if ex is None else (" (× = excluded)" if small else " (grey = excluded)")
+    out = []
+    if s.alibi_slopes is not None:
+        out.append(dict(name="alibi", data=trace.pick(trace.alibi_penalty, b), columns=keys,
+                        title="ALiBi penalty −slope·|diag(i) − j|", cmap="Purples_r", masked=ex,
+                        vmin=None, vmax=0.0))
+    out.append(dict(name="scores", data=trace.pick(trace.final_scores, b), columns=keys,
+                    title="scores · scale" + (" + ALiBi" if s.alibi_slopes is not None else "") + note,
+                    cmap="coolwarm", masked=ex, vmin=None, vmax=None))
+    w = trace.pick(trace.weights, b)
+    if s.sinks is not None:
+        sink = trace.pick(trace.sink_weights, b)
+        out.append(dict(name="weights", data=np.concatenate([w, sink[:, None]], axis=1),
+                        columns=keys + ["sink"], title="weights (softmax over keys + sink)",
+                        cmap="Blues", masked=None if ex is None else np.concatenate(
+                            [ex, np.zeros((L, 1), bool)], axis=1), vmin=0.0, vmax=1.0))
+    else:
+        out.append(dict(name="weights", data=w, columns=keys, title="weights = softmax over keys",
+                        cmap="Blues", masked=ex, vmin=0.0, vmax=1.0))
+    if s.dropout > 0:
+        d = trace.pick(trace["dropped"], b)
+        top = float(np.nanmax(d)) if np.isfinite(d).any() else 1.0
+        out.append(dict(name="dropped", data=d, columns=keys,
+                        title=f"after dropout p = {s.dropout:g} (seed {s.seed})", cmap="Blues",
+                        masked=ex, vmin=0.0, vmax=max(1.0, top)))
+    o = trace.pick(trace.out, b)
+    out.append(dict(name="out", data=o, columns=[f"d{j}" for j in range(s.Dv)],
+                    title="output = " + ("dropped" if s.dropout > 0 else "weights") + " · v",
+                    cmap="viridis", masked=None, vmin=None, vmax=None))
+    return out
+
+
+def title(trace, block=None) -> str:
+    """The figure's title: the formula, the block, and the masks used."""
+    b = trace.blocks()[0] if block is None else block
+    name = trace.block_name(b)
+    masks = ", ".join(trace.masks) if trace.masks else "none"
+    return ("Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V" + (f"   [{name}]" if name else "")
+            + f"\nmasks: {masks}")
 
 
 def trace_figure(trace, block=None):
-    """Three panels for one (batch, head) block of a :class:`attnkit.explain.Trace`:
-    the scores the softmax sees (excluded keys grey with ×), the weights (rows sum
-    to 1) and the output vectors, with labelled axes and the values in the cells
-    for small sizes."""
+    """The panels of :func:`panels` for one (batch, head) block of a
+    :class:`attnkit.explain.Trace` — excluded keys grey with ×, NaN cells red, packed
+    sequences separated by lines — with labelled axes, the values in the cells for
+    small sizes, and a title naming the masks used."""
     b = trace.blocks()[0] if block is None else block
-    pick = (lambda x: x[b]) if b else (lambda x: x)
-    scores, weights, out = pick(trace.final_scores), pick(trace.weights), pick(trace.out)
-    ex = None if trace.excluded is None else pick(trace.excluded)
-    L, S = weights.shape
-    Dv = out.shape[-1]
-    w = min(16.0, 4.2 * 2 + 1.2 * max(2.5, Dv) + 0.35 * max(0, S - 6) * 2)
-    h = min(10.0, 2.4 + 0.45 * L)
+    ps = panels(trace, b)
+    L, S, Dv = trace.spec.L, trace.spec.S, trace.spec.Dv
+    keyed = [p for p in ps if p["name"] != "out"]
+    w = min(22.0, 4.2 * len(keyed) + 1.2 * max(2.5, Dv) + 0.35 * max(0, S - 6) * len(keyed))
+    h = min(10.0, 2.6 + 0.45 * L)
     fig = _figure(w, h)
-    axes = fig.subplots(1, 3, width_ratios=[max(S, 2), max(S, 2), max(Dv, 2)])
-    q, keys = trace.query_labels, trace.labels
-    small = L <= MAX_ANNOTATED and S <= MAX_ANNOTATED
-    note = "" if ex is None else (" (× = excluded)" if small else " (grey = excluded)")
-    _heatmap(axes[0], scores, q, keys, "scores · scale" + note,
-             "coolwarm", masked=ex)
-    _heatmap(axes[1], weights, q, keys, "weights = softmax over keys", "Blues", vmin=0.0, vmax=1.0,
-             masked=ex)
-    _heatmap(axes[2], out, q, [f"d{j}" for j in range(Dv)], "output = weights · v", "viridis")
-    for ax in axes[:2]:
-        ax.set_xlabel("keys")
-    axes[2].set_xlabel("output dims")
+    axes = fig.subplots(1, len(ps), width_ratios=[max(len(p["columns"]), 2) for p in ps])
+    seqs = trace.sequences()
+    for ax, p in zip(axes, ps):
+        _heatmap(ax, p["data"], trace.query_labels, p["columns"], p["title"], p["cmap"],
+                 masked=p["masked"], vmin=p["vmin"], vmax=p["vmax"])
+        ax.set_xlabel("output dims" if p["name"] == "out" else "keys")
+        if seqs and p["name"] != "out":
+            _sequence_lines(ax, seqs)
+        if p["name"] == "weights" and trace.spec.sinks is not None:
+            ax.axvline(S - 0.5, color="black", lw=2)
     axes[0].set_ylabel("queries")
-    name = trace.block_name(b)
-    fig.suptitle("Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V" + (f"   [{name}]" if name else ""),
-                 fontsize=11)
+    fig.suptitle(title(trace, b), fontsize=11)
     return fig
 
 
@@ -172,12 +239,14 @@ def entropy_figure(sweep):
 
 
 def _table(trace, name, b):
-    x = trace[name][b] if b else trace[name]
+    x = trace.pick(trace[name], b)
     s = trace.spec
     if name == "lse":
         x, cols = x[:, None], ["lse"]
     elif name == "out":
         cols = [f"d{j}" for j in range(s.Dv)]
+    elif name == "weights" and s.sinks is not None:
+        x, cols = np.concatenate([x, trace.pick(trace.sink_weights, b)[:, None]], axis=1), trace.labels + ["sink"]
     else:
         cols = trace.labels
     if x.shape[0] > 16 or x.shape[1] > 16:
@@ -186,7 +255,9 @@ def _table(trace, name, b):
     def cell(v):
         if x.dtype == bool:
             return "×" if v else "·"
-        return "−∞" if np.isneginf(v) else f"{v:.3f}"
+        if np.isnan(v):
+            return "NaN"
+        return ("−∞" if v < 0 else "∞") if np.isinf(v) else f"{v:.3f}"
 
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in cols)
     body = "".join(
@@ -201,23 +272,25 @@ table{border-collapse:collapse;margin:.5rem 0 1rem}td,th{border:1px solid #ccc;p
 text-align:right;font-variant-numeric:tabular-nums}img{max-width:100%}h2{margin-top:2rem}"""
 
 
-def report_html(trace, title, story, mistakes=None, mistakes_text=None) -> str:
-    """A self-contained HTML page: the worked example as text (``story``), each
-    step as a table, the figure, and (when given) the mistakes with their figure.
-    Figures are embedded as data:image/png;base64 URLs."""
-    from .explain import STEP_TITLES
+def report_html(trace, title, story, mistakes=None, mistakes_text=None,
+                story_title="The worked example") -> str:
+    """A self-contained HTML page: ``story`` (the worked example, or the text of the
+    user's own inputs: say which in ``story_title``), each step as a table, the
+    figure, and (when given) the mistakes with their figure. Figures are embedded as
+    data:image/png;base64 URLs."""
+    from .explain import step_title
     b = trace.blocks()[0]
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{CSS}</style></head><body>",
              f"<h1>{html.escape(title)}</h1>",
              "<p>Attention(Q, K, V) = softmax(Q K<sup>T</sup> / √d<sub>k</sub>) V, computed by "
              "attnkit's reference code; every number below was recorded as it ran.</p>",
-             "<h2>The worked example</h2>", f"<pre>{html.escape(story)}</pre>",
+             f"<h2>{html.escape(story_title)}</h2>", f"<pre>{html.escape(story)}</pre>",
              "<h2>Every step</h2>"]
     if trace.block_name(b):
         parts.append(f"<p>Shown for {html.escape(trace.block_name(b))}.</p>")
     for name in trace:
-        parts.append(f"<h3>{html.escape(STEP_TITLES[name].split('  ', 1)[-1].strip())}</h3>")
+        parts.append(f"<h3>{html.escape(step_title(trace, name).strip())}</h3>")
         parts.append(_table(trace, name, b))
     parts += ["<h2>The picture</h2>",
               f"<img alt='scores, weights and outputs' src='data:image/png;base64,{png_base64(trace_figure(trace))}'>"]

@@ -102,7 +102,9 @@ def _dropout_scale(spec: Spec, dtype: Any) -> np.ndarray | None:
         return None
     n = int(np.prod(spec.batch, dtype=np.int64))
     head = np.arange(n * spec.H, dtype=np.int64).reshape(spec.batch + (spec.H, 1, 1))
-    keep = philox.kept(int(spec.seed), spec.dropout, head, np.arange(spec.L)[:, None], np.arange(spec.S)[None, :])
+    r, c = spec.origin                                   # a block of a larger problem: global positions
+    keep = philox.kept(int(spec.seed), spec.dropout, head, np.arange(r, r + spec.L)[:, None],
+                       np.arange(c, c + spec.S)[None, :])
     return keep * np.asarray(1.0 / (1.0 - spec.dropout), dtype=dtype)
 
 

@@ -54,7 +54,23 @@ CASES = {
     "f32_gqa_causal_zigzag": (2, 4, 2, 8, 8, 32, 32, "float32", "zigzag", dict(causal=True), "keep"),
     "f32_full": (2, 4, 4, 8, 8, 32, 16, "float32", "contiguous", {}, None),
     "f16_causal": (1, 4, 4, 8, 8, 32, 32, "float16", "contiguous", dict(causal=True), None),
+    # the terms every rung has: ALiBi from global positions, sinks folded in once (and
+    # their gradient summed over ranks), dropout dropping the single-device entries,
+    # key lengths in global positions
+    "alibi_causal_zigzag": (2, 4, 2, 5, 5, 16, 16, "float64", "zigzag",
+                            dict(causal=True, alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625])), None),
+    "sinks_causal_zigzag": (2, 4, 4, 5, 5, 8, 8, "float64", "zigzag",
+                            dict(causal=True, sinks=np.array([0.1, -0.5, 1.0, 0.0])), "drop_first"),
+    "dropout_causal_zigzag": (2, 4, 2, 5, 5, 8, 8, "float64", "zigzag", dict(causal=True, dropout=0.3, seed=11), None),
+    "kv_lengths_causal": (2, 4, 2, 5, 5, 8, 8, "float64", "contiguous",
+                          dict(causal=True, align="top_left", kv_lengths=lambda L, S: np.array([S - 7, S])), None),
 }
+
+
+def _kwargs(case, P):
+    """A case's keyword arguments for world size P (lengths depend on the sequence)."""
+    B, H, Hkv, Lc, Sc, *_, kw, _ = CASES[case]
+    return {n: (x(2 * P * Lc, 2 * P * Sc) if callable(x) else x) for n, x in kw.items()}
 
 
 def _inputs(case, P, seed=0):
@@ -81,7 +97,9 @@ def _run_cases(rank, world):
     from attnkit.distributed import ring_attention, shard
 
     res = {}
-    for case, (*_, dtype, layout, kw, mask) in CASES.items():
+    for case, (*_, dtype, layout, _kw, mask) in CASES.items():
+        kw = {n: torch.from_numpy(x).requires_grad_(n == "sinks") if isinstance(x, np.ndarray) else x
+              for n, x in _kwargs(case, world).items()}
         q, k, v, dout, keep = (None if a is None else torch.from_numpy(a) for a in _inputs(case, world))
         q, k, v = (shard(x, rank, world, layout=layout).clone().requires_grad_() for x in (q, k, v))
         dout = shard(dout, rank, world, layout=layout)
@@ -95,6 +113,8 @@ def _run_cases(rank, world):
         res[case] = dict(out=out.detach().numpy(), lse=lse.numpy(), dq=q.grad.numpy(),
                          dk=k.grad.numpy(), dv=v.grad.numpy(),
                          deterministic=bool(torch.equal(out.detach(), again)))
+        if "sinks" in kw:
+            res[case]["dsinks"] = kw["sinks"].grad.numpy()
     return res
 
 
@@ -185,7 +205,8 @@ def _worker(rank, world):
 def _single(case, P):
     """Single-process results: float64 reference (the oracle) and, for low precision,
     the reference in the case's own dtype (the 2× rule's yardstick)."""
-    *_, dtype, layout, kw, mask = CASES[case]
+    *_, dtype, layout, _kw, mask = CASES[case]
+    kw = _kwargs(case, P)
     q, k, v, dout, keep = _inputs(case, P)
     masks = {} if keep is None else ({"keep": keep} if mask == "keep" else {"drop": ~keep})
 
@@ -193,31 +214,17 @@ def _single(case, P):
         a = [x.astype(dt) for x in (q, k, v, dout)]
         out, lse = attnkit.attention(*a[:3], return_lse=True, backend="reference", **kw, **masks)
         grads = attnkit.attention_backward(a[3], *a[:3], out, lse, backend="reference", **kw, **masks)
-        return dict(zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + tuple(grads)))
+        return dict(zip(("out", "lse", "dq", "dk", "dv", "dsinks"), (out, lse) + tuple(grads)))
 
     return run("float64"), (None if dtype == "float64" else run(dtype))
-
-
-def _plan_mask(world, Lr, Sr, rank, src, layout, kw):
-    """Dense (Lr, Sr) keep mask that the blocks of plan() cover, each block's window
-    drawn by the independent peer (torch tril/triu, top-left); None if blocks overlap."""
-    from attnkit.distributed import plan
-    from peers import torch_index_keep
-
-    got = torch.zeros(Lr, Sr, dtype=torch.int32)
-    for b in plan(rank, src, world, Lr, Sr, layout=layout, **kw):
-        R, C = b.r1 - b.r0, b.c1 - b.c0
-        m = torch_index_keep(R, C, False, b.window, "top_left")
-        got[b.r0:b.r1, b.c0:b.c1] += 1
-        got[b.r0:b.r1, b.c0:b.c1] -= (~m).int()     # excluded inside a block: back to 0
-    return got
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_plan_covers_exactly_the_visible_pairs(layout):
     """No processes: for every (rank, key shard) pair, the blocks plan() computes
-    cover exactly the (query, key) pairs that causal/window leave visible in the full
-    sequence (mask from the torch tril/triu peer), each once, and skip empty ones."""
+    cover every (query, key) pair that causal/window leave visible in the full
+    sequence (mask from the torch tril/triu peer) exactly once, place their rows and
+    keys at their true global positions, and skip shards with nothing visible."""
     from attnkit.distributed import plan, shard
     from peers import torch_index_keep
 
@@ -228,16 +235,21 @@ def test_plan_covers_exactly_the_visible_pairs(layout):
             for kw in options:
                 L, S = world * Lr, world * Sr
                 full = torch_index_keep(L, S, kw.get("causal", False), kw.get("window"),
-                                        kw.get("align", "bottom_right")).int()
+                                        kw.get("align", "bottom_right"))
                 for rank in range(world):
                     rows = shard(torch.arange(L), rank, world, layout=layout, dim=0)
                     for src in range(world):
                         cols = shard(torch.arange(S), src, world, layout=layout, dim=0)
                         want = full[rows][:, cols]
-                        got = _plan_mask(world, Lr, Sr, rank, src, layout, kw)
-                        assert torch.equal(got, want), (world, Lr, Sr, kw, rank, src, layout)
+                        covered = torch.zeros(Lr, Sr, dtype=torch.int32)
+                        blocks = plan(rank, src, world, Lr, Sr, layout=layout, **kw)
+                        for b in blocks:
+                            covered[b.r0:b.r1, b.c0:b.c1] += 1
+                            assert torch.equal(rows[b.r0:b.r1], torch.arange(b.gr, b.gr + b.r1 - b.r0))
+                            assert torch.equal(cols[b.c0:b.c1], torch.arange(b.gc, b.gc + b.c1 - b.c0))
+                        assert covered.max() <= 1 and bool((covered[want] == 1).all()), (world, kw, rank, src)
                         if not want.any():
-                            assert plan(rank, src, world, Lr, Sr, layout=layout, **kw) == []
+                            assert blocks == []
 
 
 def test_zigzag_balances_causal_work():
@@ -245,9 +257,10 @@ def test_zigzag_balances_causal_work():
     does not), and shard/unshard are inverse."""
     from attnkit.distributed import plan, shard, unshard, zigzag_shard, zigzag_unshard
 
-    def work(rank, layout, world=4, n=8):
-        return sum((b.r1 - b.r0) * (b.c1 - b.c0) for src in range(world)
-                   for b in plan(rank, src, world, n, n, causal=True, layout=layout))
+    def work(rank, layout, world=4, n=8):               # visible (query, key) pairs in the blocks
+        return sum(int((torch.arange(b.gr, b.gr + b.r1 - b.r0)[:, None]
+                        >= torch.arange(b.gc, b.gc + b.c1 - b.c0)[None, :]).sum())
+                   for src in range(world) for b in plan(rank, src, world, n, n, causal=True, layout=layout))
     assert len({work(r, "zigzag") for r in range(4)}) == 1
     assert work(0, "contiguous") < work(3, "contiguous")
     x = torch.arange(2 * 3 * 24).reshape(2, 3, 24)
@@ -269,6 +282,10 @@ def _check_cases(results, world):
                             layout=layout, dim=-1 if key == "lse" else -2).numpy()
                for key in ("out", "lse", "dq", "dk", "dv")}
         oracle, same_precision = _single(case, world)
+        if "dsinks" in oracle:                # per head: every rank holds the whole (summed) gradient
+            got["dsinks"] = results[0]["cases"][case]["dsinks"]
+            if not all(np.array_equal(r["cases"][case]["dsinks"], got["dsinks"]) for r in results):
+                failures.append(f"{case} P={world}: ranks hold different dsinks")
         for key in got:
             err = max_error(got[key], oracle[key])
             tol = 1e-10 if same_precision is None else error_budget(oracle[key], same_precision[key])

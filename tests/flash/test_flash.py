@@ -304,3 +304,37 @@ def test_float16_under_errstate_raise_does_not_underflow():
     assert out.dtype == w.dtype == w2.dtype == o2.dtype == np.float16
     assert all(g.dtype == np.float16 and np.isfinite(g).all() for g in grads[:3])
     assert np.isfinite(out).all() and np.isfinite(w).all() and max_error(w, w2) <= 1e-3
+
+
+@pytest.mark.parametrize("rung", [flash, reference])
+def test_blocks_of_a_larger_problem_merge_to_the_whole(rung):
+    """A call that is one block of a larger problem (Spec.origin/extent, as ring
+    attention makes them) uses the global positions for causal, ALiBi, key lengths
+    and dropout: blocks merged by lse give the whole, and their backward passes (with
+    the whole's out and lse) add up to the whole's gradients."""
+    from attnkit.merge import merge
+    from attnkit.spec import Spec
+    q, k, v = make_qkv((2, 2, 12, 8), (2, 1, 10, 8), seed=31)
+    kw = dict(causal=True, alibi_slopes=np.array([0.3, 0.7]), kv_lengths=np.array([7, 10]), dropout=0.25, seed=9)
+    whole = validate(q, k, v, **kw)
+    out, lse, _ = reference.rung_forward(whole)
+    dout = np.random.default_rng(2).standard_normal(out.shape)
+    want = reference.rung_backward(whole, dout, out, lse)
+    rows, cols = [(0, 5), (5, 12)], [(0, 4), (4, 10)]
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for r0, r1 in rows:
+        parts = []
+        for c0, c1 in cols:
+            blk = Spec.from_arrays(q[..., r0:r1, :], k[..., c0:c1, :], v[..., c0:c1, :], scale=whole.scale,
+                                   causal=True, alibi_slopes=whole.alibi_slopes, kv_lengths=whole.kv_lengths,
+                                   dropout=0.25, seed=9, origin=(r0, c0), extent=(12, 10))
+            o, l, _ = rung.rung_forward(blk) if rung is reference else rung.rung_forward(blk, block_m=3, block_n=3)
+            parts.append((o, l))
+            g = rung.rung_backward(blk, dout[..., r0:r1, :], out[..., r0:r1, :], lse[..., r0:r1])
+            dq[..., r0:r1, :] += g.dq
+            dk[..., c0:c1, :] += g.dk
+            dv[..., c0:c1, :] += g.dv
+        o, l = merge([p[0] for p in parts], [p[1] for p in parts])
+        assert max_error(o, out[..., r0:r1, :]) <= 1e-12 and max_error(l, lse[..., r0:r1]) <= 1e-12
+    for a, b in zip((dq, dk, dv), want):
+        assert max_error(a, b) <= 1e-12

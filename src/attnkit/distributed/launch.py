@@ -37,6 +37,15 @@ def _entry(rank, fn, world, port, backend, threads, outdir, args):
         dist.destroy_process_group()
     with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    # Leave without interpreter finalization: gloo's C++ threads can still hold
+    # finished work (and the tensors of its sends) when Python tears down, and
+    # releasing those then aborts the process ("terminate called without an active
+    # exception", SIGABRT) now and then — after the results are already written.
+    # See pytorch/pytorch#179291.
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn, world: int, *args, backend: str = "gloo", threads: int | None = None) -> list:

@@ -45,16 +45,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import struct
+
 import torch
 import torch.distributed as dist
 
-import attnkit
-from attnkit.spec import (ALIGNS, RING_LAYOUTS, band, check_group, check_layout, check_ring_shard,
-                          check_world, dtype_name, validate)
+from attnkit.backends import select
+from attnkit.merge import merge as _merge
+from attnkit.spec import (ALIGNS, RING_LAYOUTS, Spec, band, check_group, check_layout, check_ring_shard,
+                          check_world, dtype_name, reduce_to, validate)
+from attnkit.spec.validate import check_lengths
 
 LAYOUTS = RING_LAYOUTS
 _DTYPE_CODE = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
-_META_LEN = 96  # ints per rank in the one metadata all_gather
+_META_LEN = 128  # ints per rank in the one metadata all_gather
 
 
 # ---------------------------------------------------------------------------
@@ -133,15 +137,18 @@ def zigzag_unshard(parts, dim: int = -2):
 # ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Block:
-    """One attention call: local query rows [r0, r1) against keys [c0, c1) of the
-    key shard in hand, with ``window`` in the block's own top-left coordinates
-    (None = no index mask: every pair is visible apart from key padding)."""
+    """One block of the global problem: local query rows [r0, r1) of the rank's shard
+    against keys [c0, c1) of the key shard in hand, whose first row and key sit at
+    global positions (gr, gc). The rung computes it with the global positions
+    (``Spec.origin``), so causal, window, ALiBi, key lengths and dropout are those of
+    the whole sequence; rows or keys the band hides entirely are cropped away."""
 
     r0: int
     r1: int
     c0: int
     c1: int
-    window: tuple | None
+    gr: int
+    gc: int
 
 
 def _segments(rank, world, n, layout):
@@ -157,9 +164,8 @@ def _segments(rank, world, n, layout):
 def _plan_pair(gq, lq, m, gk, lk, n, offset, left, right):
     """Block for query rows [gq, gq+m) (global) stored at local lq, against keys
     [gk, gk+n) stored at local lk, when key j is visible to query i iff
-    i + offset − left <= j <= i + offset + right (None = unbounded). None if empty."""
-    if left is None and right is None:
-        return Block(lq, lq + m, lk, lk + n, None)
+    i + offset − left <= j <= i + offset + right (None = unbounded): cropped to the
+    rows and keys that see anything. None if empty."""
     d = gq - gk + offset                       # query ii sees keys jj in [ii + lo, ii + hi]
     lo = None if left is None else d - left
     hi = None if right is None else d + right
@@ -171,34 +177,27 @@ def _plan_pair(gq, lq, m, gk, lk, n, offset, left, right):
     c1 = n if hi is None else min(n, r1 + hi)
     if c0 >= c1:
         return None
-    full = (lo is None or r1 - 1 + lo <= c0) and (hi is None or r0 + hi >= c1 - 1)
-    if full:
-        window = None
-    else:                                      # shift to the block's own top-left diagonal
-        window = (None if lo is None else c0 - r0 - lo, None if hi is None else r0 - c0 + hi)
-    return Block(lq + r0, lq + r1, lk + c0, lk + c1, window)
-
-
-def _join(blocks, same, touch, joined):
-    out = []
-    for b in blocks:
-        p = out[-1] if out else None
-        if p is not None and p.window is None and b.window is None and same(p, b) and touch(p, b):
-            out[-1] = joined(p, b)
-        else:
-            out.append(b)
-    return out
+    return Block(lq + r0, lq + r1, lk + c0, lk + c1, gq + r0, gk + c0)
 
 
 def _coalesce(blocks):
-    """Join full blocks over the same keys whose rows touch, then full blocks over
-    the same rows whose keys touch, so a zigzag step is one call where it can be."""
-    blocks = _join(sorted(blocks, key=lambda b: (b.c0, b.c1, b.r0)),
-                   lambda p, b: (p.c0, p.c1) == (b.c0, b.c1), lambda p, b: p.r1 == b.r0,
-                   lambda p, b: Block(p.r0, b.r1, p.c0, p.c1, None))
-    return _join(sorted(blocks, key=lambda b: (b.r0, b.r1, b.c0)),
-                 lambda p, b: (p.r0, p.r1) == (b.r0, b.r1), lambda p, b: p.c1 == b.c0,
-                 lambda p, b: Block(p.r0, p.r1, p.c0, b.c1, None))
+    """Join blocks over the same keys whose rows touch (locally and globally), then
+    blocks over the same rows whose keys touch, so a step is one call where it can be."""
+    out = []
+    for b in sorted(blocks, key=lambda b: (b.c0, b.c1, b.r0)):
+        p = out[-1] if out else None
+        if p is not None and (p.c0, p.c1, p.gc) == (b.c0, b.c1, b.gc) and p.r1 == b.r0 and p.gr + p.r1 - p.r0 == b.gr:
+            out[-1] = Block(p.r0, b.r1, p.c0, p.c1, p.gr, p.gc)
+        else:
+            out.append(b)
+    joined = []
+    for b in sorted(out, key=lambda b: (b.r0, b.r1, b.c0)):
+        p = joined[-1] if joined else None
+        if p is not None and (p.r0, p.r1, p.gr) == (b.r0, b.r1, b.gr) and p.c1 == b.c0 and p.gc + p.c1 - p.c0 == b.gc:
+            joined[-1] = Block(p.r0, p.r1, p.c0, b.c1, p.gr, p.gc)
+        else:
+            joined.append(b)
+    return joined
 
 
 def plan(rank, src, world, Lr, Sr, *, L=None, S=None, causal=False, window=None,
@@ -209,10 +208,10 @@ def plan(rank, src, world, Lr, Sr, *, L=None, S=None, causal=False, window=None,
     ``Lr``/``Sr`` are the shard lengths; ``L``/``S`` the global lengths (default
     world·Lr, world·Sr). Causal blocks in the contiguous layout, P = 2:
 
-    >>> plan(1, 0, 2, 4, 4, causal=True)        # keys before the queries: full
-    [Block(r0=0, r1=4, c0=0, c1=4, window=None)]
+    >>> plan(1, 0, 2, 4, 4, causal=True)        # keys before the queries: all visible
+    [Block(r0=0, r1=4, c0=0, c1=4, gr=4, gc=0)]
     >>> plan(0, 0, 2, 4, 4, causal=True)        # the diagonal block
-    [Block(r0=0, r1=4, c0=0, c1=4, window=(None, 0))]
+    [Block(r0=0, r1=4, c0=0, c1=4, gr=0, gc=0)]
     >>> plan(0, 1, 2, 4, 4, causal=True)        # keys after the queries: skipped
     []
     """
@@ -220,10 +219,7 @@ def plan(rank, src, world, Lr, Sr, *, L=None, S=None, causal=False, window=None,
     S = world * Sr if S is None else S
     offset = S - L if align == "bottom_right" else 0
     left, right = band(causal, window)
-    if left is None and right is None:         # no index mask: positions do not matter
-        qsegs, ksegs = ((0, 0, Lr),), ((0, 0, Sr),)
-    else:
-        qsegs, ksegs = _segments(rank, world, Lr, layout), _segments(src, world, Sr, layout)
+    qsegs, ksegs = _segments(rank, world, Lr, layout), _segments(src, world, Sr, layout)
     blocks = [b for gq, lq, m in qsegs for gk, lk, n in ksegs
               if (b := _plan_pair(gq, lq, m, gk, lk, n, offset, left, right)) is not None]
     return _coalesce(blocks)
@@ -274,34 +270,60 @@ def _unpack(buf, shapes):
 # ---------------------------------------------------------------------------
 # validation: local checks, then one all_gather so every rank raises together
 # ---------------------------------------------------------------------------
-def _meta(q, k, v, keep, cfg):
-    ints = [_DTYPE_CODE.get(dtype_name(q), 0), int(cfg.causal), LAYOUTS.index(cfg.layout),
-            ALIGNS.index(cfg.align)]
-    ints += [-1 if w is None else w for w in (cfg.window or (None, None))]
-    for t in (q, k, v, keep):
+def _float_bits(x):
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+# one rank's metadata: an error flag, these fields, then the shapes of _SHAPED
+_FIXED = ("dtype", "causal", "layout", "align", "scale", "softcap", "dropout", "seed", "window_left", "window_right")
+_SHAPED = ("q", "k", "v", "keep", "alibi_slopes", "sinks", "kv_lengths")
+_SEED_AT = 1 + _FIXED.index("seed")
+
+
+def _meta(spec, keep, cfg, seed):
+    ints = [_DTYPE_CODE.get(dtype_name(spec.q), 0), int(spec.causal), LAYOUTS.index(cfg.layout),
+            ALIGNS.index(spec.align), _float_bits(spec.scale), _float_bits(spec.softcap or 0),
+            _float_bits(spec.dropout), seed]
+    ints += [-1 if w is None else w for w in (spec.window or (None, None))]
+    for t in (spec.q, spec.k, spec.v, keep, spec.alibi_slopes, spec.sinks, spec.kv_lengths):
         shape = () if t is None else tuple(t.shape)
         ints += [len(shape), *shape]
     return ints
 
 
-def _validate(q, k, v, keep, drop, cfg, ring):
+def _shape_of(meta, name):
+    i = 1 + len(_FIXED)
+    for n in _SHAPED:
+        nd = meta[i]
+        if n == name:
+            return tuple(meta[i + 1:i + 1 + nd])
+        i += 1 + nd
+    raise KeyError(name)
+
+
+def _validate(q, k, v, keep, drop, cfg, ring, options):
     """Validate the local shard, then agree across the ring (one small all_gather,
     so a bad input on one rank raises on every rank instead of hanging the others).
-    Returns (cfg with the normalised window, combined key-padding keep mask or None)."""
-    err, key_keep = None, None
+    Returns (spec, combined key-padding keep mask or None, dropout seed or None)."""
+    err, spec, key_keep, seed = None, None, None, 0
     try:
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
             raise TypeError("q, k, v: ring_attention takes torch tensors (each rank's shard)")
         check_layout(cfg.layout)
-        spec = validate(q, k, v, scale=cfg.scale, causal=cfg.causal, window=cfg.window,
-                        align=cfg.align, keep=keep, drop=drop, softcap=cfg.softcap)
+        options = dict(options)
+        kv_lengths = options.pop("kv_lengths", None)          # global key positions: checked below
+        spec = validate(q, k, v, keep=keep, drop=drop, **options)
         key_keep = check_ring_shard(spec, keep, drop, cfg.layout)
-        cfg = replace(cfg, window=spec.window)
+        spec = spec.replace(kv_lengths=check_lengths("kv_lengths", kv_lengths, True, spec.batch,
+                                                     ring.world * spec.S, "S (the whole sequence)"))
+        if spec.dropout > 0:                     # one seed for the whole ring: rank 0's
+            seed = int(spec.seed) - (1 << 64) if spec.seed is not None and spec.seed >= 1 << 63 else \
+                int(spec.seed if spec.seed is not None else torch.randint(0, 1 << 62, ()).item())
     except (TypeError, ValueError) as e:
         err = e
     meta = [int(err is not None)]
     if err is None:
-        meta += _meta(q, k, v, key_keep, cfg)
+        meta += _meta(spec, key_keep, cfg, seed)
     if len(meta) > _META_LEN:
         err = err or ValueError(f"q, k, v: too many dims for ring_attention ({[t.ndim for t in (q, k, v)]})")
         meta = [1]
@@ -319,26 +341,20 @@ def _validate(q, k, v, keep, drop, cfg, ring):
     bad = [r for r, m in enumerate(everyone) if m[0]]
     if bad:
         raise ValueError(f"ring_attention: rank(s) {bad} rejected their inputs (their error says why)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name in ("q", "k", "v"):
         lengths = [_shape_of(m, name)[-2] for m in everyone]
         if len(set(lengths)) > 1:
             raise ValueError(f"{name}: ring_attention needs equal shard lengths along dim -2 on every rank; "
                              f"got lengths {lengths} on ranks 0..{ring.world - 1}")
-    if any(m != everyone[0] for m in everyone):
-        diff = [r for r, m in enumerate(everyone) if m != everyone[0]]
-        raise ValueError(f"ring_attention: rank(s) {diff} pass different shapes, dtype or options than "
-                         "rank 0 (q, k, v, keep/drop shapes, causal, window, align, layout must match)")
-    return cfg, key_keep
-
-
-def _shape_of(meta, name):
-    i = 7  # flag, dtype, causal, layout, align, window left, window right
-    for n in ("q", "k", "v", "keep"):
-        nd = meta[i]
-        if n == name:
-            return tuple(meta[i + 1:i + 1 + nd])
-        i += 1 + nd
-    raise KeyError(name)
+    def without_seed(m):
+        return m[:_SEED_AT] + m[_SEED_AT + 1:]
+    differ = [r for r, m in enumerate(everyone) if without_seed(m) != without_seed(everyone[0])]
+    if differ:
+        raise ValueError(f"ring_attention: rank(s) {differ} pass different shapes, dtype or options than rank 0 "
+                         "(q, k, v, keep/drop, alibi_slopes, sinks, kv_lengths shapes, causal, window, align, "
+                         "scale, softcap, dropout, layout must match)")
+    seed = everyone[0][_SEED_AT] % (1 << 64) if spec.dropout > 0 else None
+    return spec, key_keep, seed
 
 
 # ---------------------------------------------------------------------------
@@ -347,11 +363,6 @@ def _shape_of(meta, name):
 @dataclass(frozen=True)
 class _Config:
     group: object
-    causal: bool
-    window: tuple | None
-    align: str
-    scale: float | None
-    softcap: float | None
     layout: str
 
 
@@ -364,106 +375,119 @@ def _rows(x, b, tail):
     return x[(Ellipsis, slice(b.r0, b.r1)) + (slice(None),) * tail]
 
 
-def _blocks(cfg, ring, src, Lr, Sr):
-    return plan(ring.rank, src, ring.world, Lr, Sr, causal=cfg.causal, window=cfg.window,
-                align=cfg.align, layout=cfg.layout)
+def _blocks(spec, cfg, ring, src):
+    return plan(ring.rank, src, ring.world, spec.L, spec.S, causal=spec.causal, window=spec.window,
+                align=spec.align, layout=cfg.layout)
 
 
-def _block_kwargs(cfg, b, keep):
-    kw = dict(scale=cfg.scale, softcap=cfg.softcap, window=b.window, align="top_left")
-    if keep is not None:
-        kw["keep"] = keep[..., b.c0:b.c1]
-    return kw
+def _block_spec(spec, kb, vb, mb, b, ring):
+    """The Spec of one block: the rank's rows [r0, r1) against keys [c0, c1) of the
+    shard in hand, placed in the global problem (origin, extent). Sinks join the
+    softmax once, after the ring (see :func:`_fold_sinks`), not in every block."""
+    q = _rows(spec.q, b, 1)
+    k, v = kb[..., b.c0:b.c1, :], vb[..., b.c0:b.c1, :]
+    return Spec.from_arrays(q, k, v, scale=spec.scale, causal=spec.causal, window=spec.window, align=spec.align,
+                            keep=None if mb is None else mb[..., b.c0:b.c1], softcap=spec.softcap,
+                            alibi_slopes=spec.alibi_slopes, kv_lengths=spec.kv_lengths, dropout=spec.dropout,
+                            seed=spec.seed, origin=(b.gr, b.gc), extent=(ring.world * spec.L, ring.world * spec.S))
 
 
-def _forward(q, k, v, keep, cfg, ring):
-    Lr, Sr = q.shape[-2], k.shape[-2]
-    acc = _acc_dtype(q.dtype)
-    spec = validate(q, k, v)                        # shapes only (checked by _validate)
-    lse_shape = spec.user_lse_shape
-    out = torch.zeros(lse_shape + (spec.Dv,), dtype=acc, device=q.device)
-    lse = torch.full(lse_shape, float("-inf"), dtype=acc, device=q.device)
-    shapes = [k.shape, v.shape] + ([keep.shape] if keep is not None else [])
-    cur = _pack(k, v, *([keep] if keep is not None else []), dtype=q.dtype) if ring.world > 1 else None
-    kb, vb, mb = k, v, keep
+def _shards(spec, keep, ring, tag=0):
+    """Iterate over (src rank, k, v, keep) of every step, the next shard travelling
+    while the current one computes."""
+    shapes = [spec.k.shape, spec.v.shape] + ([keep.shape] if keep is not None else [])
+    cur = _pack(spec.k, spec.v, *([keep] if keep is not None else []), dtype=spec.q.dtype) if ring.world > 1 else None
+    kb, vb, mb = spec.k, spec.v, keep
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
-        if step < ring.world - 1:                   # the next shard travels while this one computes
-            nxt, works = ring.exchange(cur, tag=0)
+        if step < ring.world - 1:
+            nxt, works = ring.exchange(cur, tag=tag)
         if step > 0:
             parts = _unpack(cur, shapes)
             kb, vb = parts[0], parts[1]
             mb = parts[2] > 0.5 if keep is not None else None
-        for b in _blocks(cfg, ring, src, Lr, Sr):
-            o, l = attnkit.attention(_rows(q, b, 1), kb[..., b.c0:b.c1, :], vb[..., b.c0:b.c1, :],
-                                     return_lse=True, **_block_kwargs(cfg, b, mb))
-            ob, lb = _rows(out, b, 1), _rows(lse, b, 0)
-            ob[...], lb[...] = attnkit.merge([ob, o.to(acc)], [lb, l.to(acc)])
+        yield step, src, kb, vb, mb
         if step < ring.world - 1:
             ring.wait(works)
             cur = nxt
-    return out.to(q.dtype), lse
 
 
-def _backward(dout, q, k, v, out, lse, keep, cfg, ring):
-    Lr, Sr = q.shape[-2], k.shape[-2]
+def _fold_sinks(spec, out, lse):
+    """The sink logit joins the softmax once: a block with value 0 and lse = sink."""
+    if spec.sinks is None:
+        return out, lse
+    sinks = spec.sinks.to(lse.dtype).broadcast_to(lse.shape)
+    return _merge([out, torch.zeros_like(out)], [lse, sinks])
+
+
+def _forward(spec, keep, cfg, ring, rung):
+    acc = _acc_dtype(spec.q.dtype)
+    out = torch.zeros(spec.out_shape, dtype=acc, device=spec.q.device)
+    lse = torch.full(spec.lse_shape, float("-inf"), dtype=acc, device=spec.q.device)
+    for _, src, kb, vb, mb in _shards(spec, keep, ring):
+        for b in _blocks(spec, cfg, ring, src):
+            o, l, _ = rung.rung_forward(_block_spec(spec, kb, vb, mb, b, ring))
+            ob, lb = _rows(out, b, 1), _rows(lse, b, 0)
+            ob[...], lb[...] = _merge([ob, o.to(acc)], [lb, l.to(acc)])
+    out, lse = _fold_sinks(spec, out, lse)
+    return out.to(spec.q.dtype), lse
+
+
+def _backward(dout, spec, out, lse, keep, cfg, ring, rung):
+    q, k, v = spec.q, spec.k, spec.v
     acc = _acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    shapes = [k.shape, v.shape] + ([keep.shape] if keep is not None else [])
-    cur = _pack(k, v, *([keep] if keep is not None else []), dtype=q.dtype) if ring.world > 1 else None
-    kb, vb, mb = k, v, keep
     dkv_in = dkv_works = None
-    for step in range(ring.world):
-        src = (ring.rank - step) % ring.world
-        if step < ring.world - 1:
-            nxt, works = ring.exchange(cur, tag=0)
-        if step > 0:
-            parts = _unpack(cur, shapes)
-            kb, vb = parts[0], parts[1]
-            mb = parts[2] > 0.5 if keep is not None else None
+    for _, src, kb, vb, mb in _shards(spec, keep, ring):
         dkv = torch.zeros(k.numel() + v.numel(), dtype=acc, device=q.device)
         dk, dv = _unpack(dkv, [k.shape, v.shape])
-        for b in _blocks(cfg, ring, src, Lr, Sr):
-            gq, gk, gv = attnkit.attention_backward(
-                _rows(dout, b, 1), _rows(q, b, 1), kb[..., b.c0:b.c1, :], vb[..., b.c0:b.c1, :],
-                _rows(out, b, 1), _rows(lse, b, 0), **_block_kwargs(cfg, b, mb))
-            _rows(dq, b, 1).add_(gq)
-            dk[..., b.c0:b.c1, :] += gk
-            dv[..., b.c0:b.c1, :] += gv
+        for b in _blocks(spec, cfg, ring, src):
+            g = rung.rung_backward(_block_spec(spec, kb, vb, mb, b, ring), _rows(dout, b, 1), _rows(out, b, 1),
+                                   _rows(lse, b, 0))
+            _rows(dq, b, 1).add_(g.dq)
+            dk[..., b.c0:b.c1, :] += g.dk
+            dv[..., b.c0:b.c1, :] += g.dv
         if dkv_works is not None:                   # this shard's dk/dv so far, from the previous rank
             ring.wait(dkv_works)
             dkv += dkv_in
         if ring.world > 1:                          # hand it on; it reaches its owner after the last step
             dkv_in, dkv_works = ring.exchange(dkv, tag=1)
-        if step < ring.world - 1:
-            ring.wait(works)
-            cur = nxt
     if dkv_works is not None:
         ring.wait(dkv_works)
         dkv = dkv_in
     dk, dv = _unpack(dkv, [k.shape, v.shape])
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dsinks = None
+    if spec.sinks is not None:                      # the sink's value is 0: its score gradient is -w·delta
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)
+        s = spec.sinks.to(acc).broadcast_to(lse.shape)
+        w = torch.where(lse == float("-inf"), torch.zeros_like(lse), torch.exp(s - lse))
+        dsinks = reduce_to(-(w * delta), tuple(spec.sinks.shape))
+        if spec.sinks.shape[-1] == 1 and ring.world > 1:   # one logit shared by every rank's rows
+            dist.all_reduce(dsinks, group=ring.group)
+        dsinks = dsinks.to(spec.sinks.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, keep, cfg, ring):
-        out, lse = _forward(q, k, v, keep, cfg, ring)
-        ctx.save_for_backward(q, k, v, out, lse, keep)
-        ctx.cfg, ctx.ring = cfg, ring
+    def forward(ctx, q, k, v, sinks, keep, spec, cfg, ring, rung):
+        spec = spec.replace(q=q, k=k, v=v, sinks=sinks)
+        out, lse = _forward(spec, keep, cfg, ring, rung)
+        ctx.save_for_backward(q, k, v, sinks, out, lse, keep)
+        ctx.spec, ctx.cfg, ctx.ring, ctx.rung = spec.replace(q=None, k=None, v=None, sinks=None), cfg, ring, rung
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, keep = ctx.saved_tensors
-        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, keep, ctx.cfg, ctx.ring)
-        return dq, dk, dv, None, None, None
+        q, k, v, sinks, out, lse, keep = ctx.saved_tensors
+        spec = ctx.spec.replace(q=q, k=k, v=v, sinks=sinks)
+        dq, dk, dv, dsinks = _backward(dout.contiguous(), spec, out, lse, keep, ctx.cfg, ctx.ring, ctx.rung)
+        return dq, dk, dv, dsinks, None, None, None, None, None
 
 
-def ring_attention(q, k, v, group=None, *, scale=None, causal=False, window=None,
-                   align="bottom_right", keep=None, drop=None, softcap=None,
-                   layout="contiguous", return_lse=False):
+def ring_attention(q, k, v, group=None, *, layout="contiguous", return_lse=False, keep=None, drop=None,
+                   **options):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Every rank calls this with its own shard: ``q (..., H, L/P, D)``,
@@ -472,15 +496,20 @@ def ring_attention(q, k, v, group=None, *, scale=None, causal=False, window=None
     the load-balanced layout for causal attention). Returns this rank's rows of the
     single-device result: ``out (..., H, L/P, Dv)`` and, with ``return_lse=True``,
     ``lse (..., H, L/P)`` (float32; float64 for float64 inputs). Differentiable
-    with respect to q, k and v (``lse`` is not). All ranks must pass the same shapes
-    and options; equal shard lengths are required (``ValueError`` otherwise, raised
-    on every rank).
+    with respect to q, k, v and sinks (``lse`` is not). All ranks must pass the same
+    shapes and options; equal shard lengths are required (``ValueError`` otherwise,
+    raised on every rank).
 
     Masking keywords follow :func:`attnkit.attention` with global positions:
     ``causal``, ``window``, ``align`` (L ≠ S is allowed; for L == S both alignments
-    agree), ``scale``, ``softcap``; ``keep``/``drop`` must be key-padding masks of
-    shape ``(..., 1 or H, 1, S/P)`` sharded like ``k``. A query row that sees no
-    key gives out 0, lse −inf and zero gradients. ``group`` defaults to the world.
+    agree), ``scale``, ``softcap``, ``alibi_slopes``, ``kv_lengths`` (per sequence,
+    in global key positions, the same on every rank), ``sinks`` (per head, or per
+    row sharded like q; folded into the softmax once), ``dropout`` with ``seed`` (the
+    same entries as on one device; without a seed rank 0 draws one from torch's
+    generator); ``keep``/``drop`` must be key-padding masks of shape
+    ``(..., 1 or H, 1, S/P)`` sharded like ``k``. ``bias``, ``q_lengths`` and packed
+    sequences are not supported. A query row that sees no key gives out 0, lse −inf
+    and zero gradients. ``group`` defaults to the world.
 
     Example (each of P processes, after ``torch.distributed.init_process_group``)::
 
@@ -492,9 +521,13 @@ def ring_attention(q, k, v, group=None, *, scale=None, causal=False, window=None
 
     ``examples/ring_attention.py`` runs this end to end on 4 CPU processes.
     """
-    cfg = _Config(group=group, causal=causal, window=window, align=align, scale=scale,
-                  softcap=softcap, layout=layout)
+    check_group(group)
+    cfg = _Config(group=group, layout=layout)
     ring = _Ring(group)
-    cfg, key_keep = _validate(q, k, v, keep, drop, cfg, ring)
-    out, lse = _RingAttention.apply(q, k, v, key_keep, cfg, ring)
+    spec, key_keep, seed = _validate(q, k, v, keep, drop, cfg, ring, options)
+    spec = spec.replace(seed=seed, keep=None, drop=None)
+    rung = select(spec)                             # one choice for every block of this call
+    out, lse = _RingAttention.apply(spec.q, spec.k, spec.v, spec.sinks, key_keep, spec, cfg, ring, rung)
+    if spec.two_d:
+        out, lse = out[..., 0, :, :], lse[..., 0, :]
     return (out, lse) if return_lse else out

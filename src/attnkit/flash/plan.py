@@ -267,5 +267,6 @@ class Call:
     def dropout(self, p: np.ndarray, u: Unit, r0: int, r1: int, c0: int) -> None:
         """p (nk, g·rows, keys) ← dropout(p), in place."""
         if self.drop_thr:
-            self.kern.dropout_tile(p.reshape(u.nk * u.g, r1 - r0, -1), self.flat_heads(u), r0, c0,
+            r, c = self.spec.origin                      # a block of a larger problem: global positions
+            self.kern.dropout_tile(p.reshape(u.nk * u.g, r1 - r0, -1), self.flat_heads(u), r0 + r, c0 + c,
                                    int(self.spec.seed), self.drop_thr, self.drop_scale)

@@ -114,6 +114,11 @@ def check_ring_shard(spec: Spec, keep: Any, drop: Any, layout: str) -> Any:
     query side is the rank's own), even shard lengths for the zigzag layout. Returns
     the key-padding keep mask (keep and drop combined), or None."""
     check_layout(layout)
+    for name, given in (("bias", spec.bias is not None), ("q_lengths", spec.q_lengths is not None),
+                        ("cu_seqlens_q", spec.packed)):
+        if given:
+            raise ValueError(f"{name}: not supported by ring_attention (key padding goes in keep/drop or "
+                             "kv_lengths)")
     for name, m in (("keep", keep), ("drop", drop)):
         if m is not None and (m.shape[-1] != spec.S or (m.ndim >= 2 and m.shape[-2] != 1)):
             raise ValueError(f"{name}: ring_attention takes key-padding masks of shape "

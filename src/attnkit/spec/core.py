@@ -96,6 +96,12 @@ class Spec:
     dtype: str = "float64"
     two_d: bool = False
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # A block of a larger problem (ring attention, split-KV): local row i, key j are
+    # global row origin[0] + i, key origin[1] + j of a problem of extent (L, S) —
+    # causal/window/ALiBi/lengths and dropout's counters use the global positions.
+    # Never set by users; (0, 0) and None mean the call is the whole problem.
+    origin: tuple[int, int] = (0, 0)
+    extent: tuple[int, int] | None = None
 
     @classmethod
     def from_arrays(cls, q: Any, k: Any, v: Any, *, two_d: bool = False,
@@ -146,6 +152,11 @@ class Spec:
     def varlen(self) -> bool:
         """Per-sequence lengths of any kind (padded or packed)."""
         return self.packed or self.q_lengths is not None or self.kv_lengths is not None
+
+    @property
+    def block(self) -> bool:
+        """True for a block of a larger problem (see ``origin``)."""
+        return self.extent is not None
 
     @property
     def has_index_mask(self) -> bool:

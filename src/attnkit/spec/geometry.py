@@ -120,40 +120,63 @@ def tile_partial(seg: Segment, b: Band, r0: int, r1: int, c0: int, c1: int) -> b
 
 
 def _lengths(spec: Spec, x: Any, n: int) -> np.ndarray:
+    """Lengths broadcast to the batch dims (n for every element when not given)."""
     return np.full(spec.batch, n, dtype=np.int64) if x is None else np.asarray(x, dtype=np.int64)
 
 
+def _global(spec: Spec) -> tuple[int, int, int, int]:
+    """(row origin, key origin, L, S) of the whole problem spec is a block of."""
+    r, c = spec.origin
+    L, S = spec.extent if spec.extent is not None else (spec.L, spec.S)
+    return r, c, L, S
+
+
 def segments(spec: Spec, b: tuple[int, ...]) -> list[Segment]:
-    """The sequences of batch element b (an index into spec.batch): one for dense
-    inputs, one with the element's lengths for q_lengths / kv_lengths, and the packed
-    sequences of cu_seqlens (sequences without queries are left out)."""
+    """The sequences of batch element b (an index into spec.batch) in the call's own
+    coordinates: one for dense inputs, one with the element's lengths for q_lengths /
+    kv_lengths, and the packed sequences of cu_seqlens (sequences without queries are
+    left out). For a block of a larger problem (``spec.origin``) they are the global
+    sequences shifted and clipped to the block."""
+    r, c, L, S = _global(spec)
     if spec.packed:
         cq = np.asarray(spec.cu_seqlens_q)
         ck = np.asarray(spec.cu_seqlens_k)
-        return [Segment.of(cq[i], cq[i + 1], ck[i], ck[i + 1], spec.align)
+        segs = [Segment.of(cq[i], cq[i + 1], ck[i], ck[i + 1], spec.align)
                 for i in range(len(cq) - 1) if cq[i + 1] > cq[i]]
-    if spec.q_lengths is None and spec.kv_lengths is None:
-        return [Segment.of(0, spec.L, 0, spec.S, spec.align)]
-    ql = int(_lengths(spec, spec.q_lengths, spec.L)[b])
-    kl = int(_lengths(spec, spec.kv_lengths, spec.S)[b])
-    return [Segment.of(0, ql, 0, kl, spec.align)] if ql > 0 else []
+    elif spec.q_lengths is None and spec.kv_lengths is None:
+        segs = [Segment.of(0, L, 0, S, spec.align)]
+    else:
+        ql = int(_lengths(spec, spec.q_lengths, L)[b])
+        kl = int(_lengths(spec, spec.kv_lengths, S)[b])
+        segs = [Segment.of(0, ql, 0, kl, spec.align)] if ql > 0 else []
+    if (r, c) == (0, 0) and spec.extent is None:
+        return segs
+    out = []
+    for g in segs:                                       # to the block's coordinates, clipped to it
+        q0, q1 = max(g.q0 - r, 0), min(g.q1 - r, spec.L)
+        k0, k1 = max(g.k0 - c, 0), min(g.k1 - c, spec.S)
+        if q0 < q1:
+            out.append(Segment(q0, q1, k0, max(k0, k1), g.sigma + r - c))
+    return out
 
 
 def _positions(spec: Spec) -> tuple[Any, Any, Any, Any, Any]:
     """Broadcastable integer arrays (i, j, k0, k1, sigma) giving every query/key pair
     its sequence's key range [k0, k1) and diagonal offset, for whole-array masks
-    (shapes broadcast to batch + (1, L, S)). Padding rows get an empty key range."""
-    i = np.arange(spec.L, dtype=np.int64)[:, None]
-    j = np.arange(spec.S, dtype=np.int64)[None, :]
+    (shapes broadcast to batch + (1, L, S)), in global positions for a block of a
+    larger problem. Padding rows get an empty key range."""
+    r, c, L, S = _global(spec)
+    i = np.arange(r, r + spec.L, dtype=np.int64)[:, None]
+    j = np.arange(c, c + spec.S, dtype=np.int64)[None, :]
     if spec.packed:
         cq = np.asarray(spec.cu_seqlens_q, dtype=np.int64)
         ck = np.asarray(spec.cu_seqlens_k, dtype=np.int64)
-        seq = np.searchsorted(cq, np.arange(spec.L), side="right") - 1   # each row's sequence
+        seq = np.searchsorted(cq, i[:, 0], side="right") - 1   # each row's sequence
         q0, q1, k0, k1 = cq[seq], cq[seq + 1], ck[seq], ck[seq + 1]
         q0, q1, k0, k1 = (x[:, None] for x in (q0, q1, k0, k1))
         return i, j, k0, k1, (k1 - q1 if spec.align == "bottom_right" else k0 - q0)
-    ql = _lengths(spec, spec.q_lengths, spec.L)[..., None, None, None]
-    kl = _lengths(spec, spec.kv_lengths, spec.S)[..., None, None, None]
+    ql = _lengths(spec, spec.q_lengths, L)[..., None, None, None]
+    kl = _lengths(spec, spec.kv_lengths, S)[..., None, None, None]
     zero = np.zeros_like(kl)
     valid = i < ql
     k1 = np.where(valid, kl, zero)                       # padding rows see no key
@@ -181,7 +204,7 @@ def padding_rows(spec: Spec) -> np.ndarray | None:
     sequence (i >= q_lengths[b]); None when there are none to mark."""
     if spec.q_lengths is None:
         return None
-    i = np.arange(spec.L, dtype=np.int64)
+    i = np.arange(spec.origin[0], spec.origin[0] + spec.L, dtype=np.int64)
     return i >= np.asarray(spec.q_lengths, dtype=np.int64)[..., None, None]
 
 

@@ -268,24 +268,29 @@ def _int_array(name: str, x: Any, want_torch: bool) -> Any:
     return a
 
 
+def check_lengths(name: str, x: Any, want_torch: bool, batch: tuple[int, ...], n: int, axis: str,
+                  shapes: dict | None = None) -> Any:
+    """Per-sequence lengths: ints broadcastable to the batch dims with values in
+    [0, n] -> broadcast to the batch dims (None stays None)."""
+    a = _int_array(name, x, want_torch)
+    if a is None:
+        return None
+    if not _broadcasts_to(_shape(a), batch):
+        raise ValueError(f"{name}: expected a shape that broadcasts to the batch dims {batch}, got {_shape(a)}")
+    if shapes is not None:
+        shapes[name] = _shape(a)
+    if not compiling():
+        h = _host_ints(a)
+        if h.size and (h.min() < 0 or h.max() > n):
+            raise ValueError(f"{name}: expected lengths in [0, {axis}={n}], got {h.ravel().tolist()[:16]}")
+    return a.broadcast_to(batch) if want_torch else np.broadcast_to(a, batch)
+
+
 def _lengths(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: int,
              shapes: dict) -> tuple[Any, Any]:
     """q_lengths / kv_lengths broadcast to the batch dims, values checked."""
-    out = []
-    for name, n, axis in (("q_lengths", L, "L"), ("kv_lengths", S, "S")):
-        a = _int_array(name, opt[name], want_torch)
-        if a is not None:
-            if not _broadcasts_to(_shape(a), batch):
-                raise ValueError(f"{name}: expected a shape that broadcasts to the batch dims {batch}, "
-                                 f"got {_shape(a)}")
-            shapes[name] = _shape(a)
-            if not compiling():
-                h = _host_ints(a)
-                if h.size and (h.min() < 0 or h.max() > n):
-                    raise ValueError(f"{name}: expected lengths in [0, {axis}={n}], got {h.ravel().tolist()[:16]}")
-            a = a.broadcast_to(batch) if want_torch else np.broadcast_to(a, batch)
-        out.append(a)
-    return out[0], out[1]
+    return (check_lengths("q_lengths", opt["q_lengths"], want_torch, batch, L, "L", shapes),
+            check_lengths("kv_lengths", opt["kv_lengths"], want_torch, batch, S, "S", shapes))
 
 
 def _cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: int,

@@ -44,8 +44,7 @@ from ..spec import OPTIONS, Spec
 _ARRAY_OPTIONS = tuple(o.name for o in OPTIONS if o.schema == "Tensor?")
 _SCHEMA_ARGS = ", ".join(["Tensor q", "Tensor k", "Tensor v"]
                          + [f"{o.schema} {o.name}" if o.name != "window" else o.schema for o in OPTIONS]
-                         + ["str rung"])
-_N_ARGS = 3 + len(OPTIONS) + 1 + 1                     # window is two arguments
+                         + ["int[] origin", "int[]? extent", "str rung"])
 _UINT64 = 1 << 64
 
 
@@ -62,7 +61,7 @@ def _seed_tensor(spec: Spec) -> torch.Tensor | None:
 
 def to_op_args(spec: Spec, rung: str) -> tuple[Any, ...]:
     """The custom ops' flat arguments for a torch Spec: q, k, v, the options in table
-    order, the rung's name."""
+    order, the block geometry (origin, extent: ring attention) and the rung's name."""
     args: list[Any] = [spec.q, spec.k, spec.v]
     for o in OPTIONS:
         if o.name == "window":
@@ -71,7 +70,7 @@ def to_op_args(spec: Spec, rung: str) -> tuple[Any, ...]:
             args.append(_seed_tensor(spec))
         else:
             args.append(getattr(spec, o.name))
-    return tuple(args) + (rung,)
+    return tuple(args) + (list(spec.origin), None if spec.extent is None else list(spec.extent), rung)
 
 
 def from_op_args(args: tuple[Any, ...]) -> tuple[Spec, str]:
@@ -91,7 +90,8 @@ def from_op_args(args: tuple[Any, ...]) -> tuple[Spec, str]:
             x = int(x.item()) % _UINT64
         opts[o.name] = x
         i += 1
-    return Spec.from_arrays(q, k, v, **opts), args[i]
+    origin, extent = tuple(args[i]), (None if args[i + 1] is None else tuple(args[i + 1]))
+    return Spec.from_arrays(q, k, v, origin=origin, extent=extent, **opts), args[i + 2]
 
 
 def _rung(name: str) -> Any:

@@ -1,0 +1,8 @@
+"""`python -m attnkit`: the attnkit command (explain | info | bench), as `attnkit`."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
