@@ -85,7 +85,7 @@ def attention(q: Any, k: Any, v: Any, *, return_lse: bool = False, return_weight
     """
     spec = validate(q, k, v, backend=backend, **masking)
     out, lse, weights = backends.select(spec, backend).rung_forward(spec, return_weights)
-    res = (_head_squeeze(spec.two_d, out, 2),)
+    res: tuple[Any, ...] = (_head_squeeze(spec.two_d, out, 2),)
     if return_lse:
         res += (_head_squeeze(spec.two_d, lse, 1),)
     if return_weights:

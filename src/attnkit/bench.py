@@ -50,7 +50,7 @@ def interleaved(runs: dict, repeats: int, gap_s: float = 0.5, seed: int = 0, pro
         if warmup is None or key in warmup:
             fn()
     keys = list(runs)
-    times = {key: [] for key in keys}
+    times: dict = {key: [] for key in keys}
     order = np.random.default_rng(seed)
     for r in range(repeats):
         for i in order.permutation(len(keys)):
@@ -186,7 +186,8 @@ def run(B=1, H=8, L=4096, S=None, D=64, *, dtype="float32", device="cpu", causal
         if not checks["attnkit"]["ok"]:
             say(f"attnkit failed its check ({checks['attnkit']['worst']:.2f}× the error budget): not timed")
             return result
-        arrays = list(make_qkv((B, H, L, D), (B, H, S, D), seed=0)) + [np.random.default_rng(3).standard_normal((B, H, L, D))]
+        dout = np.random.default_rng(3).standard_normal((B, H, L, D))
+        arrays = list(make_qkv((B, H, L, D), (B, H, S, D), seed=0)) + [dout]
         inputs = {name: makers[name](arrays) for name in provs}
         del arrays
         runs = {name: (lambda f=provs[name], x=inputs[name]: f(x)) for name in provs}

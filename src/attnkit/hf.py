@@ -132,8 +132,9 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and L == S and query.shape[0] == 1:
         cu = _packed_offsets(torch, kwargs.get("position_ids"))
-        if cu is not None and (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.dtype == torch.bool
-                                                          and _is_block_causal(torch, attention_mask, cu, causal))):
+        mask = attention_mask
+        if cu is not None and (mask is None or (mask.dim() == 4 and mask.dtype == torch.bool
+                                                and _is_block_causal(torch, mask, cu, causal))):
             cu_q = cu_k = cu
     if cu_q is not None:
         opts.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k if cu_k is not None else cu_q,

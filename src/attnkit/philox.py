@@ -42,7 +42,7 @@ def philox4x32_10(c0: Any, c1: Any, c2: Any, c3: Any, k0: Any, k1: Any) -> tuple
                           (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & mask)
         k0 = (k0 + np.uint64(W0)) & mask
         k1 = (k1 + np.uint64(W1)) & mask
-    return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))  # type: ignore[return-value]
+    return c0.astype(np.uint32), c1.astype(np.uint32), c2.astype(np.uint32), c3.astype(np.uint32)
 
 
 def threshold(p: float) -> int:

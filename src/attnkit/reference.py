@@ -14,7 +14,8 @@ against. ``trace`` is a callback ``trace(name, array)`` that sees every intermed
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -137,6 +138,7 @@ def forward(spec: Spec, trace: Trace | None = None) -> tuple[np.ndarray, np.ndar
 
     # Step 4: weighted sum of values — each output is a blend of the values. A key
     # with score −inf never reads its value (see attnkit.nonfinite).
+    assert v is not None
     out = exempt_matmul(dropped, v, lambda: scores != -np.inf)    # (..., H, L, Dv)
     if trace:
         trace("out", out)
@@ -156,7 +158,9 @@ def sink_gradient(spec: Spec, lse: np.ndarray, delta: np.ndarray) -> np.ndarray:
     """d loss / d sinks, reduced to sinks' shape: the sink is a logit with value 0, so
     its score gradient is w_sink · (0 − delta) with w_sink = exp(sink − lse) (delta:
     rowsum(dout ∘ out) − dlse, (..., H, L))."""
-    w_sink = from_lse(_sinks(spec, lse.dtype), lse)[..., 0]
+    sinks = _sinks(spec, lse.dtype)
+    assert sinks is not None
+    w_sink = from_lse(sinks, lse)[..., 0]
     return reduce_to(-(w_sink * delta), tuple(np.shape(spec.sinks))).reshape(spec.shapes["sinks"])
 
 
@@ -171,6 +175,7 @@ def backward(spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None) -> Gra
     without bias / sinks). Fully masked and padding rows give zero gradients; keys
     with score −inf get none."""
     q, k, v = _operands(spec)
+    assert v is not None
     scores, capped = final_scores(spec, q, k)
     acc = q.dtype
     dout, out, lse = (np.asarray(x, dtype=acc) for x in (dout, out, lse))

@@ -3,17 +3,21 @@ metrics by the DESIGN.md §6 rule."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 
-def make_qkv(shape_q, shape_k, Dv=None, *, dtype="float64", seed=0):
+def make_qkv(shape_q: tuple[int, ...], shape_k: tuple[int, ...], Dv: int | None = None, *,
+             dtype: str = "float64", seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Random q (shape_q), k (shape_k), v (shape_k with last dim Dv) from one seed."""
     rng = np.random.default_rng(seed)
     shape_v = tuple(shape_k[:-1]) + ((shape_k[-1] if Dv is None else Dv),)
-    return tuple(rng.standard_normal(s).astype(dtype) for s in (shape_q, shape_k, shape_v))
+    q, k, v = (rng.standard_normal(s).astype(dtype) for s in (shape_q, shape_k, shape_v))
+    return q, k, v
 
 
-def max_error(a, b) -> float:
+def max_error(a: Any, b: Any) -> float:
     """max |a − b| over finite and infinite entries alike: equal infinities count 0,
     anything else non-finite counts inf. Two-sided by construction."""
     a = np.asarray(a, dtype=np.float64)
@@ -27,7 +31,7 @@ def max_error(a, b) -> float:
     return float(d.max()) if d.size else 0.0
 
 
-def error_budget(oracle, same_precision_reference) -> float:
+def error_budget(oracle: Any, same_precision_reference: Any) -> float:
     """DESIGN.md §6: a backend's error against the float64 oracle may be at most 2× the
     error of the reference run in the same precision, plus 1e-5."""
     return 2.0 * max_error(oracle, same_precision_reference) + 1e-5

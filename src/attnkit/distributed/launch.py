@@ -13,6 +13,8 @@ import os
 import pickle
 import socket
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 
 def free_port() -> int:
@@ -48,7 +50,8 @@ def _entry(rank, fn, world, port, backend, threads, outdir, args):
     os._exit(0)
 
 
-def spawn(fn, world: int, *args, backend: str = "gloo", threads: int | None = None) -> list:
+def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
+          threads: int | None = None) -> list[Any]:
     """Start ``world`` processes (multiprocessing "spawn"), join them in one process
     group over TCP on a free local port, call ``fn(rank, world, *args)`` in each and
     return the ``world`` results in rank order. ``fn`` and its results must pickle

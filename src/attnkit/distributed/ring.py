@@ -43,17 +43,29 @@ machines have no GPU, so only gloo on CPU is tested.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from attnkit.backends import select
 from attnkit.merge import merge as _merge
-from attnkit.spec import (ALIGNS, RING_LAYOUTS, Spec, band, check_group, check_layout, check_ring_shard,
-                          check_world, dtype_name, reduce_to, validate)
+from attnkit.spec import (
+    ALIGNS,
+    RING_LAYOUTS,
+    Spec,
+    band,
+    check_group,
+    check_layout,
+    check_ring_shard,
+    check_world,
+    dtype_name,
+    reduce_to,
+    validate,
+)
 from attnkit.spec.validate import check_lengths
 
 LAYOUTS = RING_LAYOUTS
@@ -72,7 +84,7 @@ def _chunk_ids(rank: int, world: int, layout: str) -> tuple[int, ...]:
     return (rank, 2 * world - 1 - rank)
 
 
-def shard(x, rank: int, world: int, *, layout: str = "contiguous", dim: int = -2):
+def shard(x: torch.Tensor, rank: int, world: int, *, layout: str = "contiguous", dim: int = -2) -> torch.Tensor:
     """Rank ``rank``'s shard of the full sequence ``x`` (length N along ``dim``).
 
     ``contiguous``: the rank-th of ``world`` equal pieces. ``zigzag``: the sequence
@@ -99,7 +111,7 @@ def shard(x, rank: int, world: int, *, layout: str = "contiguous", dim: int = -2
     return torch.cat([x.narrow(dim, a * c, c), x.narrow(dim, b * c, c)], dim=dim)
 
 
-def unshard(parts, *, layout: str = "contiguous", dim: int = -2):
+def unshard(parts: Iterable[torch.Tensor], *, layout: str = "contiguous", dim: int = -2) -> torch.Tensor:
     """Reassemble the full sequence from every rank's shard, in rank order (the list
     ``torch.distributed.all_gather`` fills). Inverse of :func:`shard`.
 
@@ -113,7 +125,7 @@ def unshard(parts, *, layout: str = "contiguous", dim: int = -2):
     if layout == "contiguous":
         return torch.cat(parts, dim=dim)
     world = len(parts)
-    chunks = [None] * (2 * world)
+    chunks: list[Any] = [None] * (2 * world)
     for r, p in enumerate(parts):
         if p.shape[dim] % 2:
             raise ValueError(f"parts[{r}]: zigzag shard length {p.shape[dim]} along dim {dim} is odd")
@@ -122,12 +134,12 @@ def unshard(parts, *, layout: str = "contiguous", dim: int = -2):
     return torch.cat(chunks, dim=dim)
 
 
-def zigzag_shard(x, rank: int, world: int, dim: int = -2):
+def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int = -2) -> torch.Tensor:
     """``shard(x, rank, world, layout="zigzag", dim=dim)``: chunks r and 2·world−1−r."""
     return shard(x, rank, world, layout="zigzag", dim=dim)
 
 
-def zigzag_unshard(parts, dim: int = -2):
+def zigzag_unshard(parts: Iterable[torch.Tensor], dim: int = -2) -> torch.Tensor:
     """``unshard(parts, layout="zigzag", dim=dim)``."""
     return unshard(parts, layout="zigzag", dim=dim)
 
@@ -200,8 +212,9 @@ def _coalesce(blocks):
     return joined
 
 
-def plan(rank, src, world, Lr, Sr, *, L=None, S=None, causal=False, window=None,
-         align="bottom_right", layout="contiguous"):
+def plan(rank: int, src: int, world: int, Lr: int, Sr: int, *, L: int | None = None, S: int | None = None,
+         causal: bool = False, window: tuple[int | None, int | None] | None = None, align: str = "bottom_right",
+         layout: str = "contiguous") -> list[Block]:
     """The attention calls rank ``rank`` makes for the key shard of rank ``src``:
     a list of :class:`Block` (empty when causal/window hide that shard entirely).
 
@@ -486,8 +499,9 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None, None, None
 
 
-def ring_attention(q, k, v, group=None, *, layout="contiguous", return_lse=False, keep=None, drop=None,
-                   **options):
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any = None, *,
+                   layout: str = "contiguous", return_lse: bool = False, keep: Any = None, drop: Any = None,
+                   **options: Any) -> Any:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Every rank calls this with its own shard: ``q (..., H, L/P, D)``,

@@ -26,7 +26,10 @@ def entropy(weights):
     return float(-(w * logw).sum(axis=-1).mean()) + 0.0     # + 0.0: no "-0.0"
 
 
-def entropy_sweep(dims=tuple(2 ** i for i in range(1, 11)), *, S=64, L=64, trials=4,
+DIMS = tuple(2 ** n for n in range(1, 11))   # d_k = 2 … 1024
+
+
+def entropy_sweep(dims=DIMS, *, S=64, L=64, trials=4,
                   seed=0, progress=None) -> dict:
     """Leaving out the √d_k scaling: for each d_k, random unit-normal q, k (so q·k has
     variance d_k) through :func:`attnkit.attention` with the default scale 1/√d_k and

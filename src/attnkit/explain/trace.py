@@ -9,7 +9,8 @@ and returns a :class:`Trace`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -231,7 +232,8 @@ class Trace(Mapping):
 
 
 @with_options()
-def explain(q, k, v, *, labels=None, query_labels=None, **masking) -> Trace:
+def explain(q: Any, k: Any, v: Any, *, labels: Sequence[str] | None = None,
+            query_labels: Sequence[str] | None = None, **masking: Any) -> Trace:
     """Attention through attnkit's reference code (the definition) with its trace hook
     on: every step named.
 

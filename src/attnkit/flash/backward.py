@@ -101,6 +101,7 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
         for c0, c1 in blocks[chunk * len(blocks) // n:(chunk + 1) * len(blocks) // n]:
             bn = c1 - c0
             k_t, v_t = call.kv(u, c0, c1)
+            assert v_t is not None
             dk_j = np.zeros((nk, bn, spec.D), dtype=acc)
             dv_j = np.zeros((nk, bn, spec.Dv), dtype=acc)
             for r0, r1, partial in call.query_tiles(u, c0, c1):

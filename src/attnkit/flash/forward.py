@@ -70,7 +70,7 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: 
             alpha = kern.softmax_tile_bounded(s2, m_s, l_s, lo_b, hi_b, c0)
         else:
             alpha = kern.softmax_tile(s2, m_s, l_s)
-        if acc is not None and pv is not None:
+        if acc is not None and pv is not None and v_t is not None:
             call.dropout(s, u, a0, a1, c0)
             acc_s, pv_s = (acc, pv) if whole else (acc[:, rows], pv[:, rows])
             if vis is None:

@@ -26,18 +26,18 @@ EXP2_MIN = f32(-125.0)                                   # below 2^-125 the resu
 
 
 @intrinsic
-def _f32_from_bits(typingctx, x):  # type: ignore[no-untyped-def]
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+def _f32_from_bits(typingctx, x):
+    def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
     return types.float32(types.int32), codegen
 
 
 @intrinsic
-def _fmax(typingctx, a, b):  # type: ignore[no-untyped-def]
+def _fmax(typingctx, a, b):
     # llvm.maxnum with nnan: the form of max the vectoriser turns into vmaxps (numba's
     # max() stays scalar); a NaN score may be skipped by the row max but still makes
     # its row NaN in the exp pass
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         f = ir.FloatType()
         fn = builder.module.declare_intrinsic("llvm.maxnum", [f], ir.FunctionType(f, [f, f]))
         return builder.call(fn, args, fastmath=("nnan", "nsz"))
@@ -45,7 +45,7 @@ def _fmax(typingctx, a, b):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**ORDERED)
-def exp2_f32(t):  # type: ignore[no-untyped-def]
+def exp2_f32(t):
     # 2^t = 2^n · 2^r with n = round(t), r = t − n exact, |r| ≤ 1/2; callers fold log2(e)
     # into t (exp(x − c) = 2^(x·log2 e − c·log2 e)). t ≤ 0 here (scores minus their max).
     n = np.floor(t + f32(0.5))
@@ -64,14 +64,14 @@ def exp2_f32(t):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**REDUCE)
-def row_max(row, m):  # type: ignore[no-untyped-def]
+def row_max(row, m):
     for j in range(row.shape[0]):
         m = _fmax(m, row[j])
     return m
 
 
 @numba.njit(**REDUCE)
-def _softmax_row(seg, m_i, l_i, alpha, i):  # type: ignore[no-untyped-def]
+def _softmax_row(seg, m_i, l_i, alpha, i):
     m_new = row_max(seg, m_i[i])
     shift = f32(0.0) if m_new == -np.inf else m_new      # all −inf so far: shift by 0, no NaN
     total = f32(0.0)
@@ -86,13 +86,13 @@ def _softmax_row(seg, m_i, l_i, alpha, i):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**REDUCE)
-def _softmax_tile(s, m_i, l_i, alpha):  # type: ignore[no-untyped-def]
+def _softmax_tile(s, m_i, l_i, alpha):
     for i in range(s.shape[0]):
         _softmax_row(s[i], m_i, l_i, alpha, i)
 
 
 @numba.njit(**REDUCE)
-def _softmax_tile_bounded(s, m_i, l_i, alpha, lo, hi, c0):  # type: ignore[no-untyped-def]
+def _softmax_tile_bounded(s, m_i, l_i, alpha, lo, hi, c0):
     # row i limited to the keys [lo[i], hi[i]); the other columns get weight 0
     w = s.shape[1]
     for i in range(s.shape[0]):
@@ -105,7 +105,7 @@ def _softmax_tile_bounded(s, m_i, l_i, alpha, lo, hi, c0):  # type: ignore[no-un
 
 
 @numba.njit(**ORDERED)
-def rescale_add(o, alpha, pv):  # type: ignore[no-untyped-def]
+def rescale_add(o, alpha, pv):
     for i in range(o.shape[0]):
         a = alpha[i]
         orow, prow = o[i], pv[i]
@@ -118,7 +118,7 @@ def rescale_add(o, alpha, pv):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**ORDERED)
-def exp_from_lse(s, lse):  # type: ignore[no-untyped-def]
+def exp_from_lse(s, lse):
     for i in range(s.shape[0]):
         row = s[i]
         if lse[i] == -np.inf:                            # fully masked row: weights 0
@@ -131,7 +131,7 @@ def exp_from_lse(s, lse):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**ORDERED)
-def ds_tile(p, dp, delta):  # type: ignore[no-untyped-def]
+def ds_tile(p, dp, delta):
     for i in range(p.shape[0]):
         d = delta[i]
         for j in range(p.shape[1]):
@@ -139,7 +139,7 @@ def ds_tile(p, dp, delta):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**ORDERED)
-def alibi_tile(s, slopes, r0, c0, sigma):  # type: ignore[no-untyped-def]
+def alibi_tile(s, slopes, r0, c0, sigma):
     for h in range(s.shape[0]):
         sl = f32(slopes[h])
         for i in range(s.shape[1]):
@@ -150,7 +150,7 @@ def alibi_tile(s, slopes, r0, c0, sigma):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**ORDERED)
-def _philox_word(c0, c1, c2, c3, k0, k1, lane):  # type: ignore[no-untyped-def]
+def _philox_word(c0, c1, c2, c3, k0, k1, lane):
     # Philox4x32-10 on uint64 holding uint32 values (see attnkit.philox); the word of lane
     mask = np.uint64(0xFFFFFFFF)
     for _ in range(10):
@@ -169,7 +169,7 @@ def _philox_word(c0, c1, c2, c3, k0, k1, lane):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**ORDERED)
-def dropout_tile(p, heads, r0, c0, seed, thr, scale):  # type: ignore[no-untyped-def]
+def dropout_tile(p, heads, r0, c0, seed, thr, scale):
     k0 = np.uint64(seed & 0xFFFFFFFF)
     k1 = np.uint64((seed >> 32) & 0xFFFFFFFF)
     t = np.uint64(thr)
@@ -185,8 +185,8 @@ def dropout_tile(p, heads, r0, c0, seed, thr, scale):  # type: ignore[no-untyped
                 p[h, i, j] = p[h, i, j] * sc if w >= t else f32(0.0)
 
 
-def _with_alpha(kernel):  # type: ignore[no-untyped-def]
-    def run(s, m_i, l_i, *bounds):  # type: ignore[no-untyped-def]
+def _with_alpha(kernel):
+    def run(s, m_i, l_i, *bounds):
         alpha = np.empty_like(m_i)
         kernel(s, m_i, l_i, alpha, *bounds)
         return alpha

@@ -6,8 +6,18 @@ Every user-facing check lives here and runs before any compute; backends receive
 :class:`Spec` and never validate again.
 """
 
-from .checks import (RING_LAYOUTS, check_grad_inputs, check_group, check_layout, check_like, check_lse,
-                     check_merge, check_ring_shard, check_rows, check_world)
+from .checks import (
+                     RING_LAYOUTS,
+                     check_grad_inputs,
+                     check_group,
+                     check_layout,
+                     check_like,
+                     check_lse,
+                     check_merge,
+                     check_ring_shard,
+                     check_rows,
+                     check_world,
+)
 from .core import Spec, broadcast_to, dtype_name, is_torch, prod, reduce_to
 from .flops import flops
 from .geometry import band

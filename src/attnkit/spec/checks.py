@@ -168,7 +168,8 @@ def check_mha_inputs(query: Any, key: Any, value: Any, dims: tuple[int, int, int
             raise ValueError(f"key_padding_mask: expected shape (B, S) = {(B, S)}, got {tuple(key_padding_mask.shape)}")
     if attn_mask is not None:
         if dtype_kind(attn_mask) not in "bf":
-            raise TypeError(f"attn_mask: expected bool (True = not allowed) or float (added), got {dtype_name(attn_mask)}")
+            raise TypeError(f"attn_mask: expected bool (True = not allowed) or float (added), "
+                            f"got {dtype_name(attn_mask)}")
         ok = tuple(attn_mask.shape) in ((L, S), (B * num_heads, L, S))
         if not ok:
             raise ValueError(f"attn_mask: expected shape (L, S) = {(L, S)} or (B·num_heads, L, S) = "

@@ -128,7 +128,8 @@ def with_options(kvcache: bool = False) -> Callable[[F], F]:
     def deco(fn: F) -> F:
         sig = inspect.signature(fn)
         params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        opts = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default)
+        types = Masking.__annotations__
+        opts = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=types[o.name])
                 for o in OPTIONS if o.kvcache or not kvcache]
         fn.__signature__ = sig.replace(parameters=params + opts)  # type: ignore[attr-defined]
         if fn.__doc__ and "{masking}" in fn.__doc__:

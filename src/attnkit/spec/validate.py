@@ -86,7 +86,8 @@ def _host_ints(x: Any) -> np.ndarray:
 
 # ---- scalars -----------------------------------------------------------------------
 def _real(name: str, x: Any, *, positive: bool = False) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or (positive and not x > 0):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(float(x)) \
+            or (positive and not float(x) > 0):
         want = "a positive finite number" if positive else "a finite real number"
         raise ValueError(f"{name}: expected {want}, got {x!r}")
     return float(x)
@@ -151,7 +152,7 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
     if want_torch:
         for name in ("k", "v") + tuple(n for n in NAMES if BY_NAME[n].schema == "Tensor?" and n != "seed"):
             x = {"k": k, "v": v}.get(name, opt.get(name))
-            if is_torch(x) and x.device != q.device:
+            if x is not None and is_torch(x) and x.device != q.device:
                 raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {x.device}")
 
     two_d = q.ndim == 2
@@ -236,10 +237,10 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
     align = choice("align", opt["align"], ALIGNS)
     choice("backend", backend, BACKENDS)
     p = opt["dropout"]
-    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p < 1:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= float(p) < 1:
         raise ValueError(f"dropout: expected a probability 0 <= p < 1, got {p!r}")
     seed = check_seed(opt["seed"])
-    if p > 0 and seed is None and not want_torch:
+    if float(p) > 0 and seed is None and not want_torch:
         raise ValueError("seed: dropout > 0 needs a seed (an int >= 0) so that the backward pass and "
                          "every rung drop the same weights")
 

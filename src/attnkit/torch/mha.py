@@ -46,6 +46,8 @@ True
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -63,9 +65,10 @@ class MultiheadAttention(nn.Module):
     ``batch_first`` (default True), ``num_kv_heads`` Hkv (default H; H % Hkv == 0).
     """
 
-    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
-                 add_zero_attn=False, kdim=None, vdim=None, batch_first=True, device=None,
-                 dtype=None, *, num_kv_heads=None):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
+                 vdim: int | None = None, batch_first: bool = True, device: Any = None, dtype: Any = None, *,
+                 num_kv_heads: int | None = None) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         check_mha_config(embed_dim, num_heads, num_kv_heads, dropout)
@@ -129,8 +132,10 @@ class MultiheadAttention(nn.Module):
         bs = (None,) * 3 if self.in_proj_bias is None else self.in_proj_bias.split([E, ekv, ekv])
         return ws, bs
 
-    def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights=True,
-                attn_mask=None, average_attn_weights=True, is_causal=False):
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
+                attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``query`` (B, L, E), ``key`` (B, S, kdim) and ``value`` (B, S, vdim) (or
         (L, B, E) etc. with batch_first=False; unbatched (L, E) works too; key and value
         default to query and key). ``key_padding_mask`` (B, S) and ``attn_mask`` (L, S)
@@ -154,7 +159,7 @@ class MultiheadAttention(nn.Module):
         k = F.linear(key, wk, bk).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = F.linear(value, wv, bv).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
-        masks = {"keep": None, "drop": None, "bias": None}
+        masks: dict[str, Any] = {"keep": None, "drop": None, "bias": None}
         if attn_mask is not None:
             m = attn_mask if attn_mask.dim() == 2 else attn_mask.view(-1, self.num_heads, L, S)
             masks["drop" if m.dtype == torch.bool else "bias"] = m
