@@ -34,3 +34,8 @@ def test_ring_attention_example_equals_single_process():
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "OK: equal to single-process attnkit.attention" in res.stdout
+
+
+def test_generate_with_a_paged_cache_matches_one_full_pass(capsys):
+    worst = load("generate").main()
+    assert worst < 1e-10 and "largest difference" in capsys.readouterr().out

@@ -17,11 +17,12 @@ a NaN or inf that reaches a row's softmax or weighted sum makes that row NaN.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from . import backends, reference
+from . import backends, kvcache, reference
 from .merge import merge as _merge_blocks
 from .spec import check_grad_inputs, check_lse, check_merge, check_rows, validate, validate_seed, with_options
+from .spec.kvcache import validate_kvcache
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -180,6 +181,64 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
     extra = tuple(x for x, given in ((g.dbias, spec.bias is not None), (g.dsinks, spec.sinks is not None))
                   if given)
     return (g.dq, g.dk, g.dv) + extra
+
+
+@with_options(kvcache=True)
+def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, block_table: Any = None,
+                      k_new: Any = None, v_new: Any = None, return_lse: bool = False, backend: str = "auto",
+                      **masking: Unpack[Masking]) -> Any:
+    """Decoding against a KV cache: attention of q (B, H, L, D) over each sequence's
+    cached keys, after writing ``k_new``/``v_new`` into the cache (forward only).
+
+    A contiguous cache is ``k_cache (B, Hkv, S_max, D)``; a paged one ``k_cache
+    (num_pages, Hkv, page_size, D)`` with ``block_table (B, max_pages)`` of page
+    indices (any page size, pages in any order): key p of sequence b is slot
+    ``p % page_size`` of page ``block_table[b, p // page_size]``. ``cache_lengths``
+    (B,) counts each sequence's valid keys; ``k_new``/``v_new`` (B, Hkv, L_new, D[v])
+    are written in place at positions cache_lengths[b] … first (one call for append
+    and attend, as FlashAttention's ``flash_attn_with_kvcache``; the caller advances
+    cache_lengths). The queries then see cache_lengths[b] + L_new keys, causal
+    aligned bottom-right per sequence (the last query sees the last key). Keys past a
+    sequence's length are never read, so unused cache slots may hold anything.
+
+    Parameters
+    ----------
+    q : array (B, H, L, D)
+        The new queries (decoding: L = 1; speculative decoding / chunked prefill: L > 1).
+    k_cache, v_cache : arrays
+        The cache, contiguous or paged (see above), q's dtype and device.
+    cache_lengths : ints (B,)
+        Valid keys per sequence before the append.
+    block_table : ints (B, max_pages), optional
+        Page indices of each sequence (a paged cache).
+    k_new, v_new : arrays (B, Hkv, L_new, D[v]), optional
+        Keys and values to append.
+    return_lse : bool
+        Also return lse (B, H, L).
+    backend : str
+        As for :func:`attention`.
+
+    {masking}
+
+    Returns
+    -------
+    out (B, H, L, Dv), or (out, lse).
+
+    Examples
+    --------
+    >>> import numpy as np, attnkit
+    >>> k_cache = np.zeros((1, 1, 4, 2)); v_cache = np.zeros((1, 1, 4, 2))
+    >>> k_cache[0, 0, :2] = [[1, 0], [0, 1]]; v_cache[0, 0, :2] = [[10, 0], [0, 10]]
+    >>> q = np.array([[[[1.0, 0.0]]]])
+    >>> attnkit.attention_kvcache(q, k_cache, v_cache, np.array([2])).round(2)
+    array([[[[6.7, 3.3]]]])
+    """
+    kv = validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
+                          v_new=v_new, backend=backend, **masking)
+    rung = cast(backends.CacheRung, backends.select(kv.spec, backend, need="kvcache"))
+    kvcache.append(kv)
+    out, lse = rung.rung_kvcache(kv)
+    return (out, lse) if return_lse else out
 
 
 def scaled_dot_product_attention(Q: Any, K: Any, V: Any, mask: Any = None) -> tuple[Any, Any]:

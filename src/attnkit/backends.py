@@ -57,6 +57,14 @@ class Rung(Protocol):
         ...
 
 
+class CacheRung(Rung, Protocol):
+    """A rung that also decodes against a KV cache (attention_kvcache)."""
+
+    def rung_kvcache(self, kv: Any) -> tuple[Any, Any]:
+        """(out, lse) of the call's queries against the (appended) cache."""
+        ...
+
+
 # name -> (module, what it is); fastest first within each array library
 RUNGS = {
     "flash": ("attnkit.flash", "tiled online softmax on the CPU (NumPy), linear memory, threaded"),
@@ -65,18 +73,18 @@ RUNGS = {
 }
 BRIDGE = ("attnkit.torch.op", "torch tensors: one autograd op around the chosen compute rung")
 AUTO = {"numpy": ("flash", "reference"), "torch_cpu": ("flash", "reference"), "torch_cuda": ("triton",)}
-# "auto" runs the reference (vectorised over every head at once) when each head's L×S
-# score matrix is this small and all of them together fit in this many elements:
-# there the flash rung's per-tile bookkeeping costs more than the math.
-SMALL_HEAD = 128 * 128
-SMALL_TOTAL = 1 << 22
+# "auto" runs the reference (vectorised over every head at once) when all score
+# matrices together hold at most this many elements: there the flash rung's
+# per-call planning costs more than the math (flash batches small heads, but a
+# sub-millisecond call is still dominated by its fixed cost).
+SMALL_TOTAL = 1 << 16
 
 
 def _small(spec: Spec) -> bool:
     n = 1
     for d in spec.batch:
         n *= d
-    return spec.L * spec.S <= SMALL_HEAD and n * spec.H * spec.L * spec.S <= SMALL_TOTAL
+    return n * spec.H * spec.L * spec.S <= SMALL_TOTAL
 
 
 def load(path: str) -> tuple[Any, str | None]:
@@ -91,11 +99,14 @@ def load(path: str) -> tuple[Any, str | None]:
         return None, f"not available: {e}"
 
 
-def reasons(name: str, spec: Spec) -> list[str]:
+def reasons(name: str, spec: Spec, need: str | None = None) -> list[str]:
     mod, why = load(RUNGS[name][0])
     if mod is None:
         return [why or "not available"]
-    return list(mod.not_supported_reasons(spec))
+    r = list(mod.not_supported_reasons(spec))
+    if need == "kvcache" and not hasattr(mod, "rung_kvcache"):
+        r.append("has no KV-cache decoding")
+    return r
 
 
 def _candidates(spec: Spec, backend: str) -> tuple[str, ...]:
@@ -114,12 +125,13 @@ def _candidates(spec: Spec, backend: str) -> tuple[str, ...]:
     return order
 
 
-def select(spec: Spec, backend: str = "auto") -> Rung:
+def select(spec: Spec, backend: str = "auto", need: str | None = None) -> Rung:
     """The rung to run spec on (for torch tensors: the torch op bound to the chosen
-    compute rung), or ValueError listing every rung's reasons."""
+    compute rung), or ValueError listing every rung's reasons. ``need="kvcache"``:
+    only rungs with KV-cache decoding (``rung_kvcache``)."""
     why: dict[str, list[str]] = {}
     for name in _candidates(spec, backend):
-        r = reasons(name, spec)
+        r = reasons(name, spec, need)
         if not r:
             mod, _ = load(RUNGS[name][0])
             if spec.torch:
@@ -129,7 +141,7 @@ def select(spec: Spec, backend: str = "auto") -> Rung:
         why[name] = r
     for name in RUNGS:
         if name not in why:
-            why[name] = reasons(name, spec) or ["supports this call (not chosen)"]
+            why[name] = reasons(name, spec, need) or ["supports this call (not chosen)"]
     why["torch"] = (["the autograd op every torch-tensor call runs in, around the rungs above"] if spec.torch
                     else ["takes torch tensors (NumPy arrays use the flash or reference rung)"])
     lines = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in why.items())

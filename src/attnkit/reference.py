@@ -251,6 +251,15 @@ def _weights(spec: Spec, lse: Any, rows: Any) -> np.ndarray:
     return weights.astype(spec.dtype)
 
 
+def rung_kvcache(kv: Any) -> tuple[np.ndarray, np.ndarray]:
+    """attention_kvcache by the definition: each sequence's keys gathered from the
+    cache (:func:`attnkit.kvcache.gather`), then the forward above."""
+    from .kvcache import gather
+    k, v = gather(kv)
+    out, lse, _ = rung_forward(kv.spec.replace(k=np.asarray(k), v=np.asarray(v)))
+    return out, lse
+
+
 def seed(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
     """The seed's scaled_dot_product_attention: masked scores are *replaced* by -1e9
     (so a fully masked row averages V). Returns (output, weights) in q's dtype."""

@@ -24,6 +24,7 @@ import numpy as np
 from ..backends import Grads
 from ..nonfinite import quiet
 from ..spec import Spec
+from ..spec.kvcache import KVCall
 from . import backward as _backward
 from . import forward as _forward
 from .kernels import compiled_kernels
@@ -31,7 +32,7 @@ from .plan import SUB_M, Call, block_sizes
 from .runtime import get_threads, set_threads, threads
 
 __all__ = ["SUB_M", "block_sizes", "compiled_kernels", "get_threads", "not_supported_reasons",
-           "rung_backward", "rung_forward", "rung_weights", "set_threads", "threads"]
+           "rung_backward", "rung_forward", "rung_kvcache", "rung_weights", "set_threads", "threads"]
 
 name = "flash"
 
@@ -63,6 +64,21 @@ def rung_backward(spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None, n
     with quiet():
         call = Call(spec, block_m, block_n, backward=True, dout=dout, out=out, lse=lse)
         return _backward.backward(call, dout, out, lse, dlse, need_dbias)
+
+
+def rung_kvcache(kv: KVCall, *, block_m: int | None = None, block_n: int | None = None) -> tuple[Any, Any]:
+    """(out, lse) of attention_kvcache's queries against the cache (already appended):
+    a contiguous cache is read in place, a paged one page by page; keys past each
+    sequence's length are never read."""
+    with quiet():
+        if kv.paged:
+            table = np.asarray(kv.block_table, dtype=np.int64)
+            call = Call(kv.spec, block_m, block_n, pages=(kv.k_cache, kv.v_cache, table, kv.page_size), cache=True)
+        else:
+            call = Call(kv.spec.replace(k=kv.k_cache, v=kv.v_cache), block_m, block_n, cache=True)
+        out, lse, _ = _forward.forward(call, True, False)
+        assert out is not None
+        return _forward.cast(out, kv.spec.dtype), lse
 
 
 def rung_weights(spec: Spec, lse: Any = None, rows: Any = None, *, block_m: int | None = None,

@@ -61,9 +61,11 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: 
         n_rows = q_s.shape[1]
         s = buf[: nk * n_rows * (c1 - c0)].reshape(nk, n_rows, c1 - c0)
         k_t, v_t = call.kv(u, c0, c1)
-        fused = call.fuse_index and partial
+        careful = call.careful or (call.tile_careful and partial and v_t is not None
+                                   and not np.isfinite(v_t).all())
+        fused = call.fuse_index and partial and not careful
         call.scores(s, u, q_s, k_t, a0, a1, c0, c1, partial, fused=fused)
-        vis = (s != -np.inf) if call.careful else None
+        vis = (s != -np.inf) if careful else None
         s2 = s.reshape(nk * n_rows, c1 - c0)
         if fused:                                        # causal/window applied row by row
             lo_b, hi_b = call.bounds(u, a0, a1)

@@ -75,7 +75,8 @@ class Call:
     """Operands, settings and the tile plan shared by every task of one call."""
 
     def __init__(self, spec: Spec, block_m: int | None, block_n: int | None, backward: bool = False,
-                 dout: Any = None, out: Any = None, lse: Any = None) -> None:
+                 dout: Any = None, out: Any = None, lse: Any = None, pages: Any = None,
+                 cache: bool = False) -> None:
         self.spec = spec
         self.acc = np.dtype(spec.acc_dtype)
         bm, bn = block_sizes(max(spec.D, spec.Dv), spec.acc_dtype, backward)
@@ -89,16 +90,22 @@ class Call:
         self.qs = spec.scale / spec.softcap if spec.softcap else spec.scale   # folded into q
         self.batch_index = list(np.ndindex(*spec.batch))
         self.q = broadcast_to(np.asarray(spec.q), spec.batch + tuple(spec.q.shape[-3:]))
-        self.k = broadcast_to(tile_ready(spec.k, self.acc), spec.batch + tuple(spec.k.shape[-3:]))
-        self.v = (None if spec.v is None else
-                  broadcast_to(tile_ready(spec.v, self.acc), spec.batch + tuple(spec.v.shape[-3:])))
+        # paged keys (attention_kvcache): (k_pages, v_pages, block_table, page_size)
+        self.pages = pages
+        if pages is None:
+            self.k = broadcast_to(tile_ready(spec.k, self.acc), spec.batch + tuple(spec.k.shape[-3:]))
+            self.v = (None if spec.v is None else
+                      broadcast_to(tile_ready(spec.v, self.acc), spec.batch + tuple(spec.v.shape[-3:])))
         self.masked = spec.keep is not None or spec.drop is not None
         # NaN/inf in an operand of a product whose other side is 0 on excluded keys:
-        # take the exempt products (attnkit.nonfinite); the plain ones otherwise
+        # take the exempt products (attnkit.nonfinite); the plain ones otherwise. A KV
+        # cache is checked tile by tile, only where keys are excluded (reading a whole
+        # cache to check it would double what decoding reads).
+        self.tile_careful = cache
         if backward:
             self.careful = not all_finite(spec.q, spec.k, spec.v, dout, out) or bool(np.isnan(lse).any())
         else:
-            self.careful = not all_finite(spec.v)
+            self.careful = False if self.tile_careful else not all_finite(spec.v)
         # causal/window alone: the softmax tile takes each row's key bounds
         self.fuse_index = not self.masked and not self.careful
         self.slopes = (None if spec.alibi_slopes is None else
@@ -215,8 +222,19 @@ class Call:
         return out
 
     def kv(self, u: Unit, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """(nk, keys, D) and (nk, keys, Dv) views of the unit's kv heads (GQA: shared, no copy)."""
+        """(nk, keys, D) and (nk, keys, Dv) views of the unit's kv heads (GQA: shared, no
+        copy); from a paged cache, the tile's pages gathered (one copy of the tile)."""
         hk = u.h0 // self.spec.group
+        if self.pages is not None:
+            k_pages, v_pages, table, P = self.pages
+            p0, p1 = c0 // P, -(-c1 // P)
+            idx = table[u.b[0], p0:p1]
+            out = []
+            for cache in (k_pages, v_pages):
+                g = cache[idx, hk:hk + u.nk]                 # (pages, nk, P, D)
+                g = g.transpose(1, 0, 2, 3).reshape(u.nk, (p1 - p0) * P, -1)
+                out.append(tile_ready(g[:, c0 - p0 * P:c1 - p0 * P], self.acc))
+            return out[0], out[1]
         k = self.k[u.b][hk:hk + u.nk, c0:c1]
         return k, (None if self.v is None else self.v[u.b][hk:hk + u.nk, c0:c1])
 

@@ -32,6 +32,7 @@ torch.Size([1, 2])
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -276,6 +277,17 @@ class TorchRung:
         return Grads(dq.reshape(spec.shapes["q"]), dk.reshape(spec.shapes["k"]), dv.reshape(spec.shapes["v"]),
                      dbias.reshape(spec.shapes["bias"]) if spec.bias is not None else None,
                      dsinks.reshape(spec.shapes["sinks"]) if spec.sinks is not None else None)
+
+    def rung_kvcache(self, kv: Any) -> tuple[Any, Any]:
+        """attention_kvcache for torch tensors (forward only, no autograd): NumPy
+        views of CPU tensors for the NumPy rungs, the tensors themselves for Triton."""
+        if getattr(self.mod, "arrays", "numpy") == "torch":
+            return self.mod.rung_kvcache(kv)
+        with torch.no_grad():
+            names = ("k_cache", "v_cache", "cache_lengths", "lengths", "block_table", "k_new", "v_new")
+            npkv = replace(kv, spec=numpy_spec(kv.spec), **{n: _np(getattr(kv, n)) for n in names})
+            out, lse = self.mod.rung_kvcache(npkv)
+        return _torch(out, kv.spec.q.dtype), _torch(lse, _lse_dtype(kv.spec.q))
 
     def rung_weights(self, spec: Spec, lse: Any = None, rows: Any = None) -> Any:
         return self._weights(to_op_args(spec, self.mod.name), None if lse is None else lse.detach(), rows)

@@ -1,0 +1,165 @@
+"""KV caches for decoding: the append, the gather, and a small paged-cache helper.
+
+:func:`attnkit.attention_kvcache` validates a call (``attnkit.spec.kvcache``), writes
+``k_new``/``v_new`` into the cache with :func:`append` and hands the call to a rung:
+the flash rung reads contiguous caches in place and paged caches page by page (keys
+past a sequence's length are never read, so unused slots may hold anything), the
+reference gathers each sequence's keys with :func:`gather` (the definition).
+
+:class:`PagedCache` is a minimal page allocator for people who build their own
+generation loop — allocate, append, attend, free; no server, no scheduling.
+
+>>> import numpy as np
+>>> cache = PagedCache(num_pages=8, page_size=4, kv_heads=1, head_dim=2, dtype="float64")
+>>> seq = cache.add_sequence()
+>>> q = np.ones((1, 1, 1, 2)); k = v = np.ones((1, 1, 1, 2))
+>>> out = cache.attend(q, seq, k_new=k, v_new=v)          # append one key, then attend
+>>> out.shape, cache.length(seq)
+((1, 1, 1, 2), 1)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .spec.kvcache import KVCall
+
+
+def _xp_arange(like: Any, n: int) -> Any:
+    if isinstance(like, np.ndarray):
+        return np.arange(n)
+    import torch
+    return torch.arange(n, device=like.device)
+
+
+def _positions(kv: KVCall) -> tuple[Any, Any]:
+    """(row index, slot index) of every new key: arrays (B, L_new) indexing the cache's
+    first and third axes."""
+    lengths = kv.cache_lengths
+    L_new = kv.k_new.shape[-2]
+    xp_new = kv.k_new
+    pos = lengths.reshape(-1, 1) + _xp_arange(xp_new, L_new).reshape(1, -1)     # (B, L_new)
+    if not kv.paged:
+        b = _xp_arange(xp_new, pos.shape[0]).reshape(-1, 1) + 0 * pos
+        return b, pos
+    P = kv.page_size
+    pages = kv.block_table[_xp_arange(xp_new, pos.shape[0]).reshape(-1, 1), pos // P]
+    return pages, pos % P
+
+
+def append(kv: KVCall) -> None:
+    """Write k_new / v_new into the cache in place at positions cache_lengths[b] …
+    (validated beforehand: the cache is untouched when a call is rejected)."""
+    if kv.k_new is None or kv.k_new.shape[-2] == 0:
+        return
+    rows, slots = _positions(kv)
+    for cache, new in ((kv.k_cache, kv.k_new), (kv.v_cache, kv.v_new)):
+        cache[rows, :, slots] = new.transpose(1, 2) if not isinstance(new, np.ndarray) else new.transpose(0, 2, 1, 3)
+
+
+def gather(kv: KVCall) -> tuple[Any, Any]:
+    """Each sequence's keys and values as contiguous (B, Hkv, S_cap, D[v]) arrays
+    (a view for a contiguous cache; positions past a sequence's length hold whatever
+    the cache holds — they are excluded)."""
+    if not kv.paged:
+        return kv.k_cache, kv.v_cache
+    bt = kv.block_table                                  # (B, max_pages)
+    out = []
+    for cache in (kv.k_cache, kv.v_cache):
+        g = cache[bt]                                    # (B, max_pages, Hkv, P, D)
+        B, n, H, P, D = g.shape
+        g = g.transpose(1, 2) if not isinstance(g, np.ndarray) else g.transpose(0, 2, 1, 3, 4)
+        out.append(g.reshape(B, H, n * P, D))
+    return out[0], out[1]
+
+
+class PagedCache:
+    """A paged KV cache for one layer: ``num_pages`` pages of ``page_size`` keys, handed
+    to sequences as they grow and returned when they are freed.
+
+    ``k``/``v`` are the cache arrays ``(num_pages, kv_heads, page_size, head_dim)``
+    (NumPy; pass ``like=`` a torch tensor to allocate tensors on its device). A
+    sequence is an int id; :meth:`block_table` gives the rows attention_kvcache takes.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+                 value_dim: int | None = None, dtype: Any = "float32", like: Any = None) -> None:
+        for name, x in (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads),
+                        ("head_dim", head_dim)):
+            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                raise ValueError(f"{name}: expected a positive int, got {x!r}")
+        value_dim = head_dim if value_dim is None else value_dim
+        shape_k = (num_pages, kv_heads, page_size, head_dim)
+        shape_v = (num_pages, kv_heads, page_size, value_dim)
+        if like is None:
+            self.k = np.zeros(shape_k, dtype=dtype)
+            self.v = np.zeros(shape_v, dtype=dtype)
+        else:
+            self.k = like.new_zeros(shape_k)
+            self.v = like.new_zeros(shape_v)
+        self.page_size = page_size
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self._pages: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+        self._next = 0
+
+    def add_sequence(self) -> int:
+        """A new, empty sequence's id."""
+        sid, self._next = self._next, self._next + 1
+        self._pages[sid], self._lengths[sid] = [], 0
+        return sid
+
+    def length(self, seq: int) -> int:
+        return self._lengths[self._check(seq)]
+
+    def free(self, seq: int) -> None:
+        """Return a sequence's pages to the pool."""
+        self._free.extend(reversed(self._pages.pop(self._check(seq))))
+        del self._lengths[seq]
+
+    def reserve(self, seq: int, n: int) -> None:
+        """Make room for n more keys in sequence ``seq`` (takes pages as needed)."""
+        need = -(-(self._lengths[self._check(seq)] + n) // self.page_size) - len(self._pages[seq])
+        if need > len(self._free):
+            raise ValueError(f"n: {n} more keys need {need} more pages, {len(self._free)} are free")
+        self._pages[seq] += [self._free.pop() for _ in range(max(need, 0))]
+
+    def block_table(self, seqs: list[int]) -> Any:
+        """(len(seqs), max_pages) int32 page table (unused entries 0)."""
+        width = max((len(self._pages[self._check(s)]) for s in seqs), default=0)
+        t = np.zeros((len(seqs), max(width, 1)), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            t[i, :len(self._pages[s])] = self._pages[s]
+        if isinstance(self.k, np.ndarray):
+            return t
+        import torch
+        return torch.as_tensor(t, device=self.k.device)
+
+    def lengths(self, seqs: list[int]) -> Any:
+        n = np.array([self._lengths[self._check(s)] for s in seqs], dtype=np.int64)
+        if isinstance(self.k, np.ndarray):
+            return n
+        import torch
+        return torch.as_tensor(n, device=self.k.device)
+
+    def attend(self, q: Any, seqs: int | list[int], k_new: Any = None, v_new: Any = None,
+               **kwargs: Any) -> Any:
+        """Append k_new / v_new (B, Hkv, L_new, D) to the sequences, then
+        attention_kvcache of q (B, H, L, D) against them; advances the lengths."""
+        from .api import attention_kvcache
+        seqs = [seqs] if isinstance(seqs, int) else list(seqs)
+        n = 0 if k_new is None else int(k_new.shape[-2])
+        for s in seqs:
+            self.reserve(s, n)
+        res = attention_kvcache(q, self.k, self.v, self.lengths(seqs), block_table=self.block_table(seqs),
+                                k_new=k_new, v_new=v_new, **kwargs)
+        for s in seqs:
+            self._lengths[s] += n
+        return res
+
+    def _check(self, seq: int) -> int:
+        if seq not in self._pages:
+            raise ValueError(f"seq: no sequence {seq!r} in this cache")
+        return seq

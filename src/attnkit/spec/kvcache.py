@@ -1,0 +1,159 @@
+"""attention_kvcache's inputs: the cache layouts, the append, and their checks.
+
+A cache is contiguous — ``k_cache (B, Hkv, S_max, D)`` — or paged — ``k_cache
+(num_pages, Hkv, page_size, D)`` with ``block_table (B, max_pages)``: key position p of
+sequence b lives in page ``block_table[b, p // page_size]`` at slot ``p % page_size``.
+``cache_lengths[b]`` keys are valid; ``k_new``/``v_new`` (B, Hkv, L_new, D) are written
+at positions cache_lengths[b] … cache_lengths[b] + L_new − 1 before the queries attend,
+so the attention sees ``cache_lengths[b] + L_new`` keys per sequence, aligned
+bottom-right per sequence (the last query sees the last key).
+
+Every check runs before the cache is touched: a rejected call leaves it as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .core import Spec, dtype_name, is_torch
+from .options import BY_NAME, NAMES
+from .validate import FLOAT_DTYPES, as_array, dtype_kind, validate
+
+
+@dataclass(frozen=True)
+class KVCall:
+    """One validated attention_kvcache call: ``spec`` describes the attention (q, the
+    options, a key axis of the cache's capacity with ``kv_lengths`` = the lengths
+    after the append); the rest says where the keys live."""
+
+    spec: Spec
+    k_cache: Any
+    v_cache: Any
+    cache_lengths: Any          # (B,) before the append (the caller's array)
+    lengths: Any                # (B,) after the append (what the queries see)
+    block_table: Any            # (B, max_pages) or None (contiguous)
+    page_size: int              # S_max for a contiguous cache
+    k_new: Any
+    v_new: Any
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+
+def _host(x: Any) -> np.ndarray:
+    return np.asarray(x.detach().cpu() if is_torch(x) else x)
+
+
+def _ints(name: str, x: Any, want_torch: bool, ndim: int, what: str) -> Any:
+    a = as_array(name, x, want_torch, required=True)
+    if dtype_kind(a) not in "iu":
+        raise TypeError(f"{name}: expected integers, got dtype {dtype_name(a)}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name}: expected {what}, got shape {tuple(a.shape)}")
+    return a
+
+
+def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, block_table: Any = None,
+                     k_new: Any = None, v_new: Any = None, backend: str = "auto", **options: Any) -> KVCall:
+    """Check every argument of attention_kvcache (shapes, dtypes, devices, lengths,
+    pages, the append's room) and return a KVCall; nothing is written."""
+    bad = sorted(n for n in options if n in BY_NAME and not BY_NAME[n].kvcache)
+    if bad:
+        raise TypeError(f"{', '.join(bad)}: not taken by attention_kvcache (the cache's lengths decide "
+                        "which keys each sequence sees)")
+    unknown = sorted(set(options) - set(NAMES))
+    if unknown:
+        raise TypeError(f"{', '.join(unknown)}: unexpected keyword argument(s)")
+    want_torch = is_torch(q)
+    q = as_array("q", q, want_torch, required=True)
+    if q.ndim != 4:
+        raise ValueError(f"q: expected shape (B, H, L, D), got {tuple(q.shape)}")
+    B, H, L, D = (int(n) for n in q.shape)
+    k_cache = as_array("k_cache", k_cache, want_torch, required=True)
+    v_cache = as_array("v_cache", v_cache, want_torch, required=True)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.ndim != 4:
+            raise ValueError(f"{name}: expected shape (B, Hkv, S_max, D) or (num_pages, Hkv, page_size, D), "
+                             f"got {tuple(c.shape)}")
+        if dtype_name(c) != dtype_name(q):
+            raise TypeError(f"{name}: dtype {dtype_name(c)} differs from q's dtype {dtype_name(q)}")
+        if want_torch and c.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {c.device}")
+    if dtype_name(q) not in FLOAT_DTYPES:
+        raise TypeError(f"q: expected a float dtype {FLOAT_DTYPES}, got {dtype_name(q)}")
+    N, Hkv, P, Dk = (int(n) for n in k_cache.shape)
+    Dv = int(v_cache.shape[-1])
+    if Dk != D:
+        raise ValueError(f"k_cache: expected last dim D={D} (q's head dim), got shape {tuple(k_cache.shape)}")
+    if tuple(v_cache.shape[:3]) != (N, Hkv, P):
+        raise ValueError(f"v_cache: expected shape {(N, Hkv, P, 'Dv')} like k_cache, got {tuple(v_cache.shape)}")
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"k_cache: query heads H={H} must be a multiple of the cache's kv heads Hkv={Hkv}")
+    lengths = _ints("cache_lengths", cache_lengths, want_torch, 1, f"shape (B,) = ({B},)")
+    if lengths.shape[0] != B:
+        raise ValueError(f"cache_lengths: expected shape (B,) = ({B},), got {tuple(lengths.shape)}")
+    if block_table is None:
+        if N != B:
+            raise ValueError(f"k_cache: a contiguous cache has one row per sequence: expected {B} (q's batch), "
+                             f"got shape {tuple(k_cache.shape)}; pass block_table for a paged cache")
+        capacity = np.full(B, P, dtype=np.int64)
+    else:
+        block_table = _ints("block_table", block_table, want_torch, 2, "shape (B, max_pages)")
+        if block_table.shape[0] != B:
+            raise ValueError(f"block_table: expected {B} rows (q's batch), got shape {tuple(block_table.shape)}")
+        capacity = np.full(B, int(block_table.shape[1]) * P, dtype=np.int64)
+    L_new = 0
+    if (k_new is None) != (v_new is None):
+        raise ValueError(f"{'v_new' if v_new is None else 'k_new'}: k_new and v_new come together")
+    if k_new is not None:
+        k_new = as_array("k_new", k_new, want_torch, required=True)
+        v_new = as_array("v_new", v_new, want_torch, required=True)
+        L_new = int(k_new.shape[-2]) if k_new.ndim == 4 else -1
+        for name, x, d in (("k_new", k_new, D), ("v_new", v_new, Dv)):
+            if tuple(x.shape) != (B, Hkv, L_new, d):
+                raise ValueError(f"{name}: expected shape (B, Hkv, L_new, D) = {(B, Hkv, max(L_new, 0), d)}, "
+                                 f"got {tuple(x.shape)}")
+            if dtype_name(x) != dtype_name(q):
+                raise TypeError(f"{name}: dtype {dtype_name(x)} differs from q's dtype {dtype_name(q)}")
+    h_len = _host(lengths).astype(np.int64)
+    if h_len.size and h_len.min() < 0:
+        raise ValueError(f"cache_lengths: expected non-negative lengths, got {h_len.tolist()[:16]}")
+    total = h_len + L_new
+    over = np.flatnonzero(total > capacity)
+    if over.size:
+        b = int(over[0])
+        what = "the append overflows" if L_new else "beyond"
+        raise ValueError(f"cache_lengths: sequence {b} holds {int(h_len[b])} keys + {L_new} new = {int(total[b])}, "
+                         f"{what} its capacity of {int(capacity[b])} keys")
+    if block_table is not None:
+        bt = _host(block_table).astype(np.int64)
+        used = -(-total // P)                            # pages each sequence touches
+        for b in range(B):
+            pages = bt[b, :used[b]]
+            if pages.size and (pages.min() < 0 or pages.max() >= N):
+                page = int(pages.max() if pages.max() >= N else pages.min())
+                raise ValueError(f"block_table: sequence {b} points at page {page} outside [0, num_pages={N})")
+    S_cap = int(capacity.max()) if B else 0
+    dummy_k = _zeros_view(q, (B, Hkv, max(S_cap, 1), D))
+    dummy_v = _zeros_view(q, (B, Hkv, max(S_cap, 1), Dv))
+    total_arr = total if not want_torch else _torch_ints(total, q)
+    spec = validate(q, dummy_k, dummy_v, backend=backend, kv_lengths=total_arr, **options)
+    return KVCall(spec=spec, k_cache=k_cache, v_cache=v_cache, cache_lengths=lengths, lengths=total_arr,
+                  block_table=block_table, page_size=P, k_new=k_new, v_new=v_new)
+
+
+def _zeros_view(like: Any, shape: tuple[int, ...]) -> Any:
+    """A zero-strided stand-in of ``shape`` (no memory): the attention's key axis for
+    shape checks; the rungs read the keys from the cache."""
+    if is_torch(like):
+        return like.new_zeros(()).expand(shape)
+    return np.broadcast_to(np.zeros((), dtype=like.dtype), shape)
+
+
+def _torch_ints(x: np.ndarray, like: Any) -> Any:
+    import torch
+    return torch.as_tensor(x, dtype=torch.int64, device=like.device)

@@ -1,0 +1,194 @@
+"""attention_kvcache: contiguous and paged caches (page sizes 1, 16, 256, pages in any
+order), lengths 0 … capacity, one query and several, with and without appends, every
+mask term a cache takes — equal to attention over each sequence's keys alone; the
+append writes exactly the new keys; bad input leaves the cache untouched; NumPy,
+torch CPU tensors and thread counts agree bitwise."""
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit import flash
+from attnkit.testing import error_budget, max_error
+
+RNG = np.random.default_rng
+
+
+def make_cache(B, Hkv, D, Dv, capacity, page_size, paged, seed=0, dtype="float64"):
+    """A cache with garbage (NaN) in every slot, plus (pages, table) when paged."""
+    rng = RNG(seed)
+    if not paged:
+        k = np.full((B, Hkv, capacity, D), np.nan, dtype)
+        v = np.full((B, Hkv, capacity, Dv), np.nan, dtype)
+        return k, v, None
+    per_seq = -(-capacity // page_size)
+    n_pages = B * per_seq + 3                            # spare pages nobody uses
+    table = rng.permutation(n_pages)[:B * per_seq].reshape(B, per_seq)
+    k = np.full((n_pages, Hkv, page_size, D), np.nan, dtype)
+    v = np.full((n_pages, Hkv, page_size, Dv), np.nan, dtype)
+    return k, v, table
+
+
+def write(cache, table, b, pos, x, page_size):
+    """cache positions pos (1-D) of sequence b ← x (Hkv, len(pos), D), by hand."""
+    for i, p in enumerate(pos):
+        if table is None:
+            cache[b, :, p] = x[:, i]
+        else:
+            cache[table[b, p // page_size], :, p % page_size] = x[:, i]
+
+
+def read(cache, table, b, n, page_size):
+    """The first n keys of sequence b as (Hkv, n, D), by hand."""
+    if table is None:
+        return cache[b, :, :n]
+    return np.stack([cache[table[b, p // page_size], :, p % page_size] for p in range(n)], axis=1) if n else \
+        cache[:0, :, :0].reshape(cache.shape[1], 0, cache.shape[-1])
+
+
+def one_by_one(q, keys, values, kw):
+    """Each sequence alone through the reference (bottom-right: the last query sees the
+    last key); no keys: out 0, lse -inf."""
+    B, H, L, _ = q.shape
+    out = np.zeros((B, H, L, values[0].shape[-1]))
+    lse = np.full((B, H, L), -np.inf)
+    for b in range(B):
+        if keys[b].shape[1] == 0:                        # no key: out 0; lse the sink's (or -inf)
+            if "sinks" in kw:
+                lse[b] = np.broadcast_to(np.asarray(kw["sinks"])[:, None], (H, L))
+            continue
+        o, l = attnkit.attention(q[b], keys[b], values[b], return_lse=True, backend="reference",
+                                 **{n: (x[b] if n == "sinks" and np.ndim(x) > 1 else x) for n, x in kw.items()})
+        out[b], lse[b] = o, l
+    return out, lse
+
+
+CASES = [dict(), dict(causal=True), dict(window=(5, 0)), dict(softcap=2.0, causal=True),
+         dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]), causal=True), dict(sinks=np.array([0.3, -1.0, 0.0, 2.0]))]
+
+
+@pytest.mark.parametrize("paged,page_size", [(False, 40), (True, 1), (True, 16), (True, 256)])
+@pytest.mark.parametrize("L,L_new", [(1, 1), (1, 0), (3, 3), (4, 2)])
+@pytest.mark.parametrize("kw", CASES, ids=["plain", "causal", "window", "softcap", "alibi", "sinks"])
+@pytest.mark.parametrize("backend", ["flash", "reference"])
+def test_equals_each_sequence_alone(paged, page_size, L, L_new, kw, backend):
+    B, H, Hkv, D, Dv = 3, 4, 2, 8, 5
+    capacity = 40 if not paged else max(page_size * 2, 40)
+    k, v, table = make_cache(B, Hkv, D, Dv, capacity, page_size, paged, seed=L + L_new)
+    rng = RNG(7)
+    lengths = np.array([0, 17, capacity - L_new])
+    for b in range(B):                                   # the cached keys
+        write(k, table, b, range(lengths[b]), rng.standard_normal((Hkv, lengths[b], D)), page_size)
+        write(v, table, b, range(lengths[b]), rng.standard_normal((Hkv, lengths[b], Dv)), page_size)
+    q = rng.standard_normal((B, H, L, D))
+    k_new, v_new = rng.standard_normal((B, Hkv, L_new, D)), rng.standard_normal((B, Hkv, L_new, Dv))
+    before_k, before_v = k.copy(), v.copy()
+    new = dict(k_new=k_new, v_new=v_new) if L_new else {}
+    out, lse = attnkit.attention_kvcache(q, k, v, lengths, block_table=table, return_lse=True, backend=backend,
+                                         **new, **kw)
+    total = lengths + L_new
+    keys = [np.repeat(read(k, table, b, total[b], page_size), H // Hkv, axis=0) for b in range(B)]
+    values = [np.repeat(read(v, table, b, total[b], page_size), H // Hkv, axis=0) for b in range(B)]
+    want, want_lse = one_by_one(q, keys, values, kw)
+    assert max_error(out, want) <= 1e-12 and max_error(lse, want_lse) <= 1e-12
+    for b in range(B):                                   # the append wrote exactly the new keys, nothing else
+        if L_new:
+            assert np.array_equal(read(k, table, b, total[b], page_size)[:, lengths[b]:], k_new[b])
+            write(before_k, table, b, range(lengths[b], total[b]), k_new[b], page_size)
+            write(before_v, table, b, range(lengths[b], total[b]), v_new[b], page_size)
+    assert np.array_equal(k, before_k, equal_nan=True) and np.array_equal(v, before_v, equal_nan=True)
+
+
+def test_float32_by_the_twice_the_reference_rule_and_bits_across_threads():
+    B, H, Hkv, D = 4, 8, 2, 64
+    k, v, table = make_cache(B, Hkv, D, D, 3000, 16, True, dtype="float32")
+    rng = RNG(3)
+    lengths = np.array([3000, 1, 2500, 1200])
+    for b in range(B):
+        write(k, table, b, range(lengths[b]), rng.standard_normal((Hkv, lengths[b], D)).astype(np.float32), 16)
+        write(v, table, b, range(lengths[b]), rng.standard_normal((Hkv, lengths[b], D)).astype(np.float32), 16)
+    q = rng.standard_normal((B, H, 1, D)).astype(np.float32)
+    results = []
+    for n in (1, 2, 3):
+        with flash.threads(n):
+            results.append(attnkit.attention_kvcache(q, k, v, lengths, block_table=table, return_lse=True,
+                                                     backend="flash"))
+    for r in results[1:]:
+        assert np.array_equal(r[0], results[0][0]) and np.array_equal(r[1], results[0][1])
+    same = attnkit.attention_kvcache(q, k, v, lengths, block_table=table, return_lse=True, backend="reference")
+    oracle = attnkit.attention_kvcache(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), lengths,
+                                       block_table=table, return_lse=True, backend="reference")
+    for got, s, o in zip(results[0], same, oracle):
+        assert max_error(got, o) <= error_budget(o, s)
+
+
+def test_torch_cpu_tensors_match_numpy_and_append_in_place():
+    torch = pytest.importorskip("torch")
+    k, v, table = make_cache(2, 1, 4, 4, 32, 8, True, dtype="float32")
+    rng = RNG(4)
+    q = rng.standard_normal((2, 2, 1, 4)).astype(np.float32)
+    kn, vn = (rng.standard_normal((2, 1, 1, 4)).astype(np.float32) for _ in range(2))
+    lengths = np.array([5, 0])
+    for b in range(2):
+        write(k, table, b, range(lengths[b]), rng.standard_normal((1, lengths[b], 4)).astype(np.float32), 8)
+        write(v, table, b, range(lengths[b]), rng.standard_normal((1, lengths[b], 4)).astype(np.float32), 8)
+    tk, tv = torch.tensor(k), torch.tensor(v)
+    want = attnkit.attention_kvcache(q, k, v, lengths, block_table=table, k_new=kn, v_new=vn, causal=True)
+    got = attnkit.attention_kvcache(torch.tensor(q), tk, tv, torch.tensor(lengths), block_table=torch.tensor(table),
+                                    k_new=torch.tensor(kn), v_new=torch.tensor(vn), causal=True)
+    assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), want)
+    assert torch.equal(tk, torch.tensor(k).nan_to_num(7)) is False               # NaN garbage stays
+    assert np.array_equal(tk.numpy(), k, equal_nan=True) and np.array_equal(tv.numpy(), v, equal_nan=True)
+
+
+BAD = [
+    (dict(cache_lengths=np.array([41, 0])), ValueError, "cache_lengths"),        # beyond capacity
+    (dict(cache_lengths=np.array([39, 0]), k_new=np.zeros((2, 1, 2, 4)), v_new=np.zeros((2, 1, 2, 4))),
+     ValueError, "cache_lengths"),                                                 # the append overflows
+    (dict(k_new=np.zeros((2, 2, 1, 4)), v_new=np.zeros((2, 2, 1, 4))), ValueError, "k_new"),   # wrong heads
+    (dict(k_new=np.zeros((2, 1, 1, 4))), ValueError, "v_new"),
+    (dict(cache_lengths=np.array([1.0, 2.0])), TypeError, "cache_lengths"),
+    (dict(cache_lengths=np.array([-1, 2])), ValueError, "cache_lengths"),
+    (dict(cache_lengths=np.array([1, 2, 3])), ValueError, "cache_lengths"),
+    (dict(keep=np.ones((1, 40), bool)), TypeError, "keep"),
+    (dict(q=np.zeros((2, 2, 4))), ValueError, "q"),
+]
+
+
+@pytest.mark.parametrize("kw,err,name", BAD)
+def test_bad_input_gets_a_named_error_and_leaves_the_cache_alone(kw, err, name):
+    k, v = np.zeros((2, 1, 40, 4)), np.zeros((2, 1, 40, 4))
+    args = dict(q=np.zeros((2, 2, 1, 4)), cache_lengths=np.array([3, 0]))
+    args.update(kw)
+    with pytest.raises(err, match=f"^{name}"):
+        attnkit.attention_kvcache(args.pop("q"), k, v, args.pop("cache_lengths"), **args)
+    assert not k.any() and not v.any()
+
+
+def test_a_block_table_past_the_pages_is_refused():
+    k, v = np.zeros((4, 1, 8, 4)), np.zeros((4, 1, 8, 4))
+    with pytest.raises(ValueError, match="^block_table.*page 9"):
+        attnkit.attention_kvcache(np.zeros((1, 1, 1, 4)), k, v, np.array([10]), block_table=np.array([[0, 9]]),
+                                  k_new=np.ones((1, 1, 1, 4)), v_new=np.ones((1, 1, 1, 4)))
+    assert not k.any()
+
+
+def test_paged_cache_helper_generates_like_attention_over_the_whole_sequence():
+    rng = RNG(5)
+    cache = attnkit.PagedCache(num_pages=16, page_size=4, kv_heads=2, head_dim=8, dtype="float64")
+    seqs = [cache.add_sequence() for _ in range(2)]
+    ks, vs = [[], []], [[], []]
+    for step in range(9):
+        q = rng.standard_normal((2, 4, 1, 8))
+        kn, vn = rng.standard_normal((2, 2, 1, 8)), rng.standard_normal((2, 2, 1, 8))
+        out = cache.attend(q, seqs, k_new=kn, v_new=vn)
+        for b in range(2):
+            ks[b].append(kn[b]), vs[b].append(vn[b])
+            want = attnkit.attention(q[b], np.concatenate(ks[b], 1), np.concatenate(vs[b], 1), backend="reference")
+            assert max_error(out[b], want) <= 1e-12
+    assert cache.length(seqs[0]) == 9
+    cache.free(seqs[0])
+    with pytest.raises(ValueError, match="^seq"):
+        cache.length(seqs[0])
+    with pytest.raises(ValueError, match="^n"):
+        cache.reserve(seqs[1], 16 * 4)
