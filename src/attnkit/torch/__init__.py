@@ -20,6 +20,12 @@ op but cannot trace the first import of a rung module.
 torch.Size([1, 3, 8])
 """
 
+try:
+    import torch as _torch  # noqa: F401
+except ImportError:  # pragma: no cover - exercised in a venv without torch
+    raise ImportError("attnkit.torch needs PyTorch: pip install 'attnkit[torch]' (for the CPU build: "
+                      "pip install torch --index-url https://download.pytorch.org/whl/cpu)") from None
+
 from . import op
 from .mha import MultiheadAttention
 
