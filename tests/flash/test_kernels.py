@@ -88,3 +88,28 @@ def test_huge_negative_bias_row_on_every_kernel(kernels):
     ref = attnkit.attention(q, k, v, bias=bias, backend="reference")
     assert np.all(np.isfinite(out)) and max_error(out, ref) <= 1e-5
     assert max_error(out[0, 1], v[0].mean(0)) <= 1e-5
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(9, 0), softcap=3.0),
+                                dict(alibi_slopes=np.array([0.5, 0.1]), sinks=np.array([1.0, -0.5])),
+                                dict(kv_lengths=np.array([300, 0, 129]), causal=True)],
+                         ids=["plain", "causal", "window_softcap", "alibi_sinks", "lengths"])
+def test_streaming_decode_kernel_is_the_tiled_forward(kw, monkeypatch):
+    """Few query rows (decoding) take the compiled streaming kernel: the same result as
+    the tiled path within float32 rounding, and NaN values only reach rows that see them."""
+    if K.compiled_kernels() is None:
+        pytest.skip("numba is not installed")
+    from attnkit import flash
+    from attnkit.flash import plan
+    from attnkit.spec import validate
+    q, k, v = (x.astype(np.float32) for x in make_qkv((3, 2, 2, 32), (3, 1, 300, 32), seed=3))
+    v[1, 0, 250] = np.nan                                 # seen by every row of batch 1 unless excluded
+    spec = validate(q, k, v, **kw)
+    streamed = flash.rung_forward(spec)
+    assert plan.Call(spec, None, None).streams(plan.Call(spec, None, None).units[0], 0, 2)
+    monkeypatch.setattr(plan, "DECODE_ROWS", 0)
+    tiled = flash.rung_forward(spec)
+    for a, b in zip(streamed[:2], tiled[:2]):
+        assert np.array_equal(np.isnan(a), np.isnan(b))
+        fin = np.isfinite(b)
+        assert np.allclose(a[fin], b[fin], rtol=2e-6, atol=2e-6)

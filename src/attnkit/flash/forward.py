@@ -51,6 +51,8 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: 
     spec, kern = call.spec, call.kern
     nk, g, m = u.nk, u.g, r1 - r0
     m_i, l_i = _init(call, u, r0, r1, with_sink)
+    if want_out and call.streams(u, r0, r1):
+        return _stream(call, u, q_t, r0, r1, m_i, l_i, lo, hi)
     acc = np.zeros((nk, g * m, spec.Dv), dtype=call.acc) if want_out else None
     pv = np.empty_like(acc) if acc is not None else None
     for a0, a1, c0, c1, partial in call.tiles(u, r0, r1, lo, hi):
@@ -61,8 +63,10 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: 
         n_rows = q_s.shape[1]
         s = buf[: nk * n_rows * (c1 - c0)].reshape(nk, n_rows, c1 - c0)
         k_t, v_t = call.kv(u, c0, c1)
-        careful = call.careful or (call.tile_careful and partial and v_t is not None
-                                   and not np.isfinite(v_t).all())
+        # the exempt product only where this tile's values hold a NaN/inf: every other
+        # tile takes the same path (and bits) as a call without any
+        careful = ((call.careful or (call.tile_careful and partial)) and v_t is not None
+                   and not np.isfinite(v_t).all())
         fused = call.fuse_index and partial and not careful
         call.scores(s, u, q_s, k_t, a0, a1, c0, c1, partial, fused=fused)
         vis = (s != -np.inf) if careful else None
@@ -83,6 +87,27 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: 
                 kern.rescale_add(acc.reshape(nk * n_rows, -1), alpha, pv.reshape(nk * n_rows, -1))
             else:                                        # nk = 1 here: acc[0, rows] is a 2-D view
                 kern.rescale_add(acc_s[0], alpha, pv_s[0])
+    return m_i, l_i, acc
+
+
+def _stream(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, m_i: np.ndarray, l_i: np.ndarray,
+            lo: int | None, hi: int | None) -> State:
+    """online_softmax for a few rows (decoding) by the compiled streaming kernel: each
+    key and value row is read once for all of the unit's rows."""
+    spec = call.spec
+    a, z = geo.key_range(u.seg, call.band, r0, r1)
+    a, z = (a if lo is None else max(a, lo)), (z if hi is None else min(z, hi))
+    row_lo, row_hi = call.bounds(u, r0, r1)
+    acc = np.zeros((1, u.g * (r1 - r0), spec.Dv), dtype=np.float32)
+    slopes = diag = np.zeros(0, dtype=np.float32)
+    if call.slopes is not None:                          # per row: its head's slope, its diagonal
+        slopes = np.repeat(np.ascontiguousarray(call.slopes[u.b][u.heads]), r1 - r0).astype(np.float32)
+        diag = np.tile(np.arange(r0, r1, dtype=np.int64) + u.seg.sigma, u.g)
+    k, v, table, row, P = call.cache_rows(u)
+    if z > a:
+        call.kern.decode_part(np.ascontiguousarray(q_t[0]), k, v, table, row, u.h0 // spec.group, P, a, z,
+                              row_lo, row_hi, np.float32(spec.softcap or 0.0), slopes, diag.astype(np.int64),
+                              m_i, l_i, acc[0])
     return m_i, l_i, acc
 
 

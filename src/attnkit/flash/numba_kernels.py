@@ -185,6 +185,71 @@ def dropout_tile(p, heads, r0, c0, seed, thr, scale):
                 p[h, i, j] = p[h, i, j] * sc if w >= t else f32(0.0)
 
 
+# ---- decoding: few query rows against many keys, streamed from the cache -------------
+CHUNK = 64                                               # keys per pass over the rows
+
+
+@numba.njit(**ORDERED)
+def _dot(a, b):
+    acc = f32(0.0)
+    for d in range(a.shape[0]):
+        acc += a[d] * b[d]
+    return acc
+
+
+@numba.njit(**ORDERED)
+def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, diag, m_i, l_i, acc):
+    """Rows q (R, D) — already times scale (and / softcap) — against keys [c0, c1)
+    of one sequence and kv head ``hk``, key p at ``kc[table[row, p // P], hk, p % P]``
+    (a contiguous cache is one page per sequence: table[row] = [row], P = S). Row r
+    sees keys [lo[r], hi[r]); ALiBi subtracts slopes[r]·|diag[r] − p| when slopes has
+    rows; softcap > 0 caps. Updates the online softmax state m_i, l_i (R,) and acc
+    (R, Dv) in place, keys in chunks of CHUNK: every key and value row is read once
+    for all R rows (a GQA group's heads share one read)."""
+    R = q.shape[0]
+    s = np.empty((R, CHUNK), dtype=np.float32)
+    alpha = np.empty(R, dtype=np.float32)
+    use_alibi = slopes.shape[0] == R
+    for start in range(c0, c1, CHUNK):
+        n = min(CHUNK, c1 - start)
+        for jj in range(n):
+            p = start + jj
+            krow = kc[table[row, p // P], hk, p % P]
+            for r in range(R):
+                x = _dot(q[r], krow)
+                if softcap > f32(0.0):
+                    x = softcap * np.tanh(x)
+                if use_alibi:
+                    x -= slopes[r] * f32(abs(diag[r] - p))
+                s[r, jj] = x if lo[r] <= p < hi[r] else -np.inf
+        for r in range(R):
+            m_new = m_i[r]
+            for jj in range(n):
+                m_new = _fmax(m_new, s[r, jj])
+            shift = f32(0.0) if m_new == -np.inf else m_new
+            total = f32(0.0)
+            for jj in range(n):
+                x = s[r, jj]
+                e = f32(0.0) if x == -np.inf else exp2_f32((x - shift) * LOG2E)
+                s[r, jj] = e
+                total += e
+            a = exp2_f32((m_i[r] - shift) * LOG2E)
+            alpha[r] = a
+            l_i[r] = l_i[r] * a + total
+            m_i[r] = m_new
+            if a != f32(1.0):
+                for d in range(acc.shape[1]):
+                    acc[r, d] *= a
+        for jj in range(n):
+            p = start + jj
+            vrow = vc[table[row, p // P], hk, p % P]
+            for r in range(R):
+                if lo[r] <= p < hi[r]:                   # an excluded key's value is never read
+                    w = s[r, jj]
+                    for d in range(vrow.shape[0]):
+                        acc[r, d] += w * vrow[d]
+
+
 def _with_alpha(kernel):
     def run(s, m_i, l_i, *bounds):
         alpha = np.empty_like(m_i)
@@ -196,4 +261,4 @@ def _with_alpha(kernel):
 KERNELS = SimpleNamespace(name="numba", softmax_tile=_with_alpha(_softmax_tile),
                           softmax_tile_bounded=_with_alpha(_softmax_tile_bounded), rescale_add=rescale_add,
                           exp_from_lse=exp_from_lse, ds_tile=ds_tile, alibi_tile=alibi_tile,
-                          dropout_tile=dropout_tile)
+                          dropout_tile=dropout_tile, decode_part=decode_part)

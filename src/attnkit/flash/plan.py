@@ -39,6 +39,7 @@ def block_sizes(D: int, dtype: str, backward: bool = False) -> tuple[int, int]:
 
 
 SUB_M = 128            # row strips for the tiles that causal/window cut through
+DECODE_ROWS = 64       # units with at most this many rows stream their keys (decoding)
 SMALL_TILE = 1 << 18   # heads whose whole score matrix is at most this many elements are batched
 MIN_TASKS = 8          # split keys (split-KV) or chunk the backward until this many tasks exist
 MIN_SPLIT = 1024       # keys per split-KV part at least
@@ -107,7 +108,7 @@ class Call:
         else:
             self.careful = False if self.tile_careful else not all_finite(spec.v)
         # causal/window alone: the softmax tile takes each row's key bounds
-        self.fuse_index = not self.masked and not self.careful
+        self.fuse_index = not self.masked
         self.slopes = (None if spec.alibi_slopes is None else
                        broadcast_to(np.asarray(spec.alibi_slopes, dtype=self.acc), spec.batch + (spec.H,)))
         self.sinks = (None if spec.sinks is None else
@@ -117,6 +118,10 @@ class Call:
             from .. import philox
             self.drop_thr = philox.threshold(spec.dropout)
             self.drop_scale = 1.0 / (1.0 - spec.dropout)
+        # few rows against many keys (decoding): the compiled streaming kernel reads each
+        # key and value row once for the unit's rows (float32, no mask arrays, no dropout)
+        self.stream = (not backward and self.tuned and getattr(self.kern, "decode_part", None) is not None
+                       and not self.masked and spec.bias is None and not self.drop_thr)
         self.units = self._units(backward)
         self._plans: dict[Any, Any] = {}
 
@@ -271,6 +276,19 @@ class Call:
             ex = geo.tile_excluded(spec, u.seg, u.b, u.heads, r0, r1, c0, c1, index=index)
             if ex is not None:
                 np.copyto(per_head, -np.inf, where=ex)
+
+    def streams(self, u: Unit, r0: int, r1: int) -> bool:
+        """Whether rows [r0, r1) of unit u take the streaming decode kernel."""
+        return self.stream and u.nk == 1 and u.g * (r1 - r0) <= DECODE_ROWS
+
+    def cache_rows(self, u: Unit) -> tuple[Any, Any, np.ndarray, int, int]:
+        """(k, v, table, row, P) for the streaming kernel: key p of the unit's sequence
+        is ``k[table[row, p // P], hk, p % P]`` (a dense array is one page)."""
+        if self.pages is not None:
+            k_pages, v_pages, table, P = self.pages
+            return k_pages, v_pages, table, u.b[0], P
+        k, v = self.k[u.b][None], self.v[u.b][None]
+        return k, v, np.zeros((1, 1), dtype=np.int64), 0, k.shape[-2]
 
     def bounds(self, u: Unit, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
         """Per-row key bounds of rows [r0, r1) repeated for every head of the unit (the

@@ -1,0 +1,177 @@
+"""Decoding benchmark: attention of one new token against a KV cache, next to this
+machine's memory bandwidth and PyTorch's SDPA, in one run.
+
+Decoding reads every cached key and value once, so its speed is bounded by memory
+bandwidth: the script first measures that (a large streaming read, threaded like the
+flash rung), then times, float32 on the CPU, GQA H = 32 / Hkv = 8, D = 128, L = 1:
+
+- ``attnkit``  — ``attnkit.attention_kvcache`` on a contiguous cache (B, Hkv, S, D)
+- ``paged``    — the same on a paged cache (page_size 16, pages shuffled)
+- ``torch``    — ``F.scaled_dot_product_attention(enable_gqa=True)`` on the contiguous K/V
+
+Each is checked against the float64 reference first (DESIGN.md §6's rule). Reported:
+seconds (best of --repeats, interleaved in a shuffled order), KV bytes read per second
+(2·B·Hkv·S·D·4 / time), the share of the measured bandwidth, and the ratios. Then a
+transformers tiny Llama greedy generation (prompt 32, 20 new tokens) with
+attn_implementation="attnkit" against "sdpa".
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/decode.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+import attnkit
+from attnkit import flash
+from attnkit.bench import interleaved
+from attnkit.testing import error_budget, max_error
+
+H, HKV, D = 32, 8, 128
+CASES = [(1, 32768), (8, 4096)]
+TARGETS = {"bandwidth share": 0.6, "vs torch": 2.0, "paged vs contiguous": 0.9, "generate vs sdpa": 1.0}
+
+
+def bandwidth(repeats: int) -> float:
+    """GB/s of a threaded streaming read of 1 GiB (float32 sums of the halves on the
+    flash rung's workers, the way its tasks read a cache)."""
+    x = np.ones(1 << 28, dtype=np.float32)
+    parts = np.array_split(x, 2 * flash.get_threads())
+    sums = [0.0] * len(parts)
+
+    def read():
+        def task(i):
+            sums[i] = float(np.add.reduce(parts[i]))
+        flash.runtime.run(list(range(len(parts))), task)
+
+    t = interleaved({"read": read}, repeats, gap_s=0.2)["read"]
+    return x.nbytes / min(t) / 1e9
+
+
+def make(B, S, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, 1, D), dtype=np.float32)
+    k = rng.standard_normal((B, HKV, S, D), dtype=np.float32)
+    v = rng.standard_normal((B, HKV, S, D), dtype=np.float32)
+    page = 16
+    n = S // page
+    table = rng.permutation(B * n).reshape(B, n)
+    kp = np.empty((B * n, HKV, page, D), dtype=np.float32)
+    vp = np.empty_like(kp)
+    kp[table.reshape(-1)] = k.reshape(B, HKV, n, page, D).transpose(0, 2, 1, 3, 4).reshape(B * n, HKV, page, D)
+    vp[table.reshape(-1)] = v.reshape(B, HKV, n, page, D).transpose(0, 2, 1, 3, 4).reshape(B * n, HKV, page, D)
+    lengths = np.full(B, S)
+    return q, k, v, kp, vp, table, lengths
+
+
+def check(q, k, v, kp, vp, table, lengths, torch_out):
+    """Errors against the float64 reference, as a share of DESIGN.md §6's budget."""
+    oracle = attnkit.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), backend="reference")
+    same = attnkit.attention(q, k, v, backend="reference")
+    budget = error_budget(oracle, same)
+    res = {"attnkit": max_error(attnkit.attention_kvcache(q, k, v, lengths), oracle) / budget,
+           "paged": max_error(attnkit.attention_kvcache(q, kp, vp, lengths, block_table=table), oracle) / budget}
+    if torch_out is not None:
+        res["torch"] = max_error(torch_out(), oracle) / budget
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--no-generate", action="store_true")
+    args = p.parse_args(argv)
+    torch = None
+    if not args.no_torch:
+        import torch
+        torch.set_num_threads(flash.get_threads())
+    bw = bandwidth(args.repeats)
+    print(f"# attnkit decoding benchmark\n\n- memory bandwidth (1 GiB threaded streaming read): {bw:.1f} GB/s")
+    print(f"- {flash.get_threads()} flash workers; H={H}, Hkv={HKV}, D={D}, float32, L=1\n")
+    print("| B | S | provider | ms | KV GB/s | share of bandwidth | attnkit ÷ provider |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
+    failures = []
+    for B, S in CASES:
+        res = case(B, S, torch, bw, args.repeats)
+        if res is None:
+            return 1
+        failures += res
+    if torch is not None and not args.no_generate:
+        failures += generate(args.repeats)
+    print("\nmisses:", ", ".join(failures) if failures else "none")
+    return 0
+
+
+def case(B, S, torch, bw, repeats):
+    """One decoding shape: check, time, print; the names of the missed targets (None
+    when attnkit failed its check)."""
+    q, k, v, kp, vp, table, lengths = make(B, S)
+    runs = {"attnkit": lambda: attnkit.attention_kvcache(q, k, v, lengths),
+            "paged": lambda: attnkit.attention_kvcache(q, kp, vp, lengths, block_table=table)}
+    torch_out = None
+    if torch is not None:
+        import torch.nn.functional as F
+        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        runs["torch"] = lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+
+        def torch_out():
+            return runs["torch"]().numpy()
+    errs = check(q, k, v, kp, vp, table, lengths, torch_out)
+    bad = [n for n in ("attnkit", "paged") if not errs[n] <= 1]
+    if bad:
+        print(f"{bad} failed the check against the reference ({errs}); not timed")
+        return None
+    times = {n: min(t) for n, t in interleaved(runs, repeats, gap_s=0.3).items()}
+    kv_bytes = 2 * B * HKV * S * D * 4
+    for n, t in times.items():
+        ratio = "" if n == "attnkit" else f"{t / times['attnkit']:.2f}×"
+        print(f"| {B} | {S} | {n} | {t * 1e3:.1f} | {kv_bytes / t / 1e9:.1f} | "
+              f"{kv_bytes / t / 1e9 / bw:.0%} | {ratio} |")
+    got = {"bandwidth share": kv_bytes / times["attnkit"] / 1e9 / bw,
+           "paged vs contiguous": times["attnkit"] / times["paged"]}
+    if "torch" in times:
+        got["vs torch"] = times["torch"] / times["attnkit"]
+    missed = []
+    for name, value in got.items():
+        ok = value >= TARGETS[name]
+        print(f"  - B={B} S={S} {name}: {value:.2f} (target ≥ {TARGETS[name]}) "
+              f"{'meets' if ok else 'MISSES'} the target")
+        missed += [] if ok else [f"B={B} S={S} {name}"]
+    return missed
+
+
+def generate(repeats: int) -> list[str]:
+    """Tiny Llama, greedy: prompt 32, 20 new tokens, attnkit vs sdpa (same tokens)."""
+    import torch
+    import transformers
+
+    import attnkit.hf
+    attnkit.hf.register()
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                                   num_key_value_heads=2, intermediate_size=512, max_position_embeddings=128)
+    ids = torch.randint(1, 512, (4, 32), generator=torch.Generator().manual_seed(0))
+    models, tokens = {}, {}
+    for impl in ("sdpa", "attnkit"):
+        torch.manual_seed(0)
+        models[impl] = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
+
+    def run(impl):
+        with torch.no_grad():
+            tokens[impl] = models[impl].generate(input_ids=ids, max_new_tokens=20, min_new_tokens=20,
+                                                 do_sample=False, pad_token_id=0)
+
+    times = {n: min(t) for n, t in interleaved({n: (lambda n=n: run(n)) for n in models}, repeats, gap_s=0.3).items()}
+    same = torch.equal(tokens["sdpa"], tokens["attnkit"])
+    ratio = times["sdpa"] / times["attnkit"]
+    print(f"\n- transformers tiny Llama greedy generate (B=4, prompt 32, 20 new tokens): attnkit "
+          f"{times['attnkit'] * 1e3:.0f} ms, sdpa {times['sdpa'] * 1e3:.0f} ms: {ratio:.2f}× "
+          f"(target ≥ {TARGETS['generate vs sdpa']}), same tokens: {same}")
+    return [] if ratio >= TARGETS["generate vs sdpa"] and same else ["generate vs sdpa"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

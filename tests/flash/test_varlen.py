@@ -1,0 +1,132 @@
+"""Per-sequence lengths and packed sequences on the flash rung: equal to each sequence
+attended alone, forward and backward (float64 ≤ 1e-10; float32 by the 2× rule), for
+every mask term, GQA, L ≠ S, empty sequences, sequences shorter than a tile and
+longer than several; one sequence's keys never change another's outputs (bitwise);
+tiles past a sequence's end are not computed."""
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit import flash, reference
+from attnkit.flash import plan
+from attnkit.spec import validate
+from attnkit.testing import error_budget, make_qkv, max_error
+
+MASKS = {"plain": {}, "causal": dict(causal=True), "causal_top_left": dict(causal=True, align="top_left"),
+         "window": dict(window=(3, 2)), "softcap_causal": dict(softcap=2.0, causal=True),
+         "alibi_sinks": dict(alibi_slopes=np.array([0.5, 0.2, 0.1, 0.3]), sinks=np.array([0.0, 1.0, -1.0, 0.5]),
+                             causal=True),
+         "dropout": dict(dropout=0.3, seed=4, window=(None, 1))}
+LQ, LK = [0, 3, 1, 40, 17], [5, 0, 9, 33, 61]          # empty, tiny, and several tiles of 8
+
+
+def alone(q, k, v, dout, kw, b=None, rows=None, keys=None):
+    """Forward and backward of one sequence attended alone on the reference."""
+    qs, ks, vs, ds = q[..., rows, :], k[..., keys, :], v[..., keys, :], dout[..., rows, :]
+    spec = validate(qs, ks, vs, **kw)
+    o, lse, _ = reference.rung_forward(spec)
+    return o, lse, reference.rung_backward(spec, ds, o, lse)
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_packed_equals_each_sequence_alone(mask):
+    kw = MASKS[mask]
+    if "dropout" in kw:
+        pytest.skip("dropout's counters are packed positions: a sequence alone draws other bits")
+    cq, ck = np.cumsum([0] + LQ), np.cumsum([0] + LK)
+    q, k, v = make_qkv((4, cq[-1], 8), (2, ck[-1], 8), 6, seed=1)
+    dout = np.random.default_rng(2).standard_normal((4, cq[-1], 6))
+    spec = validate(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, **kw)
+    out, lse, _ = flash.rung_forward(spec, block_m=8, block_n=8)
+    g = flash.rung_backward(spec, dout, out, lse, block_m=8, block_n=8)
+    for i in range(len(LQ)):
+        rows, keys = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        if LQ[i] == 0:
+            continue
+        if LK[i] == 0:                                   # no key: out 0, lse the sink's or -inf, no gradient
+            assert np.all(out[:, rows] == 0) and np.all(g.dq[:, rows] == 0)
+            continue
+        o, l, gw = alone(q, k, v, dout, kw, rows=rows, keys=keys)
+        assert max_error(out[:, rows], o) <= 1e-10 and max_error(lse[:, rows], l) <= 1e-10
+        assert max_error(g.dq[:, rows], gw.dq) <= 1e-10
+        assert max_error(g.dk[:, keys], gw.dk) <= 1e-10 and max_error(g.dv[:, keys], gw.dv) <= 1e-10
+    if "sinks" in kw:                                    # dsinks: the sum over sequences (the keyless one's
+        parts = [alone(q, k, v, dout, kw, rows=slice(cq[i], cq[i + 1]), keys=slice(ck[i], ck[i + 1]))[2].dsinks
+                 for i in range(len(LQ)) if LQ[i] and LK[i]]                       # rows have out 0: no gradient)
+        assert max_error(g.dsinks, sum(parts)) <= 1e-10
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_padded_lengths_equal_each_sequence_alone(mask):
+    kw = MASKS[mask]
+    ql, kl = np.array([0, 3, 1, 40, 17]), np.array([5, 0, 9, 33, 61])
+    q, k, v = make_qkv((5, 4, 40, 8), (5, 2, 61, 8), 6, seed=3)
+    dout = np.random.default_rng(4).standard_normal((5, 4, 40, 6))
+    spec = validate(q, k, v, q_lengths=ql, kv_lengths=kl, **kw)
+    out, lse, _ = flash.rung_forward(spec, block_m=8, block_n=8)
+    g = flash.rung_backward(spec, dout, out, lse, block_m=8, block_n=8)
+    ref_out, ref_lse, _ = reference.rung_forward(spec)
+    ref_g = reference.rung_backward(spec, dout, ref_out, ref_lse)
+    assert max_error(out, ref_out) <= 1e-10 and max_error(lse, ref_lse) <= 1e-10
+    for a, b in zip(g, ref_g):
+        assert (a is None) == (b is None) and (a is None or max_error(a, b) <= 1e-10)
+    for b in range(5):
+        assert np.all(out[b, :, ql[b]:] == 0) and np.all(lse[b, :, ql[b]:] == -np.inf)   # padding rows
+        assert np.all(g.dk[b, :, kl[b]:] == 0) and np.all(g.dq[b, :, ql[b]:] == 0)
+        if ql[b] and kl[b] and "dropout" not in kw:     # and equal to the sequence attended alone
+            o, _, gw = alone(q[b], k[b], v[b], dout[b], kw, rows=slice(0, ql[b]), keys=slice(0, kl[b]))
+            assert max_error(out[b, :, :ql[b]], o) <= 1e-10 and max_error(g.dv[b, :, :kl[b]], gw.dv) <= 1e-10
+
+
+def test_one_sequence_never_changes_another_bitwise():
+    cq = ck = np.cumsum([0, 20, 37, 5])
+    q, k, v = make_qkv((2, 62, 16), (2, 62, 16), dtype="float32", seed=5)
+    before = flash.rung_forward(validate(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, causal=True))[0]
+    k2, v2 = k.copy(), v.copy()
+    k2[:, 20:57] = np.random.default_rng(6).standard_normal((2, 37, 16)) * 100    # sequence 1 only
+    v2[:, 20:57] = np.nan
+    after = flash.rung_forward(validate(q, k2, v2, cu_seqlens_q=cq, cu_seqlens_k=ck, causal=True))[0]
+    assert np.array_equal(before[:, :20], after[:, :20]) and np.array_equal(before[:, 57:], after[:, 57:])
+    assert np.isnan(after[:, 20:57]).all()
+
+
+def test_low_precision_packed_within_twice_the_reference_error():
+    cq = ck = np.cumsum([0, 130, 7, 300])
+    q, k, v = make_qkv((4, 437, 32), (2, 437, 32), dtype="float32", seed=7)
+    kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, causal=True)
+    got = flash.rung_forward(validate(q, k, v, **kw))
+    same = reference.rung_forward(validate(q, k, v, **kw))
+    oracle = reference.rung_forward(validate(*(x.astype(np.float64) for x in (q, k, v)), **kw))
+    for a, s, o in zip(got[:2], same[:2], oracle[:2]):
+        assert max_error(a, o) <= error_budget(o, s)
+
+
+def test_tiles_past_a_sequences_end_are_skipped(monkeypatch):
+    """A padded batch costs what its real tokens cost: the tiles computed are those of
+    the sequences' own lengths."""
+    seen = []
+    scores = plan.Call.scores
+
+    def spy(self, s, u, q_t, k_t, r0, r1, c0, c1, *a, **kw):
+        seen.append((u.b, r0, r1, c0, c1))
+        return scores(self, s, u, q_t, k_t, r0, r1, c0, c1, *a, **kw)
+
+    monkeypatch.setattr(plan.Call, "scores", spy)
+    q, k, v = make_qkv((2, 1, 256, 8), (2, 1, 256, 8), seed=8)
+    flash.rung_forward(validate(q, k, v, q_lengths=np.array([256, 32]), kv_lengths=np.array([256, 40])),
+                       block_m=16, block_n=16)
+    short = [t for t in seen if t[0] == (1,)]
+    assert max(t[2] for t in short) <= 32 and max(t[4] for t in short) <= 40
+    assert len(short) == 2 * 3                           # 2 row blocks × 3 key blocks (40 keys)
+
+
+def test_many_short_sequences_use_both_workers_and_stay_exact():
+    """A BERT-like batch (32 sequences of 12 heads): the planner batches heads, every
+    worker gets tasks, and the result is the reference's."""
+    q, k, v = make_qkv((32, 12, 64, 16), (32, 12, 64, 16), seed=9)
+    call = plan.Call(validate(q, k, v), None, None)
+    assert len(call.units) >= 8 and all(u.nk > 1 for u in call.units)
+    with flash.threads(2):
+        got = attnkit.attention(q, k, v, backend="flash")
+    assert max_error(got, attnkit.attention(q, k, v, backend="reference")) <= 1e-12
