@@ -287,6 +287,7 @@ class Call:
         if self.pages is not None:
             k_pages, v_pages, table, P = self.pages
             return k_pages, v_pages, table, u.b[0], P
+        assert self.v is not None
         k, v = self.k[u.b][None], self.v[u.b][None]
         return k, v, np.zeros((1, 1), dtype=np.int64), 0, k.shape[-2]
 
