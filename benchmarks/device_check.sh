@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One run on a GPU machine (the device tool's `run`), results under $OUT:
 #   env.txt         torch, Triton, GPU
-#   gpu_tests.txt   the GPU tests of tests/test_triton.py (compiled kernels vs the reference)
+#   gpu_tests.txt   the GPU tests of tests/torch/test_triton.py and test_triton_kvcache.py
+#                   (compiled kernels vs the reference)
 #   bench_cli.txt   `attnkit bench` on CUDA (bf16, causal, forward and backward)
-#   gpu.txt/.csv    benchmarks/gpu.py: checks first, then the timing grid
+#   gpu.txt/.csv    benchmarks/gpu.py: checks first, then KV-cache decoding, then the timing grid
 # Fits one 10-minute call: tests capped at 200 s, attnkit bench at 90 s, the
 # benchmark's timing at 240 s.
 # Needs torch, triton, numpy, pytest and pytest-xdist (the H200 image has them).
@@ -15,7 +16,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__,
 'numpy', numpy.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')" \
   2>&1 | tee "$out/env.txt"
-timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_triton.py -k test_gpu 2>&1 \
+timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/torch/test_triton.py \
+  tests/torch/test_triton_kvcache.py -k test_gpu 2>&1 \
   | tee "$out/gpu_tests.txt"
 tests=$?
 echo "gpu tests exit: $tests" | tee -a "$out/gpu_tests.txt"

@@ -6,7 +6,13 @@ Validates first, then times, all in one run:
    SDPA backend at B=1, H=4, L=S=1024 against attnkit's float64 reference, by
    DESIGN.md §6's rule (error ≤ 2× the reference's own error in that precision +
    1e-5) for out, lse, dq, dk, dv; SDPA's errors are reported for comparison only;
-2. timing: forward and forward+backward of attnkit (the kernels called directly,
+2. decoding (``attnkit.attention_kvcache``, the split-KV kernels): bf16, D = 128,
+   H = 32 query heads on 8 kv heads, one new query per sequence, contiguous and paged
+   (page 64) caches, checked first against the reference at a small size, then timed
+   as KV-cache bandwidth (bytes of keys and values read / time, GB/s) next to SDPA
+   over the same keys (a contiguous cache whose lengths all equal its capacity, so
+   SDPA computes the same thing), kernels alone and through the public call.
+3. timing: forward and forward+backward of attnkit (the kernels called directly,
    through ``attnkit.attention`` + autograd when that path exists, and with
    ``SPLIT=False`` in the backward too, FlashAttention-2 rounding throughout, for
    bf16 D=128: timed for fwd+bwd only, to show the split's cost) and of SDPA's
@@ -22,6 +28,7 @@ when reached, so the run stays under 5 minutes; skipped ones are listed.
 
     python benchmarks/gpu.py --out gpu.csv            # full grid
     python benchmarks/gpu.py --quick --out quick.csv  # bf16, D=128, L ∈ {4k, 8k}
+    python benchmarks/gpu.py --decode-only            # only the decoding part
     python benchmarks/gpu.py --compile-only 8.0,9.0   # no GPU needed: compile + smem
     python benchmarks/gpu.py --sweep                  # try tuning candidates, print best
     TRITON_INTERPRET=1 python benchmarks/gpu.py --dry-run --out /tmp/dry.csv   # CPU
@@ -88,8 +95,8 @@ SAME_FORWARD = ("attnkit-nosplit",)
 def attnkit_runner(torch, causal, split=None):
     """attnkit's kernels called directly (no autograd), optionally forcing SPLIT."""
     from attnkit.spec import validate
-    from attnkit.torch import triton_kernels as tk
-    from attnkit.torch import triton_tuning
+    from attnkit.torch.triton import launch as tk
+    from attnkit.torch.triton import tuning as triton_tuning
 
     def with_split(fn):
         def run(*args):
@@ -136,10 +143,11 @@ def check(torch, dtype_name, D, causal, device, L=1024, H=4):
     """Rows of max errors vs attnkit's float64 reference, with the 2× budget. attnkit
     rows must pass; peers are informative."""
     import numpy as np
+
     from attnkit import reference
     from attnkit.spec import validate
     from attnkit.testing import error_budget, max_error
-    from attnkit.torch import triton_kernels as tk
+    from attnkit.torch.triton import launch as tk
     dtype = getattr(torch, dtype_name)
     q, k, v, dout = make_inputs(torch, 1, H, L, L, D, dtype, device, seed=1)
     host = [x.detach().cpu() for x in (q, k, v, dout)]
@@ -232,8 +240,9 @@ def grid(args):
 
 def run_benchmark(args):
     import torch
+
     from attnkit.spec import flops
-    from attnkit.torch import triton_kernels as tk
+    from attnkit.torch.triton import launch as tk
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: use --dry-run (with TRITON_INTERPRET=1) or --compile-only")
@@ -251,7 +260,7 @@ def run_benchmark(args):
 
     # 1. correctness, once per (dtype, D, causal) of the grid
     seen = set()
-    for dt, D, _, causal in grid(args):
+    for dt, D, _, causal in [] if args.decode_only else grid(args):
         if (dt, D, causal) in seen:
             continue
         seen.add((dt, D, causal))
@@ -268,8 +277,15 @@ def run_benchmark(args):
             failed.append((dt, D, causal))
     print(f"# checks done in {time.perf_counter() - t0:.0f} s")
 
-    # 2. timing
-    for dt, D, L, causal in grid(args):
+    # 2. decoding against a KV cache: checked, then timed (small: before the grid's budget)
+    ok, r = decode_benchmark(torch, args, device)
+    rows += r
+    if not ok:
+        failed.append("decode")
+    print(f"# decoding done at {time.perf_counter() - t0:.0f} s")
+
+    # 3. timing
+    for dt, D, L, causal in [] if args.decode_only else grid(args):
         if (dt, D, causal) in failed:                  # validate first: never time a wrong answer
             skipped.append((dt, D, L, causal))
             continue
@@ -293,7 +309,8 @@ def run_benchmark(args):
             names = [n for n in impls if not (mode == "fwd" and n in SAME_FORWARD)]
             for name in names:
                 fwd, fb = impls[name]
-                call = (lambda: fwd(q, k, v)) if mode == "fwd" else (lambda: fb(q, k, v, dout))
+                inputs = (q, k, v) if mode == "fwd" else (q, k, v, dout)
+                call = (lambda f=fwd if mode == "fwd" else fb, a=inputs: f(*a))
                 try:
                     ms = timer(torch, device, call)
                 except (RuntimeError, ValueError, TypeError, ImportError) as e:
@@ -327,7 +344,8 @@ def run_benchmark(args):
             torch.cuda.empty_cache()
 
     fields = ["kind", "impl", "mode", "what", "dtype", "D", "L", "S", "B", "H", "causal", "ms", "tflops",
-              "ratio_vs_flash", "ratio_vs_efficient", "ratio_vs_cudnn", "max_error", "budget", "status"]
+              "ratio_vs_flash", "ratio_vs_efficient", "ratio_vs_cudnn", "max_error", "budget", "status",
+              "Hkv", "page", "gbps", "ratio_vs_sdpa"]
     fields += list(env)
     with open(args.out, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=fields)
@@ -342,6 +360,82 @@ def run_benchmark(args):
         sys.exit(1)
 
 
+# ---- decoding ---------------------------------------------------------------------------
+def decode_cache(torch, B, Hkv, S, D, dtype, device, page=None, seed=0):
+    """(k_cache, v_cache, block_table or None) holding S keys per sequence: contiguous
+    (B, Hkv, S, D), or paged with each sequence's pages in shuffled order."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n = B * S // page if page else B
+    shape = (n, Hkv, page or S, D)
+    k, v = (torch.randn(shape, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    table = torch.randperm(n, generator=g).reshape(B, S // page).to(device=device, dtype=torch.int32) if page else None
+    return k, v, table
+
+
+def decode_benchmark(torch, args, device):
+    """Check, then time, attention_kvcache on the Triton rung (rows of kind
+    decode_check / decode_time); returns (all checks passed, rows)."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    import attnkit
+    from attnkit.spec.kvcache import validate_kvcache
+    from attnkit.testing import error_budget, max_error
+    from attnkit.torch import triton as rung
+    dt, D, H, Hkv = ("float32", 16, 4, 2) if args.dry_run else ("bfloat16", 128, 32, 8)
+    dtype = getattr(torch, dt)
+    rows, ok = [], True
+    for page in (None, 16 if args.dry_run else 64):        # 1. check at a small size against the reference
+        B, S = 2, 64 if args.dry_run else 1024
+        k, v, table = decode_cache(torch, B, Hkv, S, D, dtype, device, page, seed=1)
+        q = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=dtype)
+        lengths = torch.tensor([S, S // 3], device=device)
+        got = attnkit.attention_kvcache(q, k, v, lengths, block_table=table, backend="triton").cpu()
+        host = [None if x is None else x.cpu() for x in (q, k, v, lengths, table)]
+        want = [attnkit.attention_kvcache(host[0].to(w), host[1].to(w), host[2].to(w), host[3], block_table=host[4],
+                                          backend="reference") for w in (torch.float64, dtype)]
+        err, budget = max_error(got.double().numpy(), want[0].numpy()), error_budget(want[0].numpy(),
+                                                                                      want[1].double().numpy())
+        ok &= err <= budget
+        rows.append(dict(kind="decode_check", impl="attnkit", dtype=dt, D=D, B=B, H=H, Hkv=Hkv, L=1, S=S, page=page,
+                         what="out", max_error=err, budget=budget, status="ok" if err <= budget else "FAIL"))
+        print(f"decode check page={page} out {err:.2e} (budget {budget:.2e}) {rows[-1]['status']}")
+    if not ok:
+        return ok, rows
+    cases = [(2, 64, None), (2, 64, 16)] if args.dry_run else \
+        [(B, S, page) for B, S in ((1, 32768), (8, 8192), (64, 4096), (128, 1024)) for page in (None, 64)]
+    for B, S, page in cases:                              # 2. time: KV bytes read / time
+        k, v, table = decode_cache(torch, B, Hkv, S, D, dtype, device, page)
+        q = torch.randn(B, H, 1, D, device=device).to(dtype)
+        lengths = torch.full((B,), S, device=device)
+        kv = validate_kvcache(q, k, v, lengths, block_table=table, backend="triton")
+        impls = {"attnkit": lambda kv=kv: rung.rung_kvcache(kv),
+                 "attnkit-public": lambda a=(q, k, v, lengths), t=table: attnkit.attention_kvcache(
+                     *a, block_table=t, backend="triton")}
+        if page is None:                                  # the same keys for SDPA: all lengths = capacity
+            impls["sdpa"] = lambda a=(q, k, v): F.scaled_dot_product_attention(*a, enable_gqa=True)
+        gbytes = 2 * B * Hkv * S * D * k.element_size() / 1e9
+        line = f"decode {dt} D={D} H={H}/{Hkv} B={B:3} S={S:5} page={page!s:4} GB/s:"
+        measured = {}
+        for name, fn in impls.items():
+            try:
+                ms = timer(torch, device, fn)
+            except (RuntimeError, TypeError) as e:
+                rows.append(dict(kind="decode_time", impl=name, dtype=dt, D=D, B=B, H=H, Hkv=Hkv, L=1, S=S,
+                                 page=page, status=f"unavailable: {str(e).splitlines()[0][:80]}"))
+                continue
+            measured[name] = gbytes / ms * 1e3
+            rows.append(dict(kind="decode_time", impl=name, dtype=dt, D=D, B=B, H=H, Hkv=Hkv, L=1, S=S, page=page,
+                             ms=ms, gbps=measured[name], status="ok"))
+            line += f" {name} {measured[name]:8.4g}"
+        if "sdpa" in measured:
+            for row in rows[-len(measured):]:
+                row["ratio_vs_sdpa"] = row.get("gbps", np.nan) / measured["sdpa"]
+            line += f" | x{measured.get('attnkit', np.nan) / measured['sdpa']:.2f} vs sdpa"
+        print(line, flush=True)
+    return ok, rows
+
+
 # ---- tools without a GPU: compile-only; with one: a small tuning sweep ---------------------
 SMEM = {(8, 0): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448, (10, 0): 232448,
         (12, 0): 101376}
@@ -349,20 +443,27 @@ SMEM = {(8, 0): 166912, (8, 6): 101376, (8, 9): 101376, (9, 0): 232448, (10, 0):
 
 def compile_only(caps):
     """Compile every kernel with the tuning table for each target and compare shared
-    memory to the target's per-block limit (no GPU needed)."""
-    from attnkit.torch import triton_kernels as tk
+    memory to the target's per-block limit (no GPU needed): both variants (plain and
+    careful, see attnkit.torch.triton.launch) with every feature on and per-sequence
+    lengths, for bf16 and fp32 at D = 64, 128, 256; packed sequences at bf16 D = 128;
+    the KV-cache decode kernels (contiguous and paged, every term) at bf16 and fp32,
+    D = 64, 128, 256."""
+    from attnkit.torch.triton import aot
     bad = 0
     for cap in caps:
-        for dt in ("bfloat16", "float32"):           # float16 tiles are bfloat16's size
-            for D in (64, 128, 256):
-                t = time.perf_counter()
-                shared = tk.compile_only(cap, dt, D)
-                limit = SMEM.get(cap)
-                over = [k for k, v in shared.items() if limit is not None and v > limit]
-                bad += bool(over)
-                print(f"sm_{cap[0]}{cap[1]} {dt:8} D={D:3} shared {shared} limit {limit} "
-                      f"{'OVER: ' + ', '.join(over) if over else 'ok'} ({time.perf_counter() - t:.0f} s)",
-                      flush=True)
+        configs = [(dt, D, "lengths") for dt in ("bfloat16", "float32") for D in (64, 128, 256)]
+        configs.append(("bfloat16", 128, "packed"))  # float16 tiles are bfloat16's size
+        configs += [(dt, D, "decode") for dt in ("bfloat16", "float32") for D in (64, 128, 256)]
+        for dt, D, varlen in configs:
+            t = time.perf_counter()
+            shared = (aot.compile_decode_only(cap, dt, D) if varlen == "decode"
+                      else aot.compile_only(cap, dt, D, varlen=varlen))
+            limit = SMEM.get(cap)
+            over = [k for k, v in shared.items() if limit is not None and v > limit]
+            bad += bool(over)
+            print(f"sm_{cap[0]}{cap[1]} {dt:8} D={D:3} {varlen:7} shared {shared} limit {limit} "
+                  f"{'OVER: ' + ', '.join(over) if over else 'ok'} ({time.perf_counter() - t:.0f} s)",
+                  flush=True)
     sys.exit(1 if bad else 0)
 
 
@@ -371,9 +472,10 @@ def sweep(args):
     (bf16, L=S=8k, B=2, non-causal) and print the fastest; update triton_tuning's table
     from the output."""
     import torch
+
     from attnkit.spec import validate
-    from attnkit.torch import triton_kernels as tk
-    from attnkit.torch import triton_tuning
+    from attnkit.torch.triton import launch as tk
+    from attnkit.torch.triton import tuning as triton_tuning
     cands = {
         "forward": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)],
         "backward_dkdv": [(32, 128, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (16, 128, 4, 2)],
@@ -393,7 +495,8 @@ def sweep(args):
                 triton_tuning.override = (lambda D_, dt, cap, kd, c=(bm, bn, w, s), want=kind:
                                           dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), c))
                                           if kd == want else None)
-                fn = (lambda: tk.forward(spec)) if kind == "forward" else (lambda: tk.backward(spec, dout, out, lse))
+                fn = ((lambda s=spec: tk.forward(s)) if kind == "forward"
+                      else (lambda s=spec, g=(dout, out, lse): tk.backward(s, *g)))
                 try:
                     ms = timer(torch, "cuda", fn)
                 except RuntimeError as e:           # e.g. out of shared memory
@@ -416,6 +519,7 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=280.0, help="stop starting new timings after this")
     ap.add_argument("--compile-only", metavar="CAPS", help="e.g. 8.0,9.0: compile for these targets, no GPU")
     ap.add_argument("--sweep", action="store_true", help="time tuning candidates (GPU)")
+    ap.add_argument("--decode-only", action="store_true", help="only the KV-cache decoding check and timing")
     args = ap.parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -244,10 +244,26 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
 def scaled_dot_product_attention(Q: Any, K: Any, V: Any, mask: Any = None) -> tuple[Any, Any]:
     """The seed's function, behaviour kept verbatim: returns (output, weights).
 
-    2-D Q (L, D), K (S, D), V (S, Dv); ``mask`` is boolean with True = masked out,
-    filled with -1e9 before the softmax — so a fully masked row gets the *mean of V*,
-    not 0 (use ``attention(..., drop=mask)`` for the contract's 0 / -inf).
+    ``mask`` is filled with -1e9 before the softmax — so a fully masked row gets the
+    *mean of V*, not 0 (use ``attention(..., drop=mask)`` for the contract's 0 / -inf).
 
+    Parameters
+    ----------
+    Q : NumPy array (L, D)
+        Queries.
+    K : NumPy array (S, D)
+        Keys.
+    V : NumPy array (S, Dv)
+        Values.
+    mask : array broadcastable to (L, S), optional
+        True (or nonzero) = masked out, as the seed's ``np.where(mask, ...)`` read it.
+
+    Returns
+    -------
+    (output (L, Dv), weights (L, S)) in Q's dtype.
+
+    Examples
+    --------
     >>> import numpy as np, attnkit
     >>> out, w = attnkit.scaled_dot_product_attention(np.array([[1.0, 0.0]]), np.eye(2),
     ...                                               np.array([[10.0, 0], [0, 10]]))
@@ -259,9 +275,22 @@ def scaled_dot_product_attention(Q: Any, K: Any, V: Any, mask: Any = None) -> tu
 
 def merge(outs: Any, lses: Any) -> tuple[Any, Any]:
     """Exact attention over the union of disjoint key blocks, from each block's
-    (out, lse): the split-KV / ring-attention combine step. Returns (out, lse).
-    Rows fully masked in every block give out 0 and lse −inf.
+    (out, lse): the split-KV / ring-attention combine step. Rows fully masked in every
+    block give out 0 and lse −inf; a NaN block makes its rows NaN.
 
+    Parameters
+    ----------
+    outs : list of arrays (..., Dv)
+        Each block's output (NumPy arrays or torch tensors, one library, equal shapes).
+    lses : list of arrays (...)
+        Each block's lse, out's shape without its last dim.
+
+    Returns
+    -------
+    (out, lse) over all the blocks' keys (differentiable for torch tensors).
+
+    Examples
+    --------
     >>> import numpy as np, attnkit
     >>> q = np.array([[1.0, 0.0]]); k = np.eye(2); v = np.array([[10.0, 0], [0, 10]])
     >>> parts = [attnkit.attention(q, k[i:i+1], v[i:i+1], return_lse=True) for i in (0, 1)]

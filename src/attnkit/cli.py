@@ -238,7 +238,7 @@ def _say(args, text):
 
 def _cmd_explain(args) -> int:
     ex = importlib.import_module("attnkit.explain")  # the module (attnkit.explain, the name, is the function)
-    from . import plot                               # light: matplotlib is imported on use
+    from . import plot  # light: matplotlib is imported on use
     if args.plot or args.report:
         plot.require()
         if args.plot:

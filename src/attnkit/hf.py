@@ -107,8 +107,33 @@ def _is_block_causal(torch: Any, mask: Any, cu: Any, causal: bool) -> bool:
 
 def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
                       scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Any, Any]:
-    """transformers' attention-function signature: query (B, H, L, D), key
-    (B, Hkv, S, D), value (B, Hkv, S, Dv) → (out (B, L, H, Dv), weights or None)."""
+    """attnkit as a transformers attention function (registered by :func:`register`).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention layer (its ``is_causal`` is read when no ``is_causal`` is passed).
+    query : torch.Tensor (B, H, L, D)
+        Queries.
+    key, value : torch.Tensor (B, Hkv, S, D[v])
+        Keys and values (GQA heads kept, no repeat).
+    attention_mask : torch.Tensor or None
+        What the registered mask builder made: None, the 2-D padding mask, a boolean
+        (True = attend) or a float (added) 4-D mask.
+    scaling : float, optional
+        The score scale (None: 1/√D).
+    dropout : float
+        Attention dropout while training (a seed from torch's generator).
+    **kwargs
+        transformers' other keywords: handled (is_causal, softcap, s_aux, sinks,
+        position_bias, sliding_window, cu_seq_lens_q/k, position_ids), harmless
+        (:data:`HARMLESS`), or refused (``ValueError`` naming them).
+
+    Returns
+    -------
+    (out (B, L, H, Dv), weights (B, H, L, S) or None): weights only when transformers
+    records attentions.
+    """
     torch = _torch_required()
     unknown = sorted(n for n, x in kwargs.items() if n not in HARMLESS | HANDLED and x is not None)
     if unknown:
@@ -171,9 +196,27 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
                    mask_function: Any = None, attention_mask: Any = None, allow_is_causal_skip: bool = True,
                    allow_is_bidirectional_skip: bool = False, local_size: int | None = None,
                    **kwargs: Any) -> Any:
-    """transformers' mask-builder signature. Plain causal or bidirectional layers get
-    the 2-D padding mask (None without padding); everything else transformers' own
-    boolean SDPA mask."""
+    """attnkit's mask builder for transformers (registered by :func:`register`): plain
+    causal or bidirectional layers get the 2-D padding mask (None without padding),
+    everything else transformers' own boolean SDPA mask (True = attend).
+
+    Parameters
+    ----------
+    batch_size, q_length, kv_length : int
+        The mask's batch, query and key lengths.
+    q_offset, kv_offset : int
+        Positions of the first query and key (a cache).
+    mask_function : callable
+        transformers' mask pattern (causal, bidirectional, or a combination).
+    attention_mask : torch.Tensor, optional
+        The user's 2-D padding mask (1 = token).
+    allow_is_causal_skip, allow_is_bidirectional_skip : bool
+        transformers' flags that the pattern is the plain causal / bidirectional one.
+    local_size : int, optional
+        A sliding window's size (then transformers' mask is used).
+    **kwargs
+        Passed to ``transformers.masking_utils.sdpa_mask``.
+    """
     from transformers import masking_utils as mu
     plain = ((mask_function is mu.causal_mask_function and allow_is_causal_skip and local_size is None)
              or (mask_function is mu.bidirectional_mask_function and allow_is_bidirectional_skip))
@@ -189,7 +232,14 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
 
 
 def register(name: str = NAME) -> None:
-    """Make ``attn_implementation=name`` ("attnkit") work in transformers. Idempotent."""
+    """Make ``attn_implementation=name`` work in transformers (the attention function
+    and its mask builder). Idempotent.
+
+    Parameters
+    ----------
+    name : str
+        The implementation's name (default "attnkit").
+    """
     _torch_required()
     try:
         from transformers import AttentionInterface, AttentionMaskInterface

@@ -82,6 +82,23 @@ class PagedCache:
     ``k``/``v`` are the cache arrays ``(num_pages, kv_heads, page_size, head_dim)``
     (NumPy; pass ``like=`` a torch tensor to allocate tensors on its device). A
     sequence is an int id; :meth:`block_table` gives the rows attention_kvcache takes.
+
+    Parameters
+    ----------
+    num_pages : int
+        Pages in the pool.
+    page_size : int
+        Keys per page.
+    kv_heads : int
+        Key-value heads (Hkv).
+    head_dim : int
+        Query-key head dim (D).
+    value_dim : int, optional
+        Value head dim (default: head_dim).
+    dtype : str or NumPy dtype
+        The cache's dtype (NumPy caches).
+    like : torch.Tensor, optional
+        Allocate torch tensors with this tensor's dtype and device instead.
     """
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
@@ -112,6 +129,7 @@ class PagedCache:
         return sid
 
     def length(self, seq: int) -> int:
+        """Keys sequence ``seq`` holds."""
         return self._lengths[self._check(seq)]
 
     def free(self, seq: int) -> None:
@@ -120,14 +138,16 @@ class PagedCache:
         del self._lengths[seq]
 
     def reserve(self, seq: int, n: int) -> None:
-        """Make room for n more keys in sequence ``seq`` (takes pages as needed)."""
+        """Make room for ``n`` more keys in sequence ``seq`` (takes pages as needed;
+        ValueError naming ``n`` when the pool has too few)."""
         need = -(-(self._lengths[self._check(seq)] + n) // self.page_size) - len(self._pages[seq])
         if need > len(self._free):
             raise ValueError(f"n: {n} more keys need {need} more pages, {len(self._free)} are free")
         self._pages[seq] += [self._free.pop() for _ in range(max(need, 0))]
 
     def block_table(self, seqs: list[int]) -> Any:
-        """(len(seqs), max_pages) int32 page table (unused entries 0)."""
+        """The page table of sequences ``seqs``: (len(seqs), max_pages) int32 (unused
+        entries 0), in the cache's array library."""
         width = max((len(self._pages[self._check(s)]) for s in seqs), default=0)
         t = np.zeros((len(seqs), max(width, 1)), dtype=np.int32)
         for i, s in enumerate(seqs):
@@ -138,6 +158,7 @@ class PagedCache:
         return torch.as_tensor(t, device=self.k.device)
 
     def lengths(self, seqs: list[int]) -> Any:
+        """Keys held by each of the sequences ``seqs`` ((len(seqs),) int64)."""
         n = np.array([self._lengths[self._check(s)] for s in seqs], dtype=np.int64)
         if isinstance(self.k, np.ndarray):
             return n
@@ -146,8 +167,21 @@ class PagedCache:
 
     def attend(self, q: Any, seqs: int | list[int], k_new: Any = None, v_new: Any = None,
                **kwargs: Any) -> Any:
-        """Append k_new / v_new (B, Hkv, L_new, D) to the sequences, then
-        attention_kvcache of q (B, H, L, D) against them; advances the lengths."""
+        """Append k_new / v_new to the sequences, then attention_kvcache of q against
+        them; advances the lengths.
+
+        Parameters
+        ----------
+        q : array (B, H, L, D)
+            Queries, one row of B per sequence of ``seqs``.
+        seqs : int or list of int
+            The sequences (B of them).
+        k_new, v_new : arrays (B, Hkv, L_new, D[v]), optional
+            Keys and values to append first.
+        **kwargs
+            Passed to :func:`attnkit.attention_kvcache` (causal, window, softcap,
+            alibi_slopes, sinks, scale, return_lse, backend).
+        """
         from .api import attention_kvcache
         seqs = [seqs] if isinstance(seqs, int) else list(seqs)
         n = 0 if k_new is None else int(k_new.shape[-2])

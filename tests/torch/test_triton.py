@@ -1,11 +1,16 @@
-"""The Triton kernels against the reference rung by DESIGN.md §6's 2× rule.
+"""The Triton kernels (``attnkit.torch.triton.launch``) against the reference rung by
+DESIGN.md §6's 2× rule: every mask kind, sequences (q_lengths / kv_lengths, packed),
+sinks, ALiBi and dropout (bit-for-bit the Philox mask of attnkit.philox), and blocks
+of a larger problem (Spec.origin / extent) merged to the whole. The torch op path
+and the NaN rule are in test_triton_op.py, KV-cache decoding in
+test_triton_kvcache.py.
 
 CPU: every test here runs the kernels through Triton's interpreter. Triton reads
-TRITON_INTERPRET when ``triton.jit`` wraps a function, and ``triton_kernels`` wraps its
-kernels on first use once per setting, so an autouse fixture setting the variable for
-each test is enough: no subprocess, and other test files in the same xdist worker see
-the environment unchanged. GPU: the ``test_gpu*`` tests run on CUDA at larger shapes
-and are skipped without a CUDA device.
+TRITON_INTERPRET when ``triton.jit`` wraps a function, and ``attnkit.torch.triton.jit``
+wraps the kernels on first use once per setting, so an autouse fixture setting the
+variable for each test is enough: no subprocess, and other test files in the same
+xdist worker see the environment unchanged. GPU: the ``test_gpu*`` tests run on CUDA
+at larger shapes and are skipped without a CUDA device.
 
 The rule: for each output, |kernel − oracle| ≤ 2·|reference in the same precision −
 oracle| + 1e-5, where the oracle is the reference in float64 on the very values the
@@ -21,8 +26,8 @@ from attnkit.spec import validate
 from attnkit.testing import error_budget, make_qkv, max_error
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
-from attnkit.torch.triton import kernels as tk  # noqa: E402
+tl = pytest.importorskip("triton.language")
+from attnkit.torch.triton import launch as tk  # noqa: E402
 from attnkit.torch.triton import tuning as triton_tuning  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -36,7 +41,19 @@ def interpreter(request, monkeypatch):
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     else:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+        fast_interpreter(monkeypatch)
     monkeypatch.setattr(triton_tuning, "override", None)
+
+
+def fast_interpreter(monkeypatch):
+    """The interpreter without its int32 overflow checks (a debugging aid that adds
+    ~40% to these tests' time; the test shapes are far from int32 limits)."""
+    import dataclasses
+
+    from triton.runtime import interpreter as ti
+    builder = getattr(ti, "interpreter_builder", None)
+    if builder is not None and hasattr(getattr(builder, "options", None), "sanitize_overflow"):
+        monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=False))
 
 
 def blocks(n):
@@ -45,19 +62,20 @@ def blocks(n):
 
 
 # ---- building a case -------------------------------------------------------------------
-def case(shape_q, shape_k, Dv=None, *, dtype="float32", seed=0, device="cpu", bias_dtype=None, **kw):
+def case(shape_q, shape_k, Dv=None, *, dtype="float32", data_seed=0, device="cpu", bias_dtype=None, **kw):
     """Torch inputs on device plus float64 and float32 NumPy copies of the same values.
-    Masks in kw are NumPy; bias is converted to bias_dtype (default float32)."""
-    q, k, v = make_qkv(shape_q, shape_k, Dv, seed=seed)
+    Arrays in kw are NumPy: float ones (bias, sinks, alibi_slopes) become float32
+    tensors (bias: bias_dtype, default float32), booleans and ints stay as they are."""
+    q, k, v = make_qkv(shape_q, shape_k, Dv, seed=data_seed)
     t = [torch.from_numpy(x).to(DT[dtype]) for x in (q, k, v)]
     tkw, nkw64, nkw32 = {}, {}, {}
     for name, x in kw.items():
         if isinstance(x, np.ndarray):
             tx = torch.from_numpy(x)
-            if name == "bias":
-                tx = tx.to(DT[bias_dtype or "float32"])
-            nkw64[name] = tx.double().numpy() if name == "bias" else x
-            nkw32[name] = tx.float().numpy() if name == "bias" else x
+            if x.dtype.kind == "f":
+                tx = tx.to(DT[(bias_dtype if name == "bias" else None) or "float32"])
+            nkw64[name] = tx.double().numpy() if x.dtype.kind == "f" else x
+            nkw32[name] = tx.float().numpy() if x.dtype.kind == "f" else x
             tkw[name] = tx.to(device)
         else:
             tkw[name] = nkw64[name] = nkw32[name] = x
@@ -95,8 +113,8 @@ def run_and_check(spec, spec64, spec32, *, seed=0):
     given = [x.detach().cpu() for x in (dout, out, lse)]
     ref64 = reference.backward(spec64, *(x.double().numpy() for x in given))
     ref32 = reference.backward(spec32, *(x.float().numpy() for x in given))
-    for name, got, r64, r32, like in zip(("dq", "dk", "dv", "dbias"), grads, ref64, ref32,
-                                         (dt, dt, dt, None if spec.bias is None else spec.bias.dtype)):
+    likes = (dt, dt, dt) + tuple(None if x is None else x.dtype for x in (spec.bias, spec.sinks))
+    for name, got, r64, r32, like in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads, ref64, ref32, likes):
         if r64 is None:
             assert got is None
             continue
@@ -153,7 +171,7 @@ def test_fully_masked_rows_are_zero():
     bias = np.random.default_rng(2).standard_normal((2, L, S))
     bias[1, 5] = -np.inf                                # a row masked by bias alone
     spec, spec64, spec32 = case((2, L, 16), (1, S, 16), keep=keep, bias=bias, causal=True, align="top_left")
-    out, lse, (dq, dk, dv, dbias) = run_and_check(spec, spec64, spec32)
+    out, lse, (dq, dk, dv, dbias, _) = run_and_check(spec, spec64, spec32)
     for h, rows in ((0, [0, 7, 19]), (1, [0, 5, 7, 19])):
         assert torch.all(out[h, rows] == 0) and torch.all(lse[h, rows] == float("-inf"))
         assert torch.all(dq[h, rows] == 0) and torch.all(dbias[h, rows] == 0)
@@ -201,7 +219,7 @@ def test_forward_rounds_p_once_within_the_rule(dtype, kw):
     stays inside the 2× rule with many keys (small weights) and with sharp weights."""
     assert triton_tuning.config(64, dtype, None, "forward")["SPLIT"] is False
     assert triton_tuning.config(64, dtype, None, "backward_dq")["SPLIT"] is True
-    spec, spec64, spec32 = case((1, 2, 40, 64), (1, 2, 1000, 64), dtype=dtype, seed=7, **kw)
+    spec, spec64, spec32 = case((1, 2, 40, 64), (1, 2, 1000, 64), dtype=dtype, data_seed=7, **kw)
     out, lse = tk.forward(spec)
     o64, _, _ = reference.forward(spec64)
     o32, _, _ = reference.forward(spec32)
@@ -235,7 +253,7 @@ def test_interpreter_set_before_python_starts():
     import subprocess
     import sys
     code = ("import torch; from attnkit.spec import validate; "
-            "from attnkit.torch.triton import kernels as tk; "
+            "from attnkit.torch.triton import launch as tk; "
             "q = torch.randn(2, 20, 16); spec = validate(q, q, q, causal=True); "
             "out, lse = tk.forward(spec); g = tk.backward(spec, torch.ones_like(out), out, lse); "
             "ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True); "
@@ -248,11 +266,19 @@ def test_interpreter_set_before_python_starts():
 
 
 def test_compiles_for_hopper_without_a_gpu():
-    """The compiled (non-interpreted) path: all four kernels with every feature on,
-    compiled for sm_90 by Triton's bundled ptxas, within H100/H200 shared memory."""
-    shared = tk.compile_only((9, 0), "bfloat16", 128, 96)
+    """The compiled (non-interpreted) path: the four kernels with causal, keep, drop,
+    bias, softcap and GQA, compiled for sm_90 by Triton's bundled ptxas, within
+    H100/H200 shared memory; and the first compile stage (Python to Triton IR, where
+    a kernel's Python-level errors show) of both variants of every kernel with every
+    feature, for q_lengths/kv_lengths and for packed sequences. (A full compile of
+    everything takes minutes: ``benchmarks/gpu.py --compile-only 8.0,9.0``.)"""
+    from attnkit.torch.triton import aot
+    shared = aot.compile_only((9, 0), "bfloat16", 128, 96, terms=False, varlen=None, careful=(False,))
     assert set(shared) == {"forward", "backward_preprocess", "backward_dkdv", "backward_dq"}
     assert all(0 < v <= 232448 for v in shared.values()), shared
+    for varlen in ("lengths", "packed"):
+        kinds = aot.compile_only((9, 0), "float16", 64, 40, varlen=varlen, frontend_only=True)
+        assert len(kinds) == 7 and "backward_dq/careful" in kinds
 
 
 def test_bias_in_half_precision_and_full_size():
@@ -278,9 +304,9 @@ def test_deterministic():
     spec, _, _ = case((2, 4, 45, 40), (2, 2, 38, 40), 24, bias=np.ones((4, 45, 38)), causal=True)
     out, lse = tk.forward(spec)
     dout = torch.randn_like(out)
-    first = (out, lse) + tk.backward(spec, dout, out, lse)
+    first = (out, lse) + tk.backward(spec, dout, out, lse)[:4]
     out2, lse2 = tk.forward(spec)
-    second = (out2, lse2) + tk.backward(spec, dout, out2, lse2)
+    second = (out2, lse2) + tk.backward(spec, dout, out2, lse2)[:4]
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
@@ -291,6 +317,10 @@ def test_not_supported_reasons(monkeypatch):
     assert any("float64" in r for r in tk.not_supported_reasons(validate(q.double(), k.double(), v.double())))
     big = torch.zeros(2, 8, 300)
     assert any("300" in r for r in tk.not_supported_reasons(validate(big, big, v)))
+    terms = dict(sinks=torch.zeros(2), alibi_slopes=torch.ones(2), dropout=0.1, seed=1, causal=True)
+    assert tk.not_supported_reasons(validate(q, k, v, q_lengths=torch.tensor(3), **terms)) == []
+    packed = dict(cu_seqlens_q=torch.tensor([0, 8]), cu_seqlens_k=torch.tensor([0, 8]))
+    assert tk.not_supported_reasons(validate(q, k, v, **packed, **terms)) == []
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert any("TRITON_INTERPRET" in r for r in tk.not_supported_reasons(validate(q, k, v)))
     assert tk.not_supported_reasons(validate(q.numpy(), k.numpy(), v.numpy())) == ["takes torch tensors"]
@@ -303,6 +333,239 @@ def test_tuning_override_is_checked():
     triton_tuning.override = lambda *a: {"warps": 4}
     with pytest.raises(ValueError, match="unknown keys"):
         triton_tuning.config(64, "float16", (9, 0), "forward")
+
+
+# ---- sequences, sinks, ALiBi, dropout ----------------------------------------------------
+LENGTH_MASKS = [{}, dict(causal=True), dict(causal=True, align="top_left"), dict(window=(6, 3))]
+
+
+@pytest.mark.parametrize("which,kw", [("q", LENGTH_MASKS[0]), ("kv", LENGTH_MASKS[1]), ("both", LENGTH_MASKS[1]),
+                                      ("both", LENGTH_MASKS[2]), ("both", LENGTH_MASKS[3])],
+                         ids=["q-full", "kv-causal", "both-causal", "both-causal-top_left", "both-window"])
+def test_lengths(which, kw):
+    """q_lengths / kv_lengths read on the device: 0, partial and full lengths, the
+    band aligned per sequence; padding rows out 0, lse -inf, zero gradients."""
+    blocks(16)
+    lens = {"q_lengths": np.array([0, 21, 40]), "kv_lengths": np.array([35, 50, 7])}
+    if which != "both":
+        lens = {f"{which}_lengths": lens[f"{which}_lengths"]}
+    spec, spec64, spec32 = case((3, 2, 40, 16), (3, 1, 50, 16), 24, **lens, **kw)
+    out, lse, (dq, *_) = run_and_check(spec, spec64, spec32)
+    if "q_lengths" in lens:
+        pad = torch.arange(40) >= torch.from_numpy(lens["q_lengths"])[:, None, None]   # (3, 1, 40)
+        pad = pad.expand(3, 2, 40)
+        assert torch.all(out[pad] == 0) and torch.all(lse[pad] == float("-inf")) and torch.all(dq[pad] == 0)
+
+
+def packed_kw(cq, ck, **kw):
+    return dict(cu_seqlens_q=np.array(cq), cu_seqlens_k=np.array(ck), **kw)
+
+
+PACKED = [  # (cu_seqlens_q, cu_seqlens_k, extra keywords)
+    ([0, 17, 17, 50, 53], [0, 30, 41, 41, 75], {}),            # an empty query and an empty key sequence
+    ([0, 17, 17, 50, 53], [0, 30, 41, 41, 75], dict(causal=True)),
+    ([0, 40, 53], [0, 19, 75], dict(causal=True, align="top_left", window=(None, 4))),
+    ([0, 9, 53], [0, 40, 75], dict(window=(3, 5))),
+]
+
+
+@pytest.mark.parametrize("cq,ck,kw", PACKED, ids=["full", "causal", "top_left-window", "window"])
+def test_packed(cq, ck, kw):
+    """cu_seqlens: one grid over (sequence, head); no query sees another sequence's
+    keys, the band aligned per sequence, masks and bias in packed coordinates."""
+    blocks(16)
+    rng = np.random.default_rng(3)
+    extra = dict(keep=rng.random((53, 75)) < 0.8, bias=rng.standard_normal((4, 1, 75))) if kw == {} else {}
+    run_and_check(*case((4, 53, 16), (2, 75, 16), 24, **packed_kw(cq, ck, **kw, **extra)))
+
+
+def test_packed_with_a_batch_dim_of_one_and_gqa():
+    blocks(16)
+    run_and_check(*case((1, 4, 45, 16), (1, 1, 33, 16), **packed_kw([0, 20, 45], [0, 3, 33], causal=True)))
+
+
+SINKS = [(4,), (2, 4, 37), (4, 1)]
+
+
+@pytest.mark.parametrize("shape", SINKS, ids=lambda s: "x".join(map(str, s)))
+def test_sinks(shape):
+    """One extra logit per head or per row (denominator only, lse includes it), with
+    rows whose keys are all excluded (out 0, lse = sink); dsinks reduced to sinks'
+    shape."""
+    blocks(16)
+    rng = np.random.default_rng(5)
+    keep = rng.random((37, 29)) < 0.7
+    keep[[0, 9]] = False                            # rows with every key excluded
+    sinks = rng.standard_normal(shape).astype(np.float32)
+    spec, spec64, spec32 = case((2, 4, 37, 16), (2, 2, 29, 16), sinks=sinks, keep=keep, causal=True)
+    out, lse, grads = run_and_check(spec, spec64, spec32)
+    sink_rows = spec.sinks.broadcast_to(2, 4, 37)[:, :, [0, 9]]    # (H,) is one logit per head
+    assert torch.all(out[:, :, [0, 9]] == 0)
+    assert torch.allclose(lse[:, :, [0, 9]], sink_rows, atol=1e-6)
+    assert grads[4].shape == shape and grads[4].dtype == torch.float32
+
+
+def test_sinks_with_lengths_leave_padding_rows_at_minus_inf():
+    blocks(16)
+    spec, spec64, spec32 = case((2, 2, 20, 16), (2, 2, 20, 16), sinks=np.array([0.5, -1.0], np.float32),
+                                q_lengths=np.array([12, 20]), kv_lengths=np.array([0, 20]))
+    out, lse, _ = run_and_check(spec, spec64, spec32)
+    assert torch.all(lse[0, :, 12:] == float("-inf")) and torch.all(out[0, :, 12:] == 0)
+    assert torch.allclose(lse[0, :, :12], torch.tensor([[0.5], [-1.0]]), atol=1e-6)   # no key: lse = sink
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(align="top_left"), dict(window=(4, 4)),
+                                packed_kw([0, 20, 33], [0, 11, 40], causal=True)],
+                         ids=["causal", "top_left", "window", "packed"])
+def test_alibi(kw):
+    """−slope·|diag(i) − j| computed per tile (never an L × S array), diag(i) per the
+    alignment and per sequence."""
+    blocks(16)
+    batch = () if "cu_seqlens_q" in kw else (2,)
+    slopes = np.random.default_rng(6).uniform(0.05, 0.8, batch + (4,))
+    run_and_check(*case(batch + (4, 33, 16), batch + (2, 40, 16), 24, alibi_slopes=slopes, **kw))
+
+
+@pytest.mark.parametrize("kw", [{}, dict(causal=True, kv_lengths=np.array([30, 11])),
+                                dict(bias=np.ones((3, 1, 1)), softcap=2.0)], ids=["plain", "lengths", "bias"])
+def test_dropout(kw):
+    """Dropout regenerated from the Philox counters in forward and backward: the
+    same weights as attnkit.philox drops, so out and gradients match the reference;
+    a seed above 2**63 uses both key words."""
+    blocks(16)
+    batch = () if "bias" in kw else (2,)
+    run_and_check(*case(batch + (3, 35, 16), batch + (3, 30, 16), dropout=0.3, seed=(1 << 63) + 12345, **kw))
+
+
+def test_dropout_drops_exactly_the_philox_entries():
+    """With q = 0 (uniform weights) and v = the identity, out[i, j] > 0 exactly where
+    weight (i, j) is kept: bit-for-bit the mask of attnkit.philox, per batch element
+    (n·H + h, across launches that cannot merge batch dims) and in packed coordinates."""
+    from attnkit import philox
+    blocks(16)
+    seed, p = 0xDEADBEEF12345678, 0.4
+    S = 36
+    eye = torch.eye(S).expand(3, 2, 1, S, S)
+    q = torch.zeros(3, 2, 2, 20, 16)
+    k = torch.randn(1, 2, 1, S, 16).expand(3, 2, 1, S, 16)    # batch dims whose strides do not merge
+    assert len(list(tk._launches((3, 2), [q, k], 2))) == 3
+    out, _ = tk.forward(validate(q, k, eye, dropout=p, seed=seed))
+    head = np.arange(3 * 2 * 2).reshape(3, 2, 2, 1, 1)
+    want = philox.kept(seed, p, head, np.arange(20)[:, None], np.arange(S)[None, :])
+    assert np.array_equal(out.numpy() > 0, want)
+    cu = dict(cu_seqlens_q=torch.tensor([0, 7, 20]), cu_seqlens_k=torch.tensor([0, 16, S]))
+    out, _ = tk.forward(validate(q[0, 0], k[0, 0], eye[0, 0], dropout=p, seed=seed, **cu))
+    want = philox.kept(seed, p, np.arange(2)[:, None, None], np.arange(20)[:, None], np.arange(S)[None, :])
+    same_seq = (np.arange(20)[:, None] < 7) == (np.arange(S)[None, :] < 16)
+    assert np.array_equal(out.numpy() > 0, want & same_seq)
+
+
+def _philox_words(W, head0, head1, key0, key1, B: tl.constexpr):
+    """A test kernel: the kernels' _philox_word (given as the global philox_word) on a
+    B × B tile of rows 70000 + i and keys 1000 + j."""
+    i = tl.arange(0, B)[:, None]
+    j = tl.arange(0, B)[None, :] + 1000
+    w = philox_word(i + 70000, j, tl.cast(head0, tl.uint32, bitcast=True),  # noqa: F821
+                    tl.cast(head1, tl.uint32, bitcast=True), tl.cast(key0, tl.uint32, bitcast=True),
+                    tl.cast(key1, tl.uint32, bitcast=True))
+    tl.store(W + i * B + (j - 1000), w.to(tl.int32, bitcast=True))
+
+
+def test_philox_words_bit_for_bit():
+    """The kernels' Philox4x32-10 device function against attnkit.philox.words, with
+    both halves of the seed and of the head counter (n·H + h >= 2**32) non-zero."""
+    import types
+
+    import triton
+
+    from attnkit import philox
+    from attnkit.torch.triton.jit import kernels
+    ns = dict(globals(), philox_word=kernels()._philox_word)
+    kern = triton.jit(types.FunctionType(_philox_words.__code__, ns, "_philox_words"))
+    seed, head = 0x9E3779B97F4A7C15, (5 << 32) + 0xFFFFFFF0
+    got = torch.zeros(16, 16, dtype=torch.int32)
+    key0, key1 = philox.key(seed)
+    signed = [x - (1 << 32) if x >= 1 << 31 else x for x in (head & 0xFFFFFFFF, head >> 32, key0, key1)]
+    kern[(1,)](got, *signed, B=16)
+    want = philox.words(seed, head, np.arange(16)[:, None] + 70000, np.arange(16)[None, :] + 1000)
+    assert np.array_equal(got.numpy().view(np.uint32), want)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_new_terms_in_half_precision(dtype):
+    """Lengths, sinks, ALiBi and dropout together (and packed) by the 2× rule."""
+    blocks(16)
+    rng = np.random.default_rng(8)
+    terms = dict(sinks=rng.standard_normal(4).astype(np.float32), alibi_slopes=rng.uniform(0.05, 0.5, 4),
+                 dropout=0.2, seed=99, causal=True)
+    run_and_check(*case((2, 4, 41, 64), (2, 2, 29, 64), 40, dtype=dtype, q_lengths=np.array([41, 30]),
+                        kv_lengths=np.array([29, 13]), **terms))
+    run_and_check(*case((4, 41, 64), (2, 29, 64), 40, dtype=dtype, **packed_kw([0, 30, 41], [0, 12, 29], **terms)))
+
+
+# ---- blocks of a larger problem (Spec.origin / extent, as ring attention makes them) ------
+BLOCK_CASES = {
+    "causal-alibi-kvlen-dropout": dict(causal=True, alibi_slopes=np.array([0.3, 0.7]), kv_lengths=np.array([19, 33]),
+                                       dropout=0.25, seed=(1 << 40) + 9),
+    "window-top_left-qlen-kvlen": dict(window=(9, 4), align="top_left", q_lengths=np.array([30, 17]),
+                                       kv_lengths=np.array([33, 25]), alibi_slopes=np.array([0.2, 0.5])),
+}
+
+
+@pytest.mark.parametrize("kw", list(BLOCK_CASES.values()), ids=list(BLOCK_CASES))
+def test_blocks_of_a_larger_problem_merge_to_the_whole(kw):
+    """Each row × key block run on its own with origin/extent uses the global positions
+    (causal/window, ALiBi, lengths, dropout's Philox counters): blocks merged by lse
+    give the whole problem's out and lse, and their backward passes (with the whole's
+    out and lse) add up to its gradients, all against the reference by the 2× rule."""
+    from attnkit.merge import merge
+    from attnkit.spec import Spec
+    from attnkit.torch import triton as rung
+    blocks(16)
+    L, S = 35, 33
+    spec, spec64, spec32 = case((2, 2, L, 16), (2, 1, S, 16), 24, **kw)
+    o64, l64, _ = reference.forward(spec64)
+    o32, l32, _ = reference.forward(spec32)
+    dout = torch.randn(spec.out_shape, generator=torch.Generator().manual_seed(1))
+    out, lse = torch.from_numpy(o32), torch.from_numpy(l32)       # the whole's out and lse, as ring hands them
+    g64 = reference.backward(spec64, dout.double().numpy(), o32.astype(np.float64), l32.astype(np.float64))
+    g32 = reference.backward(spec32, dout.numpy(), o32, l32)
+    opts = {n: getattr(spec, n) for n in ("scale", "causal", "window", "align", "alibi_slopes", "q_lengths",
+                                          "kv_lengths", "dropout", "seed")}
+    rows, cols = [(0, 18), (18, L)], [(0, 13), (13, S)]
+    q, k, v = spec.q, spec.k, spec.v
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    merged_out, merged_lse = [], []
+    for r0, r1 in rows:
+        parts = []
+        for c0, c1 in cols:
+            blk = Spec.from_arrays(q[..., r0:r1, :], k[..., c0:c1, :], v[..., c0:c1, :], origin=(r0, c0),
+                                   extent=(L, S), **opts)
+            assert rung.not_supported_reasons(blk) == []
+            o, l, _ = rung.rung_forward(blk)
+            parts.append((o, l))
+            g = rung.rung_backward(blk, dout[..., r0:r1, :], out[..., r0:r1, :], lse[..., r0:r1])
+            dq[..., r0:r1, :] += g.dq
+            dk[..., c0:c1, :] += g.dk
+            dv[..., c0:c1, :] += g.dv
+        o, l = merge([p[0] for p in parts], [p[1] for p in parts])
+        merged_out.append(o)
+        merged_lse.append(l)
+    check("out", torch.cat(merged_out, -2), o64, o32)
+    check("lse", torch.cat(merged_lse, -1), l64, l32)
+    for name, got, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), g64, g32):
+        check(name, got, a, b)
+
+
+def test_blocks_not_supported_are_refused():
+    from attnkit.spec import Spec
+    from attnkit.torch import triton as rung
+    q = torch.zeros(2, 8, 16)
+    cu = dict(cu_seqlens_q=torch.tensor([0, 8]), cu_seqlens_k=torch.tensor([0, 8]))
+    assert any("packed" in r for r in rung.not_supported_reasons(
+        Spec.from_arrays(q, q, q, scale=1.0, origin=(8, 0), extent=(16, 8), **cu)))
+    assert any("outside its extent" in r for r in rung.not_supported_reasons(
+        Spec.from_arrays(q, q, q, scale=1.0, origin=(4, 0), extent=(8, 8))))
 
 
 # ---- GPU, compiled ----------------------------------------------------------------------
@@ -334,7 +597,42 @@ def test_gpu_deterministic():
     spec, _, _ = case((2, 8, 1024, 128), (2, 2, 1024, 128), dtype="bfloat16", device="cuda", causal=True)
     out, lse = tk.forward(spec)
     dout = torch.randn_like(out)
-    first = (out, lse) + tk.backward(spec, dout, out, lse)
-    second = tk.forward(spec) + tk.backward(spec, dout, out, lse)
+    first = (out, lse) + tk.backward(spec, dout, out, lse)[:3]
+    second = tk.forward(spec) + tk.backward(spec, dout, out, lse)[:3]
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+GPU_TERMS = {
+    "lengths": dict(q_lengths=np.array([700, 333]), kv_lengths=np.array([1, 600]), causal=True),
+    "packed": packed_kw([0, 300, 300, 700], [0, 129, 450, 600], causal=True, window=(200, None)),
+    "sinks": dict(sinks=np.linspace(-1, 1, 4).astype(np.float32), window=(64, 64)),
+    "alibi": dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]), causal=True, align="top_left"),
+    "dropout": dict(dropout=0.1, seed=(1 << 40) + 7, causal=True),
+}
+
+
+@gpu
+@pytest.mark.parametrize("term", list(GPU_TERMS))
+def test_gpu_terms(term):
+    batch = () if term == "packed" else (2,)
+    run_and_check(*case(batch + (4, 700, 64), batch + (2, 600, 64), dtype="bfloat16", device="cuda",
+                        **GPU_TERMS[term]))
+
+
+@gpu
+def test_gpu_nan_rule(device="cuda"):
+    """Compiled, both variants: a NaN / inf v at excluded keys never reaches out, at a
+    visible key it makes its column NaN, as in the reference (float32)."""
+    spec, _, spec32 = case((2, 300, 64), (1, 280, 64), causal=True, align="top_left", device=device)
+    v = spec.v.clone()
+    v[0, 270, 3] = float("nan")                     # key 270: excluded for rows < 270
+    v[0, 5, 7] = float("inf")                       # key 5: visible to rows >= 5
+    out, lse = tk.forward(spec.replace(v=v))
+    want, want_lse, _ = reference.forward(spec32.replace(v=v.cpu().numpy()))
+    got = out.cpu().double().numpy()
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isfinite(got[:, :270, 3]).all()
+    assert np.isnan(got[:, 5:, 7]).all() and np.isfinite(got[:, :5]).all()
+    fin = np.isfinite(want)
+    assert np.abs(got[fin] - want[fin]).max() < 1e-4
+    assert max_error(lse.cpu().numpy(), want_lse) < 1e-4

@@ -5,6 +5,7 @@
 as ``attnkit.distributed`` when you need it.
 """
 
-from .ring import plan, ring_attention, shard, unshard, zigzag_shard, zigzag_unshard
+from .layout import plan, shard, unshard, zigzag_shard, zigzag_unshard
+from .ring import ring_attention
 
 __all__ = ["ring_attention", "shard", "unshard", "zigzag_shard", "zigzag_unshard", "plan"]

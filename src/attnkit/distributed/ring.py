@@ -22,13 +22,16 @@ chunks r and 2P-1-r) gives every rank the same amount of work. Use
 :func:`shard` / :func:`unshard` (or :func:`zigzag_shard` / :func:`zigzag_unshard`)
 to cut and reassemble sequences in either layout.
 
-Masks: ``causal`` and ``window`` are applied from *global* positions (each block
-pair is then full, partial or empty; empty blocks are skipped, and a partial
-block becomes a window in the block's own coordinates — no mask is built).
+Masks: ``causal``, ``window``, ALiBi, ``kv_lengths`` and dropout's counters use
+*global* positions: each block is a call whose Spec carries its ``origin`` (the
+global row and key of its first element) and ``extent`` (the global lengths), so
+no mask is built and blocks that causal/window hide entirely are skipped.
 ``keep`` / ``drop`` are key-padding masks only, shape ``(..., 1 or H, 1, S/P)``
 (or ``(S/P,)``), sharded like ``k``; they travel with ``k`` and ``v``.
 ``align`` is the global alignment (``diag(i) = i + S − L`` for bottom-right);
-for self-attention (L == S) both alignments agree. ``bias`` is not supported.
+for self-attention (L == S) both alignments agree. Sinks are folded into the
+softmax once, after the ring. ``bias``, ``q_lengths`` and packed sequences are
+not supported.
 
 Memory per rank: the local shards, two K/V(/mask) buffers (the one in use and
 the one arriving), the float32/float64 ``(out, lse)`` accumulators and, in the
@@ -44,7 +47,6 @@ machines have no GPU, so only gloo on CPU is tested.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,185 +59,20 @@ from attnkit.spec import (
     ALIGNS,
     RING_LAYOUTS,
     Spec,
-    band,
     check_group,
     check_layout,
     check_ring_shard,
-    check_world,
     dtype_name,
     reduce_to,
     validate,
 )
 from attnkit.spec.validate import check_lengths
 
+from .layout import plan
+
 LAYOUTS = RING_LAYOUTS
 _DTYPE_CODE = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
 _META_LEN = 128  # ints per rank in the one metadata all_gather
-
-
-# ---------------------------------------------------------------------------
-# sharding helpers
-# ---------------------------------------------------------------------------
-def _chunk_ids(rank: int, world: int, layout: str) -> tuple[int, ...]:
-    """Which of the 2·world equal chunks of the sequence rank ``rank`` holds."""
-    if layout == "contiguous":
-        return (2 * rank, 2 * rank + 1)
-    check_layout(layout)
-    return (rank, 2 * world - 1 - rank)
-
-
-def shard(x: torch.Tensor, rank: int, world: int, *, layout: str = "contiguous", dim: int = -2) -> torch.Tensor:
-    """Rank ``rank``'s shard of the full sequence ``x`` (length N along ``dim``).
-
-    ``contiguous``: the rank-th of ``world`` equal pieces. ``zigzag``: the sequence
-    is cut into 2·world chunks and rank r gets chunks r and 2·world−1−r, concatenated.
-    N must be divisible by ``world`` (by ``2·world`` for zigzag); the result is a
-    view for contiguous and a new tensor for zigzag.
-
-    >>> import torch
-    >>> x = torch.arange(8)
-    >>> shard(x, 0, 2, dim=0), shard(x, 0, 2, layout="zigzag", dim=0)
-    (tensor([0, 1, 2, 3]), tensor([0, 1, 6, 7]))
-    """
-    check_world(rank, world)
-    check_layout(layout)
-    n = x.shape[dim]
-    parts = 2 * world if layout == "zigzag" else world
-    if n % parts:
-        raise ValueError(f"x: length {n} along dim {dim} is not divisible by {parts} "
-                         f"({'2 · ' if layout == 'zigzag' else ''}world={world}) for layout={layout!r}")
-    if layout == "contiguous":
-        return x.narrow(dim, rank * (n // world), n // world)
-    c = n // parts
-    a, b = _chunk_ids(rank, world, layout)
-    return torch.cat([x.narrow(dim, a * c, c), x.narrow(dim, b * c, c)], dim=dim)
-
-
-def unshard(parts: Iterable[torch.Tensor], *, layout: str = "contiguous", dim: int = -2) -> torch.Tensor:
-    """Reassemble the full sequence from every rank's shard, in rank order (the list
-    ``torch.distributed.all_gather`` fills). Inverse of :func:`shard`.
-
-    >>> import torch
-    >>> x = torch.arange(8)
-    >>> unshard([shard(x, r, 2, layout="zigzag", dim=0) for r in range(2)], layout="zigzag", dim=0)
-    tensor([0, 1, 2, 3, 4, 5, 6, 7])
-    """
-    parts = list(parts)
-    check_layout(layout)
-    if layout == "contiguous":
-        return torch.cat(parts, dim=dim)
-    world = len(parts)
-    chunks: list[Any] = [None] * (2 * world)
-    for r, p in enumerate(parts):
-        if p.shape[dim] % 2:
-            raise ValueError(f"parts[{r}]: zigzag shard length {p.shape[dim]} along dim {dim} is odd")
-        a, b = _chunk_ids(r, world, layout)
-        chunks[a], chunks[b] = p.chunk(2, dim=dim)
-    return torch.cat(chunks, dim=dim)
-
-
-def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int = -2) -> torch.Tensor:
-    """``shard(x, rank, world, layout="zigzag", dim=dim)``: chunks r and 2·world−1−r."""
-    return shard(x, rank, world, layout="zigzag", dim=dim)
-
-
-def zigzag_unshard(parts: Iterable[torch.Tensor], dim: int = -2) -> torch.Tensor:
-    """``unshard(parts, layout="zigzag", dim=dim)``."""
-    return unshard(parts, layout="zigzag", dim=dim)
-
-
-# ---------------------------------------------------------------------------
-# block planning: which part of a (query shard, key shard) pair is visible
-# ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Block:
-    """One block of the global problem: local query rows [r0, r1) of the rank's shard
-    against keys [c0, c1) of the key shard in hand, whose first row and key sit at
-    global positions (gr, gc). The rung computes it with the global positions
-    (``Spec.origin``), so causal, window, ALiBi, key lengths and dropout are those of
-    the whole sequence; rows or keys the band hides entirely are cropped away."""
-
-    r0: int
-    r1: int
-    c0: int
-    c1: int
-    gr: int
-    gc: int
-
-
-def _segments(rank, world, n, layout):
-    """(global start, local start, length) of each contiguous piece of a shard of
-    length n."""
-    if layout == "contiguous":
-        return ((rank * n, 0, n),)
-    c = n // 2
-    a, b = _chunk_ids(rank, world, layout)
-    return ((a * c, 0, c), (b * c, c, c))
-
-
-def _plan_pair(gq, lq, m, gk, lk, n, offset, left, right):
-    """Block for query rows [gq, gq+m) (global) stored at local lq, against keys
-    [gk, gk+n) stored at local lk, when key j is visible to query i iff
-    i + offset − left <= j <= i + offset + right (None = unbounded): cropped to the
-    rows and keys that see anything. None if empty."""
-    d = gq - gk + offset                       # query ii sees keys jj in [ii + lo, ii + hi]
-    lo = None if left is None else d - left
-    hi = None if right is None else d + right
-    r0 = 0 if hi is None else max(0, -hi)      # rows before r0 see no key of this block
-    r1 = m if lo is None else min(m, n - lo)   # rows from r1 on see no key either
-    if r0 >= r1:
-        return None
-    c0 = 0 if lo is None else max(0, r0 + lo)  # keys no row in [r0, r1) can see are cut
-    c1 = n if hi is None else min(n, r1 + hi)
-    if c0 >= c1:
-        return None
-    return Block(lq + r0, lq + r1, lk + c0, lk + c1, gq + r0, gk + c0)
-
-
-def _coalesce(blocks):
-    """Join blocks over the same keys whose rows touch (locally and globally), then
-    blocks over the same rows whose keys touch, so a step is one call where it can be."""
-    out = []
-    for b in sorted(blocks, key=lambda b: (b.c0, b.c1, b.r0)):
-        p = out[-1] if out else None
-        if p is not None and (p.c0, p.c1, p.gc) == (b.c0, b.c1, b.gc) and p.r1 == b.r0 and p.gr + p.r1 - p.r0 == b.gr:
-            out[-1] = Block(p.r0, b.r1, p.c0, p.c1, p.gr, p.gc)
-        else:
-            out.append(b)
-    joined = []
-    for b in sorted(out, key=lambda b: (b.r0, b.r1, b.c0)):
-        p = joined[-1] if joined else None
-        if p is not None and (p.r0, p.r1, p.gr) == (b.r0, b.r1, b.gr) and p.c1 == b.c0 and p.gc + p.c1 - p.c0 == b.gc:
-            joined[-1] = Block(p.r0, p.r1, p.c0, b.c1, p.gr, p.gc)
-        else:
-            joined.append(b)
-    return joined
-
-
-def plan(rank: int, src: int, world: int, Lr: int, Sr: int, *, L: int | None = None, S: int | None = None,
-         causal: bool = False, window: tuple[int | None, int | None] | None = None, align: str = "bottom_right",
-         layout: str = "contiguous") -> list[Block]:
-    """The attention calls rank ``rank`` makes for the key shard of rank ``src``:
-    a list of :class:`Block` (empty when causal/window hide that shard entirely).
-
-    ``Lr``/``Sr`` are the shard lengths; ``L``/``S`` the global lengths (default
-    world·Lr, world·Sr). Causal blocks in the contiguous layout, P = 2:
-
-    >>> plan(1, 0, 2, 4, 4, causal=True)        # keys before the queries: all visible
-    [Block(r0=0, r1=4, c0=0, c1=4, gr=4, gc=0)]
-    >>> plan(0, 0, 2, 4, 4, causal=True)        # the diagonal block
-    [Block(r0=0, r1=4, c0=0, c1=4, gr=0, gc=0)]
-    >>> plan(0, 1, 2, 4, 4, causal=True)        # keys after the queries: skipped
-    []
-    """
-    L = world * Lr if L is None else L
-    S = world * Sr if S is None else S
-    offset = S - L if align == "bottom_right" else 0
-    left, right = band(causal, window)
-    qsegs, ksegs = _segments(rank, world, Lr, layout), _segments(src, world, Sr, layout)
-    blocks = [b for gq, lq, m in qsegs for gk, lk, n in ksegs
-              if (b := _plan_pair(gq, lq, m, gk, lk, n, offset, left, right)) is not None]
-    return _coalesce(blocks)
 
 
 # ---------------------------------------------------------------------------
@@ -534,6 +371,26 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
         # out_r == shard(attnkit.attention(q, k, v, causal=True), rank, P, layout="zigzag")
 
     ``examples/ring_attention.py`` runs this end to end on 4 CPU processes.
+
+    Parameters
+    ----------
+    q, k, v : torch.Tensor
+        This rank's shards (..., H, L/P, D), (..., Hkv, S/P, D), (..., Hkv, S/P, Dv).
+    group : torch.distributed.ProcessGroup, optional
+        The ring (default: the default group).
+    layout : str
+        "contiguous" or "zigzag" (how the shards were cut).
+    return_lse : bool
+        Also return this rank's lse (no gradient).
+    keep, drop : torch.Tensor, optional
+        Key-padding masks (..., 1 or H, 1, S/P), sharded like k.
+    **options
+        The masking keywords above (scale, causal, window, align, softcap,
+        alibi_slopes, kv_lengths, sinks, dropout, seed).
+
+    Returns
+    -------
+    out (..., H, L/P, Dv), or (out, lse).
     """
     check_group(group)
     cfg = _Config(group=group, layout=layout)

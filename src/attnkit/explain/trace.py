@@ -249,6 +249,25 @@ def explain(q: Any, k: Any, v: Any, *, labels: Sequence[str] | None = None,
     compute: meta tensors (no values), and more than ``MAX_SCORES`` = 1,000,000
     scores (L · S over every head) — a trace keeps each step whole.
 
+    Parameters
+    ----------
+    q, k, v : arrays, nested lists or torch tensors
+        Queries (..., H, L, D), keys (..., Hkv, S, D), values (..., Hkv, S, Dv) (2-D
+        for one head).
+    labels : sequence of str, optional
+        Names of the S keys (default k0, k1, …).
+    query_labels : sequence of str, optional
+        Names of the L queries (default q0, q1, …).
+
+    {masking}
+
+    Returns
+    -------
+    Trace
+        Every step by name (see :class:`Trace`).
+
+    Examples
+    --------
     >>> import numpy as np
     >>> t = explain(np.eye(2), np.eye(2), np.eye(2), causal=True)
     >>> list(t), t.masks
@@ -257,8 +276,6 @@ def explain(q: Any, k: Any, v: Any, *, labels: Sequence[str] | None = None,
     [[False, True], [False, False]]
     >>> t.out.round(3).tolist()
     [[1.0, 0.0], [0.33, 0.67]]
-
-    {masking}
     """
     unknown = sorted(set(masking) - set(NAMES))
     if unknown:

@@ -149,9 +149,9 @@ def alibi_tile(s, slopes, r0, c0, sigma):
                 row[j] -= sl * f32(abs(d0 - j))
 
 
-@numba.njit(**ORDERED)
-def _philox_word(c0, c1, c2, c3, k0, k1, lane):
-    # Philox4x32-10 on uint64 holding uint32 values (see attnkit.philox); the word of lane
+@numba.njit(**ORDERED, inline="always")
+def _philox4(c0, c1, c2, c3, k0, k1):
+    # Philox4x32-10 on uint64 holding uint32 values (see attnkit.philox): all four words
     mask = np.uint64(0xFFFFFFFF)
     for _ in range(10):
         p0 = c0 * np.uint64(0xD2511F53)
@@ -161,28 +161,33 @@ def _philox_word(c0, c1, c2, c3, k0, k1, lane):
         c0, c1, c2, c3 = n0, p1 & mask, n2, p0 & mask
         k0 = (k0 + np.uint64(0x9E3779B9)) & mask
         k1 = (k1 + np.uint64(0xBB67AE85)) & mask
-    if lane == 0:
-        return c0
-    if lane == 1:
-        return c1
-    return c2 if lane == 2 else c3
+    return c0, c1, c2, c3
 
 
 @numba.njit(**ORDERED)
 def dropout_tile(p, heads, r0, c0, seed, thr, scale):
+    # one Philox call per 4 keys (its 4 words into a row buffer, a loop LLVM
+    # vectorises), then the threshold over the row
     k0 = np.uint64(seed & 0xFFFFFFFF)
     k1 = np.uint64((seed >> 32) & 0xFFFFFFFF)
     t = np.uint64(thr)
     sc = f32(scale)
+    n = p.shape[2]
+    g0 = c0 >> 2
+    ng = ((c0 + n + 3) >> 2) - g0
+    off = c0 - 4 * g0
+    w = np.empty(4 * ng, np.uint64)
     for h in range(p.shape[0]):
         hd = np.uint64(heads[h])
         h_lo, h_hi = hd & np.uint64(0xFFFFFFFF), hd >> np.uint64(32)
         for i in range(p.shape[1]):
             row = np.uint64(r0 + i)
-            for j in range(p.shape[2]):
-                col = c0 + j
-                w = _philox_word(np.uint64(col >> 2), row, h_lo, h_hi, k0, k1, col & 3)
-                p[h, i, j] = p[h, i, j] * sc if w >= t else f32(0.0)
+            for g in range(ng):
+                a, b, c, d = _philox4(np.uint64(g0 + g), row, h_lo, h_hi, k0, k1)
+                w[4 * g], w[4 * g + 1], w[4 * g + 2], w[4 * g + 3] = a, b, c, d
+            pr = p[h, i]
+            for j in range(n):
+                pr[j] = pr[j] * sc if w[off + j] >= t else f32(0.0)
 
 
 # ---- decoding: few query rows against many keys, streamed from the cache -------------

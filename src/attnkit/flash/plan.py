@@ -26,10 +26,21 @@ from . import kernels
 
 
 def block_sizes(D: int, dtype: str, backward: bool = False) -> tuple[int, int]:
-    """The tuning table: (BLOCK_M, BLOCK_N) for head dim D, accumulation dtype and
-    pass. A plain function; override per call with ``block_m=`` / ``block_n=``.
-    ``dtype`` is part of the signature but does not change the table today.
+    """The tuning table: (BLOCK_M, BLOCK_N) — query rows and keys per tile. A plain
+    function; override per call with ``block_m=`` / ``block_n=``.
 
+    Parameters
+    ----------
+    D : int
+        The larger of the query-key and value head dims.
+    dtype : str
+        The accumulation dtype ("float32" or "float64"; it does not change the table
+        today).
+    backward : bool
+        The backward pass's tiles instead of the forward's.
+
+    Examples
+    --------
     >>> block_sizes(64, "float32")
     (1024, 512)
     """

@@ -76,11 +76,18 @@ def get_threads() -> int:
 
 
 def set_threads(n: int | None = None) -> int | None:
-    """Set the process-wide default number of workers (None = the number of usable
-    cores; any positive integer, NumPy integers included); returns the previous
-    default. One worker runs every tile on the calling thread. A :func:`threads`
-    block in effect in the current context takes precedence.
+    """Set the process-wide default number of workers; returns the previous default.
+    One worker runs every tile on the calling thread. A :func:`threads` block in
+    effect in the current context takes precedence.
 
+    Parameters
+    ----------
+    n : int or None
+        Workers (any positive integer, NumPy integers included); None = the number of
+        usable cores.
+
+    Examples
+    --------
     >>> old = set_threads(1); get_threads()
     1
     >>> _ = set_threads(old)
@@ -92,10 +99,17 @@ def set_threads(n: int | None = None) -> int | None:
 
 @contextlib.contextmanager
 def threads(n: int | None) -> Iterator[None]:
-    """``with flash.threads(2): ...`` runs the block with n workers (None = the
-    core count). The setting belongs to the current context (thread / task):
-    calls running concurrently elsewhere keep their own.
+    """``with flash.threads(2): ...`` runs the block with n workers. The setting
+    belongs to the current context (thread / task): calls running concurrently
+    elsewhere keep their own.
 
+    Parameters
+    ----------
+    n : int or None
+        Workers inside the block; None = the number of usable cores.
+
+    Examples
+    --------
     >>> with threads(1):
     ...     get_threads()
     1

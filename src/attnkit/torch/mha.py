@@ -59,10 +59,26 @@ from ..spec.checks import check_mha_config, check_mha_inputs
 class MultiheadAttention(nn.Module):
     """Multi-head (and grouped-query) attention on attnkit; see the module docstring.
 
-    Args: ``embed_dim`` E, ``num_heads`` H (E % H == 0), ``dropout`` (of the attention
-    weights while training), ``bias`` (projection biases), ``add_bias_kv``/``add_zero_attn`` (must
-    be False), ``kdim``/``vdim`` (key/value feature sizes, default E),
-    ``batch_first`` (default True), ``num_kv_heads`` Hkv (default H; H % Hkv == 0).
+    Parameters
+    ----------
+    embed_dim : int
+        E, the model width (E % num_heads == 0).
+    num_heads : int
+        H, query heads.
+    dropout : float
+        Dropout of the attention weights while training (0 ≤ p < 1).
+    bias : bool
+        Biases in the projections.
+    add_bias_kv, add_zero_attn : bool
+        Must be False (not supported).
+    kdim, vdim : int, optional
+        Key / value feature sizes (default E).
+    batch_first : bool
+        (B, L, E) inputs (default True; False: (L, B, E)).
+    device, dtype : optional
+        Where and in which dtype to make the parameters.
+    num_kv_heads : int, optional
+        Hkv, key-value heads (default H; H % Hkv == 0: grouped-query attention).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
@@ -112,8 +128,13 @@ class MultiheadAttention(nn.Module):
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention) -> MultiheadAttention:
-        """A copy of ``torch.nn.MultiheadAttention`` ``mha`` (weights, batch_first,
-        dtype and device) running on attnkit."""
+        """A copy of a ``torch.nn.MultiheadAttention`` running on attnkit.
+
+        Parameters
+        ----------
+        mha : torch.nn.MultiheadAttention
+            The module to copy (weights, batch_first, dtype and device).
+        """
         if mha.bias_k is not None or mha.add_zero_attn:
             raise ValueError("from_torch: add_bias_kv and add_zero_attn are not supported")
         w = mha.out_proj.weight
@@ -136,12 +157,32 @@ class MultiheadAttention(nn.Module):
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``query`` (B, L, E), ``key`` (B, S, kdim) and ``value`` (B, S, vdim) (or
-        (L, B, E) etc. with batch_first=False; unbatched (L, E) works too; key and value
-        default to query and key). ``key_padding_mask`` (B, S) and ``attn_mask`` (L, S)
-        or (B·H, L, S): bool True = not allowed, float = added. Returns (out (B, L, E),
-        weights (B, L, S) averaged over heads, (B, H, L, S) with
-        ``average_attn_weights=False``, or None with ``need_weights=False``)."""
+        """Multi-head attention of ``query`` over ``key`` / ``value``.
+
+        Parameters
+        ----------
+        query : torch.Tensor (B, L, E)
+            Queries ((L, B, E) with batch_first=False; unbatched (L, E) works too).
+        key : torch.Tensor (B, S, kdim), optional
+            Keys (default: query).
+        value : torch.Tensor (B, S, vdim), optional
+            Values (default: key).
+        key_padding_mask : torch.Tensor (B, S), optional
+            bool True = ignore this key, or float = added to its scores.
+        need_weights : bool
+            Also return the attention weights (exact, no gradient).
+        attn_mask : torch.Tensor (L, S) or (B·H, L, S), optional
+            bool True = not allowed, or float = added.
+        average_attn_weights : bool
+            Average the weights over heads.
+        is_causal : bool
+            A causal mask, top-left aligned like torch's.
+
+        Returns
+        -------
+        (out (B, L, E), weights (B, L, S) averaged over heads, (B, H, L, S) with
+        average_attn_weights=False, or None with need_weights=False).
+        """
         key = query if key is None else key
         value = key if value is None else value
         unbatched = query.dim() == 2

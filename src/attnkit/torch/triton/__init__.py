@@ -1,7 +1,11 @@
 """The triton rung: attnkit's GPU kernels for torch tensors (CUDA; CPU tensors under
 ``TRITON_INTERPRET=1``), forward and backward, reached through the torch op.
 
-``kernels`` holds the kernels and their launchers, ``tuning`` the launch table.
+``launch`` is the host side (what the kernels support, their launches), ``forward``
+and ``backward`` the kernels, ``device`` their shared device functions, ``kvcache``
+and ``decode`` KV-cache decoding (split-KV; host side and kernels), ``aot`` compiling
+for a GPU target without one, ``jit`` the lazy ``triton.jit`` wrapping, ``tuning``
+the launch table.
 
 >>> from attnkit.torch import triton as rung
 >>> isinstance(rung.unavailable(), (str, type(None)))
@@ -19,13 +23,13 @@ from . import tuning
 name = "triton"
 arrays = "torch"          # the torch op hands this rung torch tensors (no NumPy views)
 
-__all__ = ["arrays", "name", "not_supported_reasons", "rung_backward", "rung_forward", "rung_weights",
-           "tuning", "unavailable"]
+__all__ = ["arrays", "name", "not_supported_reasons", "rung_backward", "rung_forward", "rung_kvcache",
+           "rung_weights", "tuning", "unavailable"]
 
 
 def _kernels() -> Any:
-    from . import kernels
-    return kernels
+    from . import launch
+    return launch
 
 
 def unavailable() -> str | None:
@@ -41,7 +45,7 @@ def not_supported_reasons(spec: Spec) -> list[str]:
     try:
         k = _kernels()
     except ImportError as e:
-        return [f"attnkit.torch.triton.kernels not available: {e}"]
+        return [f"attnkit.torch.triton.launch not available: {e}"]
     return list(k.not_supported_reasons(spec))
 
 
@@ -51,8 +55,14 @@ def rung_forward(spec: Spec, need_weights: bool = False) -> tuple[Any, Any, None
 
 
 def rung_backward(spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None, need_dbias: bool = True) -> Grads:
-    dq, dk, dv, dbias = _kernels().backward(spec, dout, out, lse, dlse, need_dbias=need_dbias)
-    return Grads(dq, dk, dv, dbias, None)
+    return Grads(*_kernels().backward(spec, dout, out, lse, dlse, need_dbias=need_dbias))
+
+
+def rung_kvcache(kv: Any) -> tuple[Any, Any]:
+    """attention_kvcache's (out, lse) for a validated KVCall whose cache was appended
+    to: split-KV decode kernels over the contiguous or paged cache in place."""
+    from . import kvcache
+    return kvcache.kvcache(kv)
 
 
 def rung_weights(spec: Spec, lse: Any = None, rows: Any = None) -> Any:

@@ -9,8 +9,14 @@ table is read once per call, so a run is reproducible and starts without a searc
 - ``capability``: the CUDA compute capability as ``(major, minor)``, or ``None`` for
   Triton's CPU interpreter (``TRITON_INTERPRET=1``).
 - ``kind``: "forward", "backward_dkdv" (one program per key block, looping over query
-  blocks), "backward_dq" (one program per query block, looping over key blocks) or
-  "backward_preprocess" (delta = rowsum(dout ∘ out)).
+  blocks), "backward_dq" (one program per query block, looping over key blocks),
+  "backward_preprocess" (delta = rowsum(dout ∘ out)), "decode" (KV-cache decoding:
+  one program per (sequence, kv head, row block, key split); BLOCK_M is the most
+  query rows — a GQA group's heads × L — one program takes) or "decode_combine"
+  (merging the splits; BLOCK_M rows per program).
+
+``SPLIT_KEYS`` (kind "decode" only): the fewest cache keys per split-KV part; the
+split count is :func:`decode_splits`, a function of the shapes alone.
 
 ``SPLIT`` (half types only): the float32 weights p and score gradients dS enter the
 tensor-core dots as hi + lo, two float16/bfloat16 parts, instead of one rounded
@@ -40,8 +46,14 @@ candidates through ``override`` and prints the best per head dim and kind.
 
 from __future__ import annotations
 
-KINDS = ("forward", "backward_dkdv", "backward_dq", "backward_preprocess")
-KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "SPLIT")
+KINDS = ("forward", "backward_dkdv", "backward_dq", "backward_preprocess", "decode", "decode_combine")
+KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "SPLIT", "SPLIT_KEYS")
+# split-KV decoding: a launch aims for this many programs (a fixed number, not the
+# device's SM count, so the split count — and every bit of the result — depends on
+# the shapes only: about four programs per SM of a 108–132 SM A100/H100), with at
+# most MAX_SPLITS parts per (sequence, kv head, row block)
+DECODE_PROGRAMS = 512
+MAX_SPLITS = 64
 
 override = None  # user hook: (D, dtype, capability, kind) -> dict | None
 
@@ -59,8 +71,40 @@ def default_config(D: int, dtype: str, capability, kind: str) -> dict:
     """
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    if kind in ("decode", "decode_combine"):
+        return _decode(D, dtype, capability, kind)
     # the same rule on the GPU and in the interpreter: split in the backward only
     return dict(_launch(D, dtype, capability, kind), SPLIT=kind != "forward")
+
+
+def _decode(D, dtype, capability, kind):
+    """The decode kinds' entries: p rounded once like the forward (SPLIT off). Decoding
+    reads each key once per GQA group, so its speed is the cache's bandwidth: key tiles
+    of 32–64 rows, pipelined; SPLIT_KEYS keeps a split's share of a long sequence to a
+    few tiles or more."""
+    if kind == "decode_combine":
+        return dict(_entry(16 if capability is None else 32, 16, 1 if capability is None else 4, 1), SPLIT=False)
+    if capability is None:
+        return dict(_entry(32, 32, 1, 1), SPLIT=False, SPLIT_KEYS=256)
+    big_smem = capability in ((8, 0), (9, 0), (10, 0))
+    wide = D > 128 or dtype == "float32"
+    block_n = (16 if D > 128 else 32) if dtype == "float32" else (32 if D > 128 else 64)
+    block_m = 64 if not wide else (16 if D > 128 and dtype == "float32" else 32)   # fp32 D=256: ~100 KB at 32
+    return dict(_entry(block_m, block_n, 4, 3 if big_smem and not wide else 2), SPLIT=False, SPLIT_KEYS=512)
+
+
+def decode_splits(programs: int, keys: int, split_keys: int) -> int:
+    """Split-KV parts per (sequence, kv head, row block) for a decode launch of
+    ``programs`` such triples over a cache of ``keys`` positions (its capacity):
+    enough parts to reach DECODE_PROGRAMS programs, at most MAX_SPLITS, and none
+    shorter than ``split_keys`` keys. Shapes only: the same on every device.
+
+    >>> decode_splits(programs=8, keys=32768, split_keys=512), decode_splits(4096, 32768, 512)
+    (64, 1)
+    """
+    by_keys = -(-max(keys, 1) // max(split_keys, 1))
+    by_programs = -(-DECODE_PROGRAMS // max(programs, 1))
+    return max(1, min(MAX_SPLITS, by_keys, by_programs))
 
 
 def _launch(D, dtype, capability, kind):

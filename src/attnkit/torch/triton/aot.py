@@ -1,0 +1,127 @@
+"""Compiling the kernels for a CUDA target without a GPU (Triton's bundled ptxas):
+:func:`compile_only` (the attention kernels, forward and backward) and
+:func:`compile_decode_only` (the KV-cache decode kernels) build each kernel with the
+tuning table's configuration and report its shared memory, which catches compile
+errors and table entries over a target's shared memory on machines without a GPU
+(``benchmarks/gpu.py --compile-only`` sweeps targets). ``frontend_only`` runs only the
+first stage (Python to Triton IR), where a kernel's Python-level errors show, in a
+second or so per kernel.
+"""
+
+from . import tuning as triton_tuning
+from .jit import FP_FUSION, kernels, triton
+from .launch import _constexprs, _preprocess_launch
+
+_TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+_CONTIGUOUS = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dqd", "stride_dkd",
+               "stride_dvd", "stride_lm", "stride_keep_n", "stride_drop_n", "stride_bias_n", "stride_ds_n",
+               "stride_slope_h", "stride_sink_m", "stride_qlen", "stride_klen", "stride_tp", "stride_len", "stride_pd",
+               "stride_mm")
+
+
+def _signature(kern, consts, dtype, bias_dtype):
+    """Triton's signature of ``kern`` for contiguous operands: their last-dim strides
+    (``_CONTIGUOUS``) are 1, which Triton makes compile-time constants at launch, so
+    they are constants here too."""
+    t, b = _TRITON_TYPES[dtype], _TRITON_TYPES[bias_dtype]
+    ptrs = {n: f"*{t}" for n in ("Q", "K", "V", "Out", "DO", "DK", "DV", "DQ")}
+    ptrs.update({n: "*fp32" for n in ("Lse", "Delta", "Slopes", "Sinks", "Finite", "PartO", "PartM", "PartL")})
+    ptrs.update({n: "*i32" for n in ("QLen", "KLen", "CuQ", "CuK", "Table", "Lens")})
+    ptrs.update(Keep="*u8", Drop="*u8", Bias=f"*{b}", DS=f"*{b}")
+    floats = ("sm_scale", "softcap", "drop_scale")
+    return {a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a in floats else "i32")
+            for a in kern.arg_names}
+
+
+def _frontend(src, target, options):
+    """Triton's first compile stage alone (Python AST -> Triton IR), where the kernels'
+    Python-level errors show; a second or so per kernel instead of a full compile's ten
+    or more. Uses the stage hooks of triton.compile (the same in Triton 3.6 and 3.9)."""
+    from triton._C.libtriton import ir
+    from triton.compiler.compiler import make_backend
+    backend = make_backend(target)
+    opts = backend.parse_options(dict(options))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    return src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
+
+
+def compile_only(capability, dtype, D, Dv=None, *, group=2, causal=True, window=False, masks=True,
+                 softcap=True, terms=True, varlen="lengths", bias_dtype="float32", careful=(False, True),
+                 frontend_only=False) -> dict:
+    """Compile the kernels for a CUDA target without a GPU (Triton's bundled ptxas)
+    with the tuning table's configuration and every feature asked for (``terms``:
+    ALiBi, sinks and dropout; ``varlen``: None, "lengths" or "packed"); the three
+    attention kernels in the variants ``careful`` names (plain: kind "forward", ...;
+    careful: "forward/careful", ...).
+    Returns {kind: shared memory bytes}: catches compile errors and shared-memory
+    overruns of table entries on machines without a GPU (``benchmarks/gpu.py
+    --compile-only`` sweeps targets). ``frontend_only``: only the first stage (Python
+    to Triton IR), {kind: None}."""
+    Dv = D if Dv is None else Dv
+    cap = tuple(capability)
+    k = kernels(False)
+    launches = {"forward": k._attn_fwd, "backward_preprocess": k._bwd_preprocess,
+                "backward_dkdv": k._attn_bwd_dkdv, "backward_dq": k._attn_bwd_dq}
+    kernels_ = []
+    for kind, kern in launches.items():
+        for variant in [False] if kind == "backward_preprocess" else careful:
+            if kind == "backward_preprocess":
+                cfg, consts = _preprocess_launch(Dv, dtype, cap)
+            else:
+                cfg = triton_tuning.config(max(D, Dv), dtype, cap, kind)
+                consts = _constexprs(cfg, kind, group=group, D=D, Dv=Dv, dtype=dtype, band=(window, causal or window),
+                                     keep=masks, drop=masks, bias=masks, softcap=softcap, alibi=terms, sinks=terms,
+                                     dropout=terms, lengths=(varlen == "lengths",) * 2, packed=varlen == "packed",
+                                     bottom_right=True, interpret=False, precision="ieee")
+                consts["CAREFUL"] = variant
+                if kind == "backward_dq":
+                    consts["WRITE_DS"] = masks
+            kernels_.append((kind + ("/careful" if variant else ""), kern, cfg, consts))
+    return _compile(kernels_, cap, dtype, bias_dtype, frontend_only)
+
+
+def compile_decode_only(capability, dtype, D, Dv=None, *, group=4, rows=None, causal=True, window=True,
+                        softcap=True, terms=True, frontend_only=False) -> dict:
+    """The KV-cache decode kernels (``decode.py``) for a CUDA target, as
+    :func:`compile_only`: the split kernel for a contiguous ("decode") and a paged
+    ("decode/paged") cache with the band, softcap and ALiBi asked for, and the combine
+    kernel ("decode_combine", with sinks when ``terms``); ``rows`` (a GQA group's
+    heads × L, default the table's BLOCK_M) sizes the row block."""
+    from .kvcache import combine_constexprs, split_constexprs
+    Dv = D if Dv is None else Dv
+    cap = tuple(capability)
+    k = kernels(False)
+    cfg = triton_tuning.config(max(D, Dv), dtype, cap, "decode")
+    ccfg = triton_tuning.config(Dv, dtype, cap, "decode_combine")
+    rows = cfg["BLOCK_M"] if rows is None else rows
+    kernels_ = []
+    for paged in (False, True):
+        _, consts = split_constexprs(cfg, group=group, D=D, Dv=Dv, dtype=dtype, rows=rows,
+                                     band=(window, causal or window), softcap=softcap, alibi=terms, paged=paged,
+                                     bottom_right=True, interpret=False, precision="ieee")
+        kernels_.append(("decode/paged" if paged else "decode", k._decode_split, cfg, consts))
+    _, consts = combine_constexprs(ccfg, group=group, Dv=Dv, rows=rows, sinks=terms, interpret=False)
+    kernels_.append(("decode_combine", k._decode_combine, ccfg, consts))
+    return _compile(kernels_, cap, dtype, "float32", frontend_only)
+
+
+def _compile(kernels_, cap, dtype, bias_dtype, frontend_only) -> dict:
+    """{name: shared memory bytes (None: frontend only)} of (name, kernel, config,
+    constexprs) compiled for CUDA capability ``cap``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    target = GPUTarget("cuda", cap[0] * 10 + cap[1], 32)
+    shared: dict = {}
+    for name, kern, cfg, consts in kernels_:
+        consts = dict(consts, **{a: 1 for a in _CONTIGUOUS if a in kern.arg_names})
+        src = ASTSource(kern, _signature(kern, consts, dtype, bias_dtype), constexprs=consts)
+        options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **FP_FUSION)
+        if frontend_only:
+            _frontend(src, target, options)
+            shared[name] = None
+        else:
+            shared[name] = triton.compile(src, target=target, options=options).metadata.shared
+    return shared

@@ -1,0 +1,195 @@
+"""The KV-cache decoding kernels (split-KV, "Flash-Decoding")::
+
+    _decode_split    one program per (row block, sequence · kv head, key split): the
+                     query rows of the whole GQA group — its GROUP heads × L rows,
+                     row r = i·GROUP + g, so a block holds consecutive query positions
+                     — against one contiguous share of the sequence's visible keys,
+                     each key and value tile read once for the group; writes the
+                     split's partial (acc, m, l) in float32
+    _decode_combine  one program per (sequence · kv head, row block): merges the
+                     splits by their running max in split order (fixed, so the bits
+                     do not depend on scheduling), joins the sink once, writes out
+                     (q's dtype) and lse (float32, natural log)
+
+The cache is contiguous, K (B, Hkv, S_max, D), or paged, K (num_pages, Hkv,
+page_size, D) with a block table (B, max_pages): key position j of sequence b is
+slot j % PAGE of page table[b, j // PAGE], gathered per key, so any page size works.
+Keys at or past the sequence's length (read on the device) are never loaded, nor are
+their block-table entries. Partial sums: acc = Σ_j exp2(s_j − m) v_j (not
+normalised), m the split's running max of the scores in log2 units (−inf when the
+split saw no visible key), l = Σ_j exp2(s_j − m).
+
+The split of a sequence's keys is computed on the device from its length: the key
+tiles the band leaves visible to the block's rows are dealt out in NUM_SPLITS
+contiguous shares of whole tiles (NUM_SPLITS from the shapes alone, see
+``tuning.decode_splits``), so a short sequence in a long cache still spreads over the
+splits and every bit of the result is a function of the inputs.
+
+The NaN rule: scores follow ``_tile_scores`` (NaN or inf in q or k at a visible key
+makes the row NaN; excluded keys' scores are −inf). Values: a tile's non-finite
+entries are set to 0 before the product p·v (0 · NaN must not reach a row that
+excludes the key), and only when the tile has one, the rows that see such a key
+through a visible pair become NaN (``_nan_through``), so finite caches pay an
+elementwise check per tile and no second launch or whole-cache reduction.
+"""
+
+from .device import (
+    LOG2E,
+    _bound,
+    _cast,
+    _exempt,
+    _finish,
+    _join_sink,
+    _max_combine,
+    _mm,
+    _mm_lowp,
+    _nan_through,
+    _online_softmax,
+    _tile_scores,
+)
+from .jit import constexpr, tl
+
+JIT = ("_cache_tile", "_decode_split", "_decode_combine")
+
+
+def _cache_tile(C, Table, b, hk, cols, col_ok, offs, stride_p, stride_h, stride_n, stride_d, stride_tb, stride_tp,
+                PAGE, HEAD: constexpr, KEYS_FIRST: constexpr, PAGED: constexpr):
+    """The cache's tile of keys ``cols`` (1-D, masked by col_ok) and head dims ``offs``
+    for sequence b, kv head hk: (keys, dims) when KEYS_FIRST, else (dims, keys)."""
+    if PAGED:
+        page = tl.load(Table + b * stride_tb + (cols // PAGE) * stride_tp, mask=col_ok, other=0).to(tl.int64)
+        base = C + page * stride_p + hk * stride_h + (cols % PAGE) * stride_n   # gather: any page size
+    else:
+        base = C + b * stride_p + hk * stride_h + cols * stride_n
+    if KEYS_FIRST:
+        tile = tl.load(base[:, None] + offs[None, :] * stride_d, mask=col_ok[:, None] & (offs[None, :] < HEAD),
+                       other=0.0)
+    else:
+        tile = tl.load(base[None, :] + offs[:, None] * stride_d, mask=col_ok[None, :] & (offs[:, None] < HEAD),
+                       other=0.0)
+    return tile                                     # one return: compiled Triton types every return alike
+
+
+def _decode_split(Q, K, V, Table, Lens, Slopes, PartO, PartM, PartL,
+                  stride_qb, stride_qh, stride_qm, stride_qd,
+                  stride_kp, stride_kh, stride_kn, stride_kd,
+                  stride_vp, stride_vh, stride_vn, stride_vd,
+                  stride_tb, stride_tp, stride_len, stride_slope_b, stride_slope_h,
+                  stride_pb, stride_ps, stride_pm, stride_pd, stride_mb, stride_ms, stride_mm,
+                  HKV, L, BH, PAGE, NUM_SPLITS, sm_scale, softcap, LEFT, RIGHT,
+                  GROUP: constexpr, HEAD_D: constexpr, HEAD_DV: constexpr,
+                  BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
+                  HAS_LEFT: constexpr, HAS_RIGHT: constexpr, HAS_SOFTCAP: constexpr, HAS_ALIBI: constexpr,
+                  PAGED: constexpr, BOTTOM_RIGHT: constexpr, SPLIT: constexpr, INTERPRET: constexpr,
+                  PRECISION: constexpr):
+    """The partial (acc, m, l) of one key split for one block of a GQA group's rows."""
+    pid = tl.program_id(0)
+    split = pid % NUM_SPLITS
+    bh = (pid // NUM_SPLITS) % BH                   # sequence · kv head
+    rb = pid // NUM_SPLITS // BH                    # row block
+    b = (bh // HKV).to(tl.int64)
+    hk = (bh % HKV).to(tl.int64)
+    M = GROUP * L                                   # the group's query rows
+    r = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < M
+    i = r // GROUP                                  # query position (row r = i·GROUP + g)
+    h = hk * GROUP + r % GROUP                      # query head
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * stride_qb + h[:, None] * stride_qh + i[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+    Lk = tl.load(Lens + b * stride_len)             # the sequence's keys, on the device
+    offset = pid * 0                                # diag(i) = i + offset (geometry.Segment)
+    if BOTTOM_RIGHT:
+        offset = Lk - L
+    geo = (L, Lk, offset, LEFT, RIGHT)
+    masks = ((Q, 0, 0), (Q, 0, 0), (Q, 0, 0))      # no keep / drop / bias for a cache
+    slope = sm_scale * 0.0
+    if HAS_ALIBI:                                   # one slope per row's head, in log2 units
+        slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h, mask=row_ok, other=0.0)[:, None] * LOG2E
+    scal = (sm_scale, softcap, slope)
+
+    # the keys the band can leave visible to rows i_lo … i_hi, in whole tiles, dealt out to the splits
+    i_lo = (rb * BLOCK_M) // GROUP
+    i_hi = (tl.minimum(rb * BLOCK_M + BLOCK_M, M) - 1) // GROUP
+    lo = pid * 0
+    hi = Lk + pid * 0
+    if HAS_LEFT:
+        lo = tl.maximum(i_lo + offset - LEFT, 0) // BLOCK_N * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(i_hi + offset + RIGHT + 1, 0), Lk)
+    hi = tl.maximum(hi, lo)
+    per = ((hi - lo + BLOCK_N - 1) // BLOCK_N + NUM_SPLITS - 1) // NUM_SPLITS * BLOCK_N
+    start = lo + split * per
+    end = tl.minimum(start + per, hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(_bound(start, INTERPRET), _bound(end, INTERPRET), BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < Lk                          # keys past the length: never read
+        kT = _cache_tile(K, Table, b, hk, cols, col_ok, offs_d, stride_kp, stride_kh, stride_kn, stride_kd,
+                         stride_tb, stride_tp, PAGE, HEAD_D, False, PAGED)
+        qk = _mm(q, kT, None, INTERPRET, PRECISION)
+        s, _ = _tile_scores(qk, i[:, None], cols[None, :], geo, masks, scal, True, HAS_LEFT, HAS_RIGHT,
+                            False, False, False, HAS_SOFTCAP, HAS_ALIBI)
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+        v = _cache_tile(V, Table, b, hk, cols, col_ok, offs_dv, stride_vp, stride_vh, stride_vn, stride_vd,
+                        stride_tb, stride_tp, PAGE, HEAD_DV, True, PAGED)
+        v, bad = _exempt(v, INTERPRET)              # non-finite values as 0: excluded keys never reach a row
+        acc = _mm_lowp(p, v, acc * alpha[:, None], SPLIT, INTERPRET, PRECISION)
+        if tl.reduce(tl.reduce(bad.to(tl.float32), 1, _max_combine), 0, _max_combine) > 0:
+            acc = _nan_through(acc, s != float("-inf"), bad, INTERPRET, PRECISION)   # visible ones: NaN
+
+    part = bh.to(tl.int64) * stride_pb + split * stride_ps + r * stride_pm
+    tl.store(PartO + part[:, None] + offs_dv[None, :] * stride_pd, acc,
+             mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DV))
+    part = bh.to(tl.int64) * stride_mb + split * stride_ms + r * stride_mm   # PartM and PartL: the same strides
+    tl.store(PartM + part, m_i, mask=row_ok)
+    tl.store(PartL + part, l_i, mask=row_ok)
+
+
+def _decode_combine(PartO, PartM, PartL, Sinks, Out, Lse,
+                    stride_pb, stride_ps, stride_pm, stride_pd, stride_mb, stride_ms, stride_mm,
+                    stride_sink_b, stride_sink_h, stride_sink_m,
+                    stride_ob, stride_oh, stride_om, stride_od,
+                    stride_lb, stride_lh, stride_lm,
+                    HKV, L, NUM_SPLITS, ROW_BLOCKS,
+                    GROUP: constexpr, HEAD_DV: constexpr, BLOCK_M: constexpr, BLOCK_DV: constexpr,
+                    HAS_SINKS: constexpr, INTERPRET: constexpr):
+    """out and lse of one block of a GQA group's rows from the splits' partials."""
+    pid = tl.program_id(0)
+    bh = pid // ROW_BLOCKS
+    rb = pid % ROW_BLOCKS
+    b = (bh // HKV).to(tl.int64)
+    hk = (bh % HKV).to(tl.int64)
+    M = GROUP * L
+    r = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < M
+    i = r // GROUP
+    h = hk * GROUP + r % GROUP
+    offs_dv = tl.arange(0, BLOCK_DV)
+    part = bh.to(tl.int64) * stride_pb + r * stride_pm
+    part_ml = bh.to(tl.int64) * stride_mb + r * stride_mm
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(0, _bound(NUM_SPLITS, INTERPRET)):   # the largest running max over the splits
+        m_i = tl.maximum(m_i, tl.load(PartM + part_ml + s * stride_ms, mask=row_ok, other=float("-inf")))
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)   # no visible key anywhere: l = 0 below
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
+    for s in range(0, _bound(NUM_SPLITS, INTERPRET)):   # in split order: the same bits every run
+        w = tl.exp2(tl.load(PartM + part_ml + s * stride_ms, mask=row_ok, other=float("-inf")) - m_safe)
+        l_i = l_i + w * tl.load(PartL + part_ml + s * stride_ms, mask=row_ok, other=0.0)   # 0 · NaN stays NaN
+        o = tl.load(PartO + part[:, None] + s * stride_ps + offs_dv[None, :] * stride_pd,
+                    mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.0)
+        acc = acc + w[:, None] * o
+    if HAS_SINKS:                                   # the sink joins once, after every split
+        sink = tl.load(Sinks + b * stride_sink_b + h * stride_sink_h + i * stride_sink_m, mask=row_ok,
+                       other=float("-inf")) * LOG2E
+        acc, l_i, m_i = _join_sink(acc, l_i, m_i, sink)
+    out, lse = _finish(acc, l_i, m_i)
+    tl.store(Out + b * stride_ob + h[:, None] * stride_oh + i[:, None] * stride_om + offs_dv[None, :] * stride_od,
+             _cast(out, Out.dtype.element_ty, INTERPRET), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DV))
+    tl.store(Lse + b * stride_lb + h * stride_lh + i * stride_lm, lse, mask=row_ok)

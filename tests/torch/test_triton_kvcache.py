@@ -1,0 +1,254 @@
+"""KV-cache decoding on the Triton rung (``attnkit.torch.triton.rung_kvcache``: the
+split-KV kernels of ``decode.py``) through ``attnkit.attention_kvcache(...,
+backend="triton")`` on CPU tensors under TRITON_INTERPRET=1, against
+``backend="reference"`` on the same tensors by DESIGN.md §6's rule: |triton − oracle|
+≤ 2·|reference in the same precision − oracle| + 1e-5, the oracle being the reference
+on float64 copies of the very values the kernels saw (for float32 that is a tight
+bound: twice float32's own error).
+
+16-key tiles and 16 keys per split at least, so a sequence's keys spread over several
+splits (the combine kernel merges them) and over several tiles within a split.
+"""
+
+import pytest
+
+import attnkit
+from attnkit.testing import error_budget, max_error
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+from attnkit.spec.kvcache import validate_kvcache  # noqa: E402
+from attnkit.torch import triton as triton_rung  # noqa: E402
+from attnkit.torch.triton import kvcache as tkv  # noqa: E402
+from attnkit.torch.triton import tuning as triton_tuning  # noqa: E402
+
+NAN, INF = float("nan"), float("inf")
+DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def small_tiles(D, dtype, cap, kind):
+    return {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_KEYS": 16}
+
+
+@pytest.fixture(autouse=True)
+def interpreter(request, monkeypatch):
+    """TRITON_INTERPRET=1, small tiles and splits, the interpreter without its int32
+    overflow checks (a debugging aid that costs ~40% of the time here); the
+    ``test_gpu`` tests run compiled with the tuning table."""
+    import dataclasses
+
+    from triton.runtime import interpreter as ti
+    if request.node.name.startswith("test_gpu"):
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        monkeypatch.setattr(triton_tuning, "override", None)
+        return
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if triton_rung.unavailable() is not None:
+        pytest.skip(triton_rung.unavailable())
+    builder = getattr(ti, "interpreter_builder", None)
+    if builder is not None and hasattr(getattr(builder, "options", None), "sanitize_overflow"):
+        monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=False))
+    monkeypatch.setattr(triton_tuning, "override", small_tiles)
+
+
+# ---- building a case -------------------------------------------------------------------
+def contiguous(B, Hkv, S_max, D, Dv, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hkv, S_max, D, generator=g).to(DT[dtype]),
+            torch.randn(B, Hkv, S_max, Dv, generator=g).to(DT[dtype]), None)
+
+
+def paged(B, Hkv, max_pages, page, D, Dv, dtype, seed):
+    """A paged cache with two spare pages and each sequence's pages shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    n = B * max_pages + 2
+    table = torch.randperm(n, generator=g)[:B * max_pages].reshape(B, max_pages).to(torch.int32)
+    return (torch.randn(n, Hkv, page, D, generator=g).to(DT[dtype]),
+            torch.randn(n, Hkv, page, Dv, generator=g).to(DT[dtype]), table)
+
+
+def decode(backend, q, k_cache, v_cache, lengths, table=None, k_new=None, v_new=None, **kw):
+    """(out, lse, k_cache, v_cache) of one attention_kvcache call on copies of the
+    cache (the append writes in place)."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    out, lse = attnkit.attention_kvcache(q, k_cache, v_cache, lengths, block_table=table, k_new=k_new, v_new=v_new,
+                                         return_lse=True, backend=backend, **kw)
+    return out, lse, k_cache, v_cache
+
+
+def check(q, cache, lengths, L_new=0, seed=1, device="cpu", **kw):
+    """Triton (on ``device``) vs the reference (on the CPU) by the 2× rule on out and
+    lse; the caches after the append are identical. Returns Triton's (out, lse)."""
+    k_cache, v_cache, table = cache
+    g = torch.Generator().manual_seed(seed)
+    new = {}
+    if L_new:
+        shape = (q.shape[0], k_cache.shape[1], L_new)
+        new = dict(k_new=torch.randn(shape + (k_cache.shape[-1],), generator=g).to(q.dtype),
+                   v_new=torch.randn(shape + (v_cache.shape[-1],), generator=g).to(q.dtype))
+    kw = {n: (x.to(torch.float32) if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+          for n, x in kw.items()}
+
+    def on(dev, *xs):
+        return [x if x is None else x.to(dev) for x in xs]
+
+    dkw = {n: on(device, x)[0] if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+    dnew = {n: x.to(device) for n, x in new.items()}
+    out, lse, kc, vc = decode("triton", *on(device, q, k_cache, v_cache, lengths, table), **dnew, **dkw)
+    out, lse, kc, vc = on("cpu", out, lse, kc, vc)
+    same, same_lse, kc2, vc2 = decode("reference", q, k_cache, v_cache, lengths, table, **new, **kw)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    wide = {n: x.double() for n, x in new.items()}
+    oracle, oracle_lse, _, _ = decode("reference", q.double(), k_cache.double(), v_cache.double(), lengths, table,
+                                      **wide, **kw)
+    assert out.dtype == q.dtype and out.shape == oracle.shape and lse.dtype == torch.float32
+    for name, got, o, s in (("out", out, oracle, same), ("lse", lse, oracle_lse, same_lse)):
+        err, budget = max_error(got.double(), o), error_budget(o, s.double())
+        assert err <= budget, f"{name}: error {err:.3g} > budget {budget:.3g}"
+    return out, lse
+
+
+def queries(B, H, L, D, dtype, seed=0):
+    return torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(seed)).to(DT[dtype])
+
+
+# ---- contiguous and paged caches, every term ---------------------------------------------
+TERMS = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(window=(20, 0)),
+    "top_left-window": dict(window=(3, 9), align="top_left"),
+    "softcap-alibi-sinks": dict(softcap=1.5, alibi_slopes=torch.tensor([0.3, 0.1, 0.6, 0.05]),
+                                sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]), causal=True),
+    "row-sinks": dict(sinks=torch.linspace(-2, 2, 2 * 4 * 3).reshape(2, 4, 3)),
+}
+
+
+@pytest.mark.parametrize("L,L_new", [(1, 1), (3, 3), (3, 0)], ids=["L1-append", "L3-append", "L3"])
+@pytest.mark.parametrize("term", list(TERMS))
+def test_contiguous(term, L, L_new):
+    """A contiguous cache (B, Hkv, S_max, D), GQA 4:2, lengths from 0 to the capacity
+    (after the append), with and without k_new / v_new; D and Dv not powers of two."""
+    kw = TERMS[term]
+    if term == "row-sinks" and L != 3:
+        pytest.skip("per-row sinks are shaped for L = 3")
+    lengths = torch.tensor([0, 70 - L_new]) if term != "plain" else torch.tensor([37, 5])
+    check(queries(2, 4, L, 40, "float32"), contiguous(2, 2, 70, 40, 24, "float32", seed=2), lengths, L_new, **kw)
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_paged(page):
+    """Paged caches with shuffled tables: page sizes below, at and above the 16-key
+    tile; lengths 0, partial pages and the full capacity; L > 1 causal with an append."""
+    max_pages = -(-80 // page)
+    cap = max_pages * page
+    cache = paged(3, 2, max_pages, page, 16, 16, "float32", seed=page)
+    kw = dict(causal=True, alibi_slopes=torch.tensor([0.2, 0.4, 0.1, 0.3]), sinks=torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    check(queries(3, 4, 2, 16, "float32"), cache, torch.tensor([0, 17, cap - 2]), 2, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision(dtype):
+    """Half types by the 2× rule: paged (page 16) GQA and contiguous MQA."""
+    kw = dict(causal=True, softcap=2.0, sinks=torch.tensor([0.3, -0.2, 0.0, 1.0]))
+    check(queries(2, 4, 2, 64, dtype), paged(2, 2, 6, 16, 64, 40, dtype, seed=4), torch.tensor([90, 33]), 2, **kw)
+    check(queries(2, 4, 1, 64, dtype), contiguous(2, 1, 120, 64, 64, dtype, seed=5), torch.tensor([119, 64]), 1,
+          window=(40, 0))
+
+
+def test_splits_depend_on_the_shapes_only():
+    """The split count is a function of the shapes (tuning.decode_splits), and the
+    same call twice gives the same bits; a sequence's keys are spread over the splits
+    from its length on the device."""
+    q = queries(2, 4, 1, 16, "float32")
+    k_cache, v_cache, _ = contiguous(2, 2, 100, 16, 16, "float32", seed=6)
+    kv = validate_kvcache(q, k_cache, v_cache, torch.tensor([100, 3]), backend="triton")
+    cfg, _, splits = tkv.plan(kv.spec, None)
+    assert splits == 7 == triton_tuning.decode_splits(4, 100, 16)          # 100 keys / 16 per split
+    first = decode("triton", q, k_cache, v_cache, torch.tensor([100, 3]), causal=True)
+    second = decode("triton", q, k_cache, v_cache, torch.tensor([100, 3]), causal=True)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert triton_tuning.decode_splits(4096, 1 << 17, 512) == 1                # many programs: no split
+    assert triton_tuning.decode_splits(1, 1 << 20, 512) == triton_tuning.MAX_SPLITS
+
+
+def test_keys_past_the_length_are_never_read():
+    """NaN in every slot past each sequence's length and block-table entries past its
+    last page that point nowhere: the output is finite and equals the reference's."""
+    k_cache, v_cache, table = paged(2, 1, 5, 16, 16, 16, "float32", seed=7)
+    lengths = torch.tensor([21, 0])
+    for b, n in enumerate(lengths.tolist()):
+        for p in range(5):
+            slots = slice(max(0, n - 16 * p), None)
+            k_cache[table[b, p], :, slots] = NAN
+            v_cache[table[b, p], :, slots] = NAN
+    junk = table.clone()
+    junk[0, 2:] = 1 << 30
+    junk[1, :] = -(1 << 30)
+    q = queries(2, 2, 1, 16, "float32")
+    out, lse, _, _ = decode("triton", q, k_cache, v_cache, lengths, junk)
+    ref, ref_lse, _, _ = decode("reference", q, k_cache, v_cache, lengths, table)
+    assert torch.isfinite(out).all() and max_error(out, ref) < 1e-6 and max_error(lse, ref_lse) < 1e-6
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == -INF)                 # no key: out 0, lse -inf
+
+
+def test_nan_rule():
+    """A non-finite value at a key the window excludes (inside a tile that is read)
+    never reaches the output; at a visible key it makes the row's column NaN (an inf
+    too), as on the reference; a NaN key at a visible position makes the row NaN."""
+    q = queries(1, 2, 2, 16, "float32")
+    k_cache, v_cache, _ = contiguous(1, 1, 48, 16, 16, "float32", seed=8)
+    v_cache[0, 0, 30, 3] = NAN                      # excluded: window (4, 0) from position 45/46
+    v_cache[0, 0, 44, 5] = INF                      # visible to both rows
+    k_cache[0, 0, 46, 0] = NAN                      # visible to the last row only
+    got = decode("triton", q, k_cache, v_cache, torch.tensor([47]), window=(4, 0))[:2]
+    want = decode("reference", q, k_cache, v_cache, torch.tensor([47]), window=(4, 0))[:2]
+    for a, b in zip(got, want):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        fin = torch.isfinite(b)
+        assert max_error(a[fin], b[fin]) < 1e-6
+    out = got[0]
+    assert torch.isnan(out[0, :, 0, 5]).all() and torch.isfinite(out[0, :, 0, :5]).all()
+    assert torch.isnan(out[0, :, 1]).all()
+
+
+def test_not_supported_reasons_are_the_rungs():
+    q = torch.zeros(1, 2, 1, 16, dtype=torch.float64)
+    cache = torch.zeros(1, 1, 8, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="float64"):
+        attnkit.attention_kvcache(q, cache, cache, torch.tensor([3]), backend="triton")
+
+
+def test_compiles_for_hopper_without_a_gpu():
+    """The decode kernels' first compile stage (Python to Triton IR), contiguous and
+    paged, every term, for sm_90 (``benchmarks/gpu.py --compile-only`` runs the rest)."""
+    from attnkit.torch.triton import aot
+    kinds = aot.compile_decode_only((9, 0), "bfloat16", 128, frontend_only=True)
+    assert set(kinds) == {"decode", "decode/paged", "decode_combine"}
+
+
+# ---- GPU, compiled with the tuning table ------------------------------------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@gpu
+@pytest.mark.parametrize("dtype,D", [("bfloat16", 128), ("float16", 64), ("float32", 64)])
+@pytest.mark.parametrize("page", [None, 16, 256], ids=["contiguous", "page16", "page256"])
+@pytest.mark.parametrize("L", [1, 4])
+def test_gpu_kvcache(dtype, D, page, L):
+    """Decoding against 4096-key caches, GQA 32:8, every term, lengths 0 … capacity."""
+    cache = contiguous(4, 8, 4096, D, D, dtype, seed=9) if page is None else \
+        paged(4, 8, 4096 // page, page, D, D, dtype, seed=9)
+    kw = dict(causal=True, softcap=30.0, alibi_slopes=torch.linspace(0.01, 0.1, 32),
+              sinks=torch.linspace(-1, 1, 32)) if L == 4 else dict(window=(1000, 0))
+    check(queries(4, 32, L, D, dtype), cache, torch.tensor([0, 1, 3000, 4096 - L]), L, device="cuda", **kw)
+
+
+@gpu
+def test_gpu_deterministic():
+    q = queries(2, 32, 1, 128, "bfloat16").cuda()
+    k_cache, v_cache, table = (x.cuda() for x in paged(2, 8, 64, 64, 128, 128, "bfloat16", seed=10))
+    lengths = torch.tensor([4000, 77], device="cuda")
+    first = decode("triton", q, k_cache, v_cache, lengths, table)
+    second = decode("triton", q, k_cache, v_cache, lengths, table)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
