@@ -1,10 +1,10 @@
 """Public API: the worked example, the seed's function, named errors, properties."""
 
-import re
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnkit
 from attnkit.testing import make_qkv, max_error

@@ -107,9 +107,10 @@ def test_every_rung_agrees_forward(kind, monkeypatch):
             same(lse, ref_lse, 1e-5)
     tq, tk, tv = (torch.tensor(x) for x in (q, k, v))
     tkw = {n: torch.tensor(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
-    out, lse = attnkit.attention(tq, tk, tv, return_lse=True, **tkw)
-    same(out.numpy(), ref_out, 1e-5)
-    same(lse.numpy(), ref_lse, 1e-5)
+    for rung in ("flash", "reference"):                  # the torch op over each CPU rung
+        out, lse = attnkit.attention(tq, tk, tv, return_lse=True, backend=rung, **tkw)
+        same(out.numpy(), ref_out, 1e-5)
+        same(lse.numpy(), ref_lse, 1e-5)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -154,10 +155,11 @@ def test_every_rung_agrees_backward(kind, monkeypatch):
                 same(a, b, 1e-5)
     tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
     tkw = {n: torch.tensor(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
-    tout = attnkit.attention(tq, tk, tv, **tkw)
-    grads = torch.autograd.grad(tout, (tq, tk, tv), torch.tensor(dout))
-    for a, b in zip(grads, want):
-        same(a.numpy(), b, 1e-5)
+    for rung in ("flash", "reference"):                  # the torch op over each CPU rung
+        tout = attnkit.attention(tq, tk, tv, backend=rung, **tkw)
+        grads = torch.autograd.grad(tout, (tq, tk, tv), torch.tensor(dout))
+        for a, b in zip(grads, want):
+            same(a.numpy(), b, 1e-5)
 
 
 def test_excluded_keys_get_exactly_zero_gradient_even_when_non_finite():
@@ -176,3 +178,22 @@ def test_helpers():
     vis = np.array([[True, False], [True, True]])
     r = exempt_matmul(a, b, vis)
     assert np.array_equal(r[0], [0.5, 1.0]) and np.isnan(r[1, 0]) and r[1, 1] == 0.25 * 2 + 0.75 * 3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_an_inf_value_a_row_sees_gives_nan_on_the_fast_paths(dtype, rows):
+    """Few float32 rows take the compiled streaming kernel and a KV cache's fully
+    visible tiles take the plain product: an inf value seen there must still give NaN
+    (not inf), as on the reference."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, rows, 8)).astype(dtype)
+    k = rng.standard_normal((1, 1, 3000, 8)).astype(dtype)
+    v = rng.standard_normal((1, 1, 3000, 8)).astype(dtype)
+    v[0, 0, 10, 3] = np.inf
+    v[0, 0, 2000, 5] = -np.inf                          # past the cache length below: never read
+    want = attnkit.attention(q, k[:, :, :1500], v[:, :, :1500], backend="reference")
+    assert np.isnan(want[..., 3]).all() and np.isfinite(np.delete(want, 3, -1)).all()
+    same(attnkit.attention(q, k[:, :, :1500], v[:, :, :1500], backend="flash"), want, 1e-4)
+    kc, vc = k.copy(), v.copy()
+    same(attnkit.attention_kvcache(q, kc, vc, np.array([1500]), backend="flash"), want, 1e-4)

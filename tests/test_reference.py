@@ -8,6 +8,7 @@ import attnkit
 from attnkit.testing import make_qkv, max_error
 from peers import torch_sdpa
 
+
 def torch_or_skip():
     """torch for the two peer tests; the rest of this file needs NumPy only."""
     return pytest.importorskip("torch")
@@ -270,3 +271,22 @@ def test_dropout_keeps_the_same_entries_and_averages_to_no_dropout():
     assert np.array_equal(attnkit.attention(q, k, v, dropout=0.0, seed=5, **R), plain)
     mean = np.mean([attnkit.attention(q, k, v, dropout=0.3, seed=s, **R) for s in range(600)], axis=0)
     assert max_error(mean, plain) < 0.1                       # about 4 standard errors at 600 draws
+
+
+# ---- found by mutation testing (scripts/mutation.py, docs/mutation.md) ------------------
+def test_traced_alibi_step_penalises_pairs_inside_a_sequence_only():
+    """The trace (what explain shows) has the ALiBi step before masking: −slope·|diag(i) − j|
+    inside each packed sequence, no penalty on pairs across sequences (excluded anyway)."""
+    from attnkit import reference
+    from attnkit.spec import validate
+    cq, ck = np.array([0, 2, 5]), np.array([0, 3, 5])
+    q, k, v = make_qkv((1, 5, 4), (1, 5, 4), seed=21)
+    spec = validate(q, k, v, alibi_slopes=np.array([0.5]), cu_seqlens_q=cq, cu_seqlens_k=ck)
+    steps = {}
+    reference.forward(spec, trace=lambda name, x: steps.setdefault(name, x))
+    want = np.zeros((5, 5))
+    for b in range(2):                                   # bottom-right: diag(i) = i + (k1 - q1)
+        for i in range(cq[b], cq[b + 1]):
+            for j in range(ck[b], ck[b + 1]):
+                want[i, j] = -0.5 * abs(i + ck[b + 1] - cq[b + 1] - j)
+    assert max_error((steps["alibi"] - steps["scaled"])[0], want) <= 1e-12

@@ -62,10 +62,14 @@ def append(kv: KVCall) -> None:
 def gather(kv: KVCall) -> tuple[Any, Any]:
     """Each sequence's keys and values as contiguous (B, Hkv, S_cap, D[v]) arrays
     (a view for a contiguous cache; positions past a sequence's length hold whatever
-    the cache holds — they are excluded)."""
+    the cache holds — they are excluded — and block-table entries past the pages a
+    sequence uses are never followed)."""
     if not kv.paged:
         return kv.k_cache, kv.v_cache
     bt = kv.block_table                                  # (B, max_pages)
+    # entries past the pages a sequence uses may hold anything: read page 0 there
+    used = (kv.lengths.reshape(-1, 1) + kv.page_size - 1) // kv.page_size
+    bt = bt * (_xp_arange(bt, bt.shape[1]).reshape(1, -1) < used)
     out = []
     for cache in (kv.k_cache, kv.v_cache):
         g = cache[bt]                                    # (B, max_pages, Hkv, P, D)

@@ -154,14 +154,24 @@ def from_lse(scores: np.ndarray, lse: np.ndarray) -> np.ndarray:
     return np.where(scores == -np.inf, 0.0, w)
 
 
-def sink_gradient(spec: Spec, lse: np.ndarray, delta: np.ndarray) -> np.ndarray:
-    """d loss / d sinks, reduced to sinks' shape: the sink is a logit with value 0, so
-    its score gradient is w_sink · (0 − delta) with w_sink = exp(sink − lse) (delta:
-    rowsum(dout ∘ out) − dlse, (..., H, L))."""
-    sinks = _sinks(spec, lse.dtype)
-    assert sinks is not None
-    w_sink = from_lse(sinks, lse)[..., 0]
-    return reduce_to(-(w_sink * delta), tuple(np.shape(spec.sinks))).reshape(spec.shapes["sinks"])
+def sink_gradient(spec: Spec, lse: Any, delta: Any) -> Any:
+    """d loss / d sinks, reduced to the shape the user gave sinks, for every rung
+    (NumPy arrays or torch tensors, in lse's dtype): the sink is a logit with value 0,
+    so its score gradient is w_sink · (0 − delta) with w_sink = exp(sink − lse) — 0
+    where the sink or lse is −inf — and delta = rowsum(dout ∘ out) − dlse, (..., H, L)."""
+    inf = float("inf")
+    where: Any
+    exp: Any
+    if isinstance(lse, np.ndarray):
+        where, exp = np.where, np.exp
+        sinks = broadcast_to(np.asarray(spec.sinks, dtype=lse.dtype), lse.shape)
+    else:
+        import torch
+        where, exp = torch.where, torch.exp
+        sinks = spec.sinks.to(lse.dtype).broadcast_to(lse.shape)
+    shift = where(lse == -inf, inf, lse)                   # lse −inf: exp(s − inf) = 0
+    w_sink = where(sinks == -inf, 0.0, exp(sinks - shift))
+    return reduce_to(-(w_sink * delta), tuple(spec.sinks.shape)).reshape(spec.shapes["sinks"])
 
 
 def backward(spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None) -> Grads:

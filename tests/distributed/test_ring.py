@@ -64,19 +64,29 @@ CASES = {
     "dropout_causal_zigzag": (2, 4, 2, 5, 5, 8, 8, "float64", "zigzag", dict(causal=True, dropout=0.3, seed=11), None),
     "kv_lengths_causal": (2, 4, 2, 5, 5, 8, 8, "float64", "contiguous",
                           dict(causal=True, align="top_left", kv_lengths=lambda L, S: np.array([S - 7, S])), None),
+    # sinks per row (sharded like q; here one row per rank: a last dim of 1 that is not
+    # a per-head logit) and one 0-d logit for every row (its gradient summed over ranks)
+    "sinks_per_row_one_row": (1, 2, 2, 0.5, 2, 8, 8, "float64", "contiguous",
+                              dict(sinks=lambda L, S: np.linspace(-1, 1, 2 * L).reshape(1, 2, L)), None),
+    "sinks_0d_causal": (1, 2, 2, 3, 3, 8, 8, "float64", "zigzag", dict(causal=True, sinks=np.array(0.3)), None),
 }
+
+
+def _per_row(x, L):
+    """Whether a sinks array holds one logit per query row (sharded like q)."""
+    return np.ndim(x) >= 2 and np.shape(x)[-1] == L
 
 
 def _kwargs(case, P):
     """A case's keyword arguments for world size P (lengths depend on the sequence)."""
     B, H, Hkv, Lc, Sc, *_, kw, _ = CASES[case]
-    return {n: (x(2 * P * Lc, 2 * P * Sc) if callable(x) else x) for n, x in kw.items()}
+    return {n: (x(int(2 * P * Lc), int(2 * P * Sc)) if callable(x) else x) for n, x in kw.items()}
 
 
 def _inputs(case, P, seed=0):
     """Full-sequence NumPy inputs (q, k, v, dout, keep) for a case and world size."""
     B, H, Hkv, Lc, Sc, D, Dv, dtype, _, kw, mask = CASES[case]
-    L, S = 2 * P * Lc, 2 * P * Sc
+    L, S = int(2 * P * Lc), int(2 * P * Sc)
     lead_q, lead_k = ((), ()) if B is None else ((B, H), (B, Hkv))
     q, k, v = make_qkv(lead_q + (L, D), lead_k + (S, D), Dv, dtype=dtype, seed=seed)
     rng = np.random.default_rng(seed + 1)
@@ -98,9 +108,12 @@ def _run_cases(rank, world):
 
     res = {}
     for case, (*_, dtype, layout, _kw, mask) in CASES.items():
-        kw = {n: torch.from_numpy(x).requires_grad_(n == "sinks") if isinstance(x, np.ndarray) else x
-              for n, x in _kwargs(case, world).items()}
         q, k, v, dout, keep = (None if a is None else torch.from_numpy(a) for a in _inputs(case, world))
+        kw = {n: torch.from_numpy(x) if isinstance(x, np.ndarray) else x for n, x in _kwargs(case, world).items()}
+        if "sinks" in kw:
+            if _per_row(kw["sinks"], q.shape[-2]):
+                kw["sinks"] = shard(kw["sinks"], rank, world, layout=layout, dim=-1).clone()
+            kw["sinks"].requires_grad_()
         q, k, v = (shard(x, rank, world, layout=layout).clone().requires_grad_() for x in (q, k, v))
         dout = shard(dout, rank, world, layout=layout)
         masks = {}
@@ -129,7 +142,7 @@ def _errors(rank, world):
             return f"{type(e).__name__}: {e}"
         return None
 
-    t = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
+    t = lambda *s: torch.zeros(*s, dtype=torch.float64)
     n = 4 + (rank == world - 1)                          # the last rank's shard is longer
     return {
         "uneven_q": catch(lambda: ring_attention(t(2, n, 8), t(2, 4, 8), t(2, 4, 8))),
@@ -282,7 +295,10 @@ def _check_cases(results, world):
                             layout=layout, dim=-1 if key == "lse" else -2).numpy()
                for key in ("out", "lse", "dq", "dk", "dv")}
         oracle, same_precision = _single(case, world)
-        if "dsinks" in oracle:                # per head: every rank holds the whole (summed) gradient
+        if "dsinks" in oracle and _per_row(oracle["dsinks"], oracle["lse"].shape[-1]):   # sharded like q
+            got["dsinks"] = unshard([torch.from_numpy(r["cases"][case]["dsinks"]) for r in results],
+                                    layout=layout, dim=-1).numpy()
+        elif "dsinks" in oracle:              # per head: every rank holds the whole (summed) gradient
             got["dsinks"] = results[0]["cases"][case]["dsinks"]
             if not all(np.array_equal(r["cases"][case]["dsinks"], got["dsinks"]) for r in results):
                 failures.append(f"{case} P={world}: ranks hold different dsinks")

@@ -11,10 +11,10 @@ from attnkit.explain import explain
 from attnkit.testing import make_qkv
 
 pytest.importorskip("matplotlib")
-from matplotlib import colormaps  # noqa: E402
-from matplotlib.colors import to_rgb  # noqa: E402
+from matplotlib import colormaps
+from matplotlib.colors import to_rgb
 
-from attnkit import plot  # noqa: E402
+from attnkit import plot
 
 PACKED = dict(cu_seqlens_q=np.array([0, 2, 5]), cu_seqlens_k=np.array([0, 2, 5]))
 

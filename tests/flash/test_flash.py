@@ -6,14 +6,14 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from cases import assert_grads_close, both, random_case
 
 import attnkit
 from attnkit import flash, reference
 from attnkit.flash import plan
-from attnkit.spec import validate
 from attnkit.spec import geometry as geo
+from attnkit.spec import validate
 from attnkit.testing import error_budget, make_qkv, max_error
+from cases import assert_grads_close, both, random_case
 
 F = dict(backend="flash")
 

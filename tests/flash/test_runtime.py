@@ -1,8 +1,6 @@
 """The flash runtime: the threads knob, concurrent calls, BLAS held to one thread and
 restored, no threadpoolctl, and safety after fork and under KeyboardInterrupt."""
 
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -11,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+import attnkit
 from attnkit import flash
 from attnkit.flash import runtime
 from attnkit.spec import validate
@@ -195,17 +194,20 @@ before = blas()
 q, k, v = make_qkv((1, 4, 200, 16), (1, 4, 200, 16), dtype="float32", seed=2)
 want = attnkit.attention(q, k, v, causal=True, backend="flash")
 stop = False
+go = threading.Event()
 
 def storm():
+    go.wait()                            # not while the main thread is still in t.start()
     rng = np.random.default_rng(0)
     while not stop:
         time.sleep(float(rng.uniform(0, 0.003)))
         _thread.interrupt_main()
 
 t = threading.Thread(target=storm, daemon=True)
-t.start()
 hits = calls = 0
 deadline = time.time() + 8
+t.start()
+go.set()
 while time.time() < deadline:
     try:
         calls += 1
@@ -234,3 +236,40 @@ def test_interrupt_storm_leaves_pool_locks_and_blas_intact():
     assert r.returncode == 0 and r.stdout.startswith("ok"), (r.stdout, r.stderr[-3000:])
     _, hits, calls = r.stdout.split()
     assert int(hits) > 20                                   # the storm really hit calls
+
+
+def test_a_threadpoolctl_error_is_raised_and_the_next_call_works(monkeypatch):
+    """An error inside the BLAS-limit thread (threadpoolctl failing once) reaches the
+    call that asked, named, and the thread lives on: the next call neither hangs nor
+    fails, and BLAS ends with its thread count."""
+    ctl = runtime.blas_controller()
+    if ctl is None:
+        pytest.skip("threadpoolctl is not installed")
+    before = [i["num_threads"] for i in ctl.info()]
+    orig, calls = ctl.limit, []
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("hiccup")
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(ctl, "limit", flaky)
+    q = np.ones((1, 4, 300, 16), np.float32)
+    results = []
+
+    def call():
+        try:
+            results.append(attnkit.attention(q, q, q, backend="flash"))
+        except RuntimeError as e:
+            results.append(e)
+
+    for _ in range(2):
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "attention hung after a threadpoolctl error"
+    assert isinstance(results[0], RuntimeError) and "hold BLAS to one thread" in str(results[0])
+    assert "OSError: hiccup" in str(results[0])
+    assert np.allclose(results[1], 1.0)
+    assert [i["num_threads"] for i in ctl.info()] == before

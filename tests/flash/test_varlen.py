@@ -130,3 +130,19 @@ def test_many_short_sequences_use_both_workers_and_stay_exact():
     with flash.threads(2):
         got = attnkit.attention(q, k, v, backend="flash")
     assert max_error(got, attnkit.attention(q, k, v, backend="reference")) <= 1e-12
+
+
+# ---- found by mutation testing (scripts/mutation.py, docs/mutation.md) ------------------
+def test_query_lengths_alone_pad_rows():
+    """q_lengths without kv_lengths: rows past each sequence's length are padding (out 0,
+    lse -inf, no gradient) on the flash rung too, and the rest is the reference's."""
+    q, k, v = make_qkv((3, 2, 9, 8), (3, 1, 7, 8), 5, seed=11)
+    dout = np.random.default_rng(12).standard_normal((3, 2, 9, 5))
+    spec = validate(q, k, v, causal=True, q_lengths=np.array([9, 4, 0]))
+    out, lse, _ = flash.rung_forward(spec, block_m=4, block_n=4)
+    g = flash.rung_backward(spec, dout, out, lse, block_m=4, block_n=4)
+    ref_out, ref_lse, _ = reference.rung_forward(spec)
+    ref_g = reference.rung_backward(spec, dout, ref_out, ref_lse)
+    assert max_error(out, ref_out) <= 1e-12 and max_error(lse, ref_lse) <= 1e-12
+    assert all(max_error(a, b) <= 1e-12 for a, b in zip(g[:3], ref_g[:3]))
+    assert np.all(out[1, :, 4:] == 0) and np.all(lse[2] == -np.inf) and np.all(g.dq[1, :, 4:] == 0)

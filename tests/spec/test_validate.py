@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import attnkit
+from attnkit.testing import make_qkv
 
 Q, K, V = np.ones((2, 4)), np.ones((3, 4)), np.ones((3, 2))
 Q4, K4, V4 = np.ones((2, 2, 5, 4)), np.ones((2, 1, 6, 4)), np.ones((2, 1, 6, 3))
@@ -165,3 +166,178 @@ def test_backward_needs_the_forward_seed_for_dropout():
     o, lse = attnkit.attention(Q, K, V, dropout=0.5, seed=3, return_lse=True)
     with pytest.raises(ValueError, match=r"^seed\b"):
         attnkit.attention_backward(np.ones_like(o), Q, K, V, o, lse, dropout=0.5)
+
+
+# ---- found by mutation testing (scripts/mutation.py, docs/mutation.md) ------------------
+# Each test below fails on a mutant of attnkit.spec.validate that the tests above let
+# through: a check loosened or tightened by one token, or a message that says the wrong
+# thing.
+BAD_MORE = [
+    (TypeError, "k", dict(k=None)),
+    (ValueError, "q, k, v: leading batch dims",                        # k alone does not broadcast
+     dict(q=np.ones((2, 1, 2, 4)), k=np.ones((3, 1, 3, 4)), v=np.ones((2, 1, 3, 2)))),
+    (ValueError, "q, k, v: leading batch dims",                        # v alone does not broadcast
+     dict(q=np.ones((2, 1, 2, 4)), k=np.ones((2, 1, 3, 4)), v=np.ones((3, 1, 3, 2)))),
+    (ValueError, "dropout", dict(dropout=False)),
+    (ValueError, "dropout", dict(dropout="0.1", seed=1)),
+]
+
+
+@_cases(BAD_MORE)
+def test_more_bad_input_gets_a_named_error(error, name, kw):
+    with pytest.raises(error, match=rf"^{re.escape(name)}(?!\w)"):
+        _call(dict(q=Q, k=K, v=V), kw)
+
+
+def test_a_2d_offsets_column_is_not_taken_for_offsets():
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: expected a 1-D array"):
+        _call(PACKED, dict(cu_seqlens_q=np.array([[0], [3], [7]]), cu_seqlens_k=np.array([0, 3, 9])))
+
+
+def test_messages_say_the_polarity_and_what_was_expected():
+    with pytest.raises(TypeError, match=r"^keep: .*\(True = attend\)"):
+        attnkit.attention(Q, K, V, keep=np.ones((2, 3)))
+    with pytest.raises(TypeError, match=r"^drop: .*\(True = masked out\)"):
+        attnkit.attention(Q, K, V, drop=np.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"^softcap: expected a positive finite number"):
+        attnkit.attention(Q, K, V, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"^scale: expected a finite real number"):
+        attnkit.attention(Q, K, V, scale=float("inf"))
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: expected a 1-D array of B \+ 1 >= 2 offsets"):
+        _call(PACKED, dict(cu_seqlens_q=np.array([0]), cu_seqlens_k=np.array([0, 9])))
+
+
+def test_valid_edge_values_are_accepted():
+    """The checks' boundaries: a negative or zero scale, the largest seed, nested lists,
+    one packed sequence."""
+    q, k, v = make_qkv((2, 4), (3, 4), 2, seed=0)
+    for s in (-0.5, 0.0):
+        want = attnkit.attention(q * s, k, v, scale=1.0)
+        assert np.allclose(attnkit.attention(q, k, v, scale=s), want, rtol=0, atol=1e-15)
+    out = attnkit.attention(q, k, v, dropout=0.5, seed=2 ** 64 - 1)
+    assert np.array_equal(out, attnkit.attention(q, k, v, dropout=0.5, seed=2 ** 64 - 1))
+    lists = attnkit.attention(q.tolist(), k.tolist(), v.tolist())
+    assert np.array_equal(lists, attnkit.attention(q, k, v))
+    q, k, v = (x[0] for x in (Q4, K4, V4))                              # (H, L, D), (Hkv, S, D)
+    packed = attnkit.attention(q, k, v, causal=True, cu_seqlens_q=np.array([0, 5]),
+                               cu_seqlens_k=np.array([0, 6]))
+    assert np.array_equal(packed, attnkit.attention(q, k, v, causal=True))
+
+
+def test_the_seed_function_reads_lists_and_names_a_missing_matrix():
+    q, k, v = make_qkv((2, 4), (3, 4), 2, seed=1)
+    mask = np.array([[False, True, False], [True, False, False]])
+    want = attnkit.scaled_dot_product_attention(q, k, v, mask)
+    got = attnkit.scaled_dot_product_attention(q.tolist(), k.tolist(), v.tolist(), mask.tolist())
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(TypeError, match=r"^Q\b"):
+        attnkit.scaled_dot_product_attention(None, K, V)
+
+
+def test_rows_bounds_are_checked_on_both_ends_of_a_list():
+    q, k = make_qkv((3, 4), (5, 4), seed=2)[:2]
+    full = attnkit.attention_weights(q, k)
+    assert np.array_equal(attnkit.attention_weights(q, k, rows=[-3, 2]), full[[0, 2]])
+    assert attnkit.attention_weights(q, k, rows=1).shape == (1, 5)       # an int is one row, axis kept
+    for rows in ([-4, 0], [0, 3]):
+        with pytest.raises(ValueError, match=r"^rows\b"):
+            attnkit.attention_weights(q, k, rows=rows)
+
+
+def test_merge_takes_any_iterable_and_one_dimensional_blocks():
+    o, lse = attnkit.attention(Q, K, V, return_lse=True)
+    want = attnkit.merge([o, o], [lse, lse])
+    got = attnkit.merge(iter([o, o]), (x for x in [lse, lse]))
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    out, l = attnkit.merge([np.ones(3), np.zeros(3)], [np.array(0.0), np.array(0.0)])   # one row, no batch
+    assert np.allclose(out, 0.5) and np.isclose(l, np.log(2))
+    with pytest.raises(TypeError, match=r"^lses\[0\]"):
+        attnkit.merge([o], [lse.tolist()])
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"^lses\[0\]: expected a NumPy array like q"):
+        attnkit.merge([o], [torch.tensor(lse)])
+    with pytest.raises(TypeError, match=r"^outs\[1\]: expected a torch.Tensor like q"):
+        attnkit.merge([torch.tensor(o), o], [torch.tensor(lse), torch.tensor(lse)])
+
+
+def test_the_spec_is_frozen_and_2d_calls_take_2d_saved_results():
+    import dataclasses
+
+    from attnkit.spec import validate
+    q, k, v = make_qkv((3, 4), (5, 4), 2, seed=3)
+    spec = validate(q, k, v)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.L = 4
+    out, lse = attnkit.attention(q, k, v, return_lse=True)
+    assert out.shape == (3, 2) and lse.shape == (3,)
+    dq, dk, dv = attnkit.attention_backward(np.ones_like(out), q, k, v, out, lse)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+# ring attention's and MultiheadAttention's own checks (their tests need processes or
+# modules; the checks themselves are plain functions)
+def test_ring_shard_checks():
+    from attnkit.spec import check_group, check_layout, check_ring_shard, check_world, validate
+    q, k, v = make_qkv((1, 2, 4, 8), (1, 2, 6, 8), seed=4)
+    spec = validate(q, k, v)
+    keep = np.array([True, False, True, True, True, True]).reshape(1, 1, 6) | np.zeros((2, 1, 6), bool)
+    drop = np.array([False, False, False, True, False, False])
+    assert check_ring_shard(spec, None, None, "contiguous") is None
+    assert np.array_equal(check_ring_shard(spec, keep, drop, "zigzag"), keep & ~drop)
+    assert np.array_equal(check_ring_shard(spec, keep[None], None, "contiguous"), keep[None])
+    assert np.array_equal(check_ring_shard(spec, None, drop, "contiguous"), ~drop)
+    odd = validate(*make_qkv((1, 2, 3, 8), (1, 2, 5, 8), seed=5))
+    assert check_ring_shard(odd, None, None, "contiguous") is None
+    bad = [(spec, dict(layout="spiral"), "layout"),
+           (validate(q, k, v, bias=np.zeros((4, 6))), {}, "bias"),
+           (validate(q, k, v, q_lengths=np.array([3])), {}, "q_lengths"),
+           (validate(q[0], k[0], v[0], cu_seqlens_q=np.array([0, 4]), cu_seqlens_k=np.array([0, 6])), {},
+            "cu_seqlens_q"),
+           (spec, dict(keep=np.ones((1, 1, 1, 5), bool)), "keep"),
+           (spec, dict(keep=np.ones((4, 6), bool)), "keep"),
+           (spec, dict(drop=np.ones(5, bool)), "drop"),
+           (odd, dict(layout="zigzag"), "q"),
+           (validate(*make_qkv((1, 2, 4, 8), (1, 2, 5, 8), seed=6)), dict(layout="zigzag"), "k")]
+    for s, kw, name in bad:
+        args = dict(keep=None, drop=None, layout="contiguous") | kw
+        with pytest.raises(ValueError, match=rf"^{name}\b"):
+            check_ring_shard(s, args["keep"], args["drop"], args["layout"])
+    assert check_layout("zigzag") == "zigzag"
+    for rank, world in ((0, 1), (0, 2), (1, 2)):
+        check_world(rank, world)
+    for rank, world in ((1, 1), (2, 2), (5, 2), (-1, 2), (0, 0), (0, 1.5), ("0", 2)):
+        with pytest.raises(ValueError, match=r"^rank, world\b"):
+            check_world(rank, world)
+    check_group(None)
+    with pytest.raises(TypeError, match=r"^group\b"):
+        check_group(object())
+
+
+def test_multihead_attention_config_checks():
+    from attnkit.spec.checks import check_mha_config
+    check_mha_config(8, 2, 1, 0.0)
+    check_mha_config(8, 8, 8, 0.5)
+    for args, name in (((8.0, 2, 1, 0.0), "embed_dim"), ((8, True, 1, 0.0), "num_heads"),
+                       ((8, 2, 0, 0.0), "num_kv_heads"), ((9, 2, 1, 0.0), "embed_dim"),
+                       ((8, 4, 3, 0.0), "num_kv_heads"), ((8, 2, 1, False), "dropout"),
+                       ((8, 2, 1, "0.1"), "dropout"), ((8, 2, 1, 1.0), "dropout")):
+        with pytest.raises(ValueError, match=rf"^{name}\b"):
+            check_mha_config(*args)
+
+
+def test_the_keyword_table_fills_every_docstring_and_stays_fixed():
+    """The "Masking keywords" section replaces {masking}, indented like the docstring's
+    other sections, with each keyword's sentence; the table and its TypedDict: every
+    keyword optional, the entries frozen."""
+    import dataclasses
+
+    from attnkit.spec.options import OPTIONS, Masking
+    for fn in (attnkit.attention, attnkit.attention_weights, attnkit.attention_backward,
+               attnkit.attention_kvcache, attnkit.explain):
+        doc = fn.__doc__
+        assert "{masking}" not in doc
+        assert "\n    Masking keywords\n    ----------------\n    scale : default None\n        score scale" in doc
+        assert all(f"\n        {o.doc}.\n" in doc for o in OPTIONS if o.kvcache or fn is not attnkit.attention_kvcache)
+    assert not Masking.__required_keys__
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        OPTIONS[0].default = 1.0

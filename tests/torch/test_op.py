@@ -322,6 +322,7 @@ def test_triton_rung_through_the_same_op(monkeypatch):
         assert a.shape == b.shape and max_error(a.detach(), b.detach()) <= 1e-5
 
 
+@pytest.mark.real_auto
 def test_cpu_tensors_run_the_flash_rung_when_heads_are_large(monkeypatch):
     """Large heads go through flash (small ones through the vectorised reference):
     forward and backward match the reference rung, and flash really ran."""

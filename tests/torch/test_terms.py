@@ -108,3 +108,20 @@ def test_torch_compile_fullgraph_with_the_new_terms():
     ge = torch.autograd.grad(eager.sum(), (q, k, v, sinks))
     gc = torch.autograd.grad(compiled.sum(), (q, k, v, sinks))
     assert all(torch.equal(a, b) for a, b in zip(ge, gc))
+
+
+def test_tensors_that_would_get_no_gradient_are_refused_while_grad_is_on():
+    """No silent holes in autograd: slopes that require grad (attnkit has no ALiBi
+    gradient) and attention_kvcache (forward only) raise a TypeError naming the
+    argument; under torch.no_grad() both run."""
+    q = torch.randn(1, 2, 4, 8)
+    slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+    with pytest.raises(TypeError, match="^alibi_slopes: attnkit computes no gradient"):
+        attnkit.attention(q, q, q, alibi_slopes=slopes)
+    cache = torch.zeros(1, 2, 8, 8)
+    with pytest.raises(TypeError, match="^q: attention_kvcache is forward only"):
+        attnkit.attention_kvcache(q.clone().requires_grad_(), cache, cache, torch.tensor([3]))
+    with torch.no_grad():
+        assert attnkit.attention(q, q, q, alibi_slopes=slopes).shape == (1, 2, 4, 8)
+        assert attnkit.attention_kvcache(q.clone().requires_grad_(), cache, cache, torch.tensor([3])).shape == \
+            (1, 2, 4, 8)

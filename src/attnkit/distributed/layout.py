@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from attnkit.spec import band, check_layout, check_world
+from attnkit.spec.geometry import Segment, key_range, query_range
 
 
 # ---------------------------------------------------------------------------
@@ -161,23 +162,19 @@ def _segments(rank, world, n, layout):
     return ((a * c, 0, c), (b * c, c, c))
 
 
-def _plan_pair(gq, lq, m, gk, lk, n, offset, left, right):
+def _plan_pair(gq, lq, m, gk, lk, n, sigma, b):
     """Block for query rows [gq, gq+m) (global) stored at local lq, against keys
-    [gk, gk+n) stored at local lk, when key j is visible to query i iff
-    i + offset − left <= j <= i + offset + right (None = unbounded): cropped to the
-    rows and keys that see anything. None if empty."""
-    d = gq - gk + offset                       # query ii sees keys jj in [ii + lo, ii + hi]
-    lo = None if left is None else d - left
-    hi = None if right is None else d + right
-    r0 = 0 if hi is None else max(0, -hi)      # rows before r0 see no key of this block
-    r1 = m if lo is None else min(m, n - lo)   # rows from r1 on see no key either
+    [gk, gk+n) stored at local lk, under the band b with the global diagonal
+    diag(i) = i + sigma: cropped to the rows and keys that see anything (the rungs'
+    own rule, :mod:`attnkit.spec.geometry`). None if empty."""
+    seg = Segment(gq, gq + m, gk, gk + n, sigma)
+    r0, r1 = query_range(seg, b, gk, gk + n)
     if r0 >= r1:
         return None
-    c0 = 0 if lo is None else max(0, r0 + lo)  # keys no row in [r0, r1) can see are cut
-    c1 = n if hi is None else min(n, r1 + hi)
+    c0, c1 = key_range(seg, b, r0, r1)
     if c0 >= c1:
         return None
-    return Block(lq + r0, lq + r1, lk + c0, lk + c1, gq + r0, gk + c0)
+    return Block(lq + r0 - gq, lq + r1 - gq, lk + c0 - gk, lk + c1 - gk, r0, c0)
 
 
 def _coalesce(blocks):
@@ -234,9 +231,9 @@ def plan(rank: int, src: int, world: int, Lr: int, Sr: int, *, L: int | None = N
     """
     L = world * Lr if L is None else L
     S = world * Sr if S is None else S
-    offset = S - L if align == "bottom_right" else 0
-    left, right = band(causal, window)
+    sigma = Segment.of(0, L, 0, S, align).sigma
+    bd = band(causal, window)
     qsegs, ksegs = _segments(rank, world, Lr, layout), _segments(src, world, Sr, layout)
     blocks = [b for gq, lq, m in qsegs for gk, lk, n in ksegs
-              if (b := _plan_pair(gq, lq, m, gk, lk, n, offset, left, right)) is not None]
+              if (b := _plan_pair(gq, lq, m, gk, lk, n, sigma, bd)) is not None]
     return _coalesce(blocks)

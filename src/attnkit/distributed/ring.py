@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from attnkit.backends import select
 from attnkit.merge import merge as _merge
+from attnkit.reference import sink_gradient
 from attnkit.spec import (
     ALIGNS,
     RING_LAYOUTS,
@@ -63,10 +64,10 @@ from attnkit.spec import (
     check_layout,
     check_ring_shard,
     dtype_name,
-    reduce_to,
     validate,
 )
 from attnkit.spec.validate import check_lengths
+from attnkit.torch.op import acc_dtype, seed_tensor
 
 from .layout import plan
 
@@ -167,8 +168,7 @@ def _validate(q, k, v, keep, drop, cfg, ring, options):
         spec = spec.replace(kv_lengths=check_lengths("kv_lengths", kv_lengths, True, spec.batch,
                                                      ring.world * spec.S, "S (the whole sequence)"))
         if spec.dropout > 0:                     # one seed for the whole ring: rank 0's
-            seed = int(spec.seed) - (1 << 64) if spec.seed is not None and spec.seed >= 1 << 63 else \
-                int(spec.seed if spec.seed is not None else torch.randint(0, 1 << 62, ()).item())
+            seed = int(seed_tensor(spec))
     except (TypeError, ValueError) as e:
         err = e
     meta = [int(err is not None)]
@@ -214,10 +214,6 @@ def _validate(q, k, v, keep, drop, cfg, ring, options):
 class _Config:
     group: object
     layout: str
-
-
-def _acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _rows(x, b, tail):
@@ -271,7 +267,7 @@ def _fold_sinks(spec, out, lse):
 
 
 def _forward(spec, keep, cfg, ring, rung):
-    acc = _acc_dtype(spec.q.dtype)
+    acc = acc_dtype(spec.q)
     out = torch.zeros(spec.out_shape, dtype=acc, device=spec.q.device)
     lse = torch.full(spec.lse_shape, float("-inf"), dtype=acc, device=spec.q.device)
     for _, src, kb, vb, mb in _shards(spec, keep, ring):
@@ -285,7 +281,7 @@ def _forward(spec, keep, cfg, ring, rung):
 
 def _backward(dout, spec, out, lse, keep, cfg, ring, rung):
     q, k, v = spec.q, spec.k, spec.v
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dkv_in = dkv_works = None
     for _, src, kb, vb, mb in _shards(spec, keep, ring):
@@ -308,14 +304,18 @@ def _backward(dout, spec, out, lse, keep, cfg, ring, rung):
     dk, dv = _unpack(dkv, [k.shape, v.shape])
     dsinks = None
     if spec.sinks is not None:                      # the sink's value is 0: its score gradient is -w·delta
-        delta = (dout.to(acc) * out.to(acc)).sum(-1)
-        s = spec.sinks.to(acc).broadcast_to(lse.shape)
-        w = torch.where(lse == float("-inf"), torch.zeros_like(lse), torch.exp(s - lse))
-        dsinks = reduce_to(-(w * delta), tuple(spec.sinks.shape))
-        if spec.sinks.shape[-1] == 1 and ring.world > 1:   # one logit shared by every rank's rows
+        dsinks = sink_gradient(spec, lse.to(acc), (dout.to(acc) * out.to(acc)).sum(-1)).reshape(spec.sinks.shape)
+        if _sinks_shared(spec) and ring.world > 1:   # one logit shared by every rank's rows
             dist.all_reduce(dsinks, group=ring.group)
         dsinks = dsinks.to(spec.sinks.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
+
+
+def _sinks_shared(spec):
+    """Whether the sinks are logits every rank's rows share (per head: 0-d, 1-D, or a
+    last dim of 1 on shards of several rows) rather than per row, sharded like q."""
+    shape = spec.shapes["sinks"]
+    return len(shape) <= 1 or (shape[-1] == 1 and spec.L > 1)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -355,7 +355,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
     ``causal``, ``window``, ``align`` (L ≠ S is allowed; for L == S both alignments
     agree), ``scale``, ``softcap``, ``alibi_slopes``, ``kv_lengths`` (per sequence,
     in global key positions, the same on every rank), ``sinks`` (per head, or per
-    row sharded like q; folded into the softmax once), ``dropout`` with ``seed`` (the
+    row sharded like q — with one row per rank a last dim of 1 is per row; folded into
+    the softmax once), ``dropout`` with ``seed`` (the
     same entries as on one device; without a seed rank 0 draws one from torch's
     generator); ``keep``/``drop`` must be key-padding masks of shape
     ``(..., 1 or H, 1, S/P)`` sharded like ``k``. ``bias``, ``q_lengths`` and packed

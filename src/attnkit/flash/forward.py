@@ -113,7 +113,7 @@ def _stream(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, m_i: np.ndar
 
 def finish(m_i: np.ndarray, l_i: np.ndarray, acc: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
     """(lse, out) from the running state: l_i = 0 (no key, no sink) gives lse −inf, out
-    0; a NaN sum stays NaN."""
+    0; a NaN sum stays NaN; an infinite output element (an inf value a row sees) is NaN."""
     empty = l_i == 0
     lse = np.log(l_i, out=np.full_like(l_i, -np.inf), where=~empty)
     lse += m_i
@@ -121,6 +121,9 @@ def finish(m_i: np.ndarray, l_i: np.ndarray, acc: np.ndarray | None) -> tuple[np
         flat = acc.reshape(l_i.shape[0], -1)
         np.divide(flat, l_i[:, None], out=flat, where=~empty[:, None])
         flat[empty] = 0.0
+        # |out| ≤ max |v| over visible keys: ±inf can only come from an inf value a
+        # row sees, which the NaN rule makes NaN (paths that take the plain product)
+        np.copyto(flat, np.nan, where=np.isinf(flat))
     return lse, acc
 
 

@@ -133,7 +133,12 @@ def _wait_until(done: Callable[[], bool], lock: Any, on_interrupt: Callable[[], 
             return caught
         except KeyboardInterrupt as e:
             caught = caught or e
-            on_interrupt()
+            while True:                      # a second interrupt here must not escape either
+                try:
+                    on_interrupt()
+                    break
+                except KeyboardInterrupt:
+                    pass
 
 
 def _release(lock: Any) -> None:
@@ -234,6 +239,7 @@ def run(tasks: Sequence[Any], fn: Callable[[Any], None]) -> None:
             job.errors.append(e)
             job.cancel = True
         finally:
+            job.cancel = True                # every task is claimed or abandoned by now
             late = _wait_until(lambda: not job.inside, job.wake, lambda: setattr(job, "cancel", True))
         if late is not None:
             job.errors.append(late)
@@ -248,6 +254,7 @@ class _Token:
 
     def __init__(self) -> None:
         self.acked = False
+        self.error: Exception | None = None  # threadpoolctl's, handed to the call
         self.lock = _thread.allocate_lock()
         self.lock.acquire()
 
@@ -291,6 +298,9 @@ class _Blas:
                 elif not active and self.limiter is not None:
                     limiter, self.limiter = self.limiter, None
                     limiter.restore_original_limits()
+            except Exception as e:           # noqa: BLE001 — raised by the call; this thread lives on
+                if tok is not None:
+                    tok.error = e
             finally:
                 if tok is not None:
                     tok.acked = True
@@ -298,10 +308,18 @@ class _Blas:
             del tok
 
     def request(self, cmd: str, tok: _Token) -> BaseException | None:
+        """Send ``cmd`` and wait for it: returns a KeyboardInterrupt caught meanwhile, or
+        threadpoolctl's error (as a RuntimeError naming what failed)."""
         tok.acked = False
         self.start()
         self.cmds.put((cmd, weakref.ref(tok)))
-        return _wait_until(lambda: tok.acked, tok.lock, lambda: None)
+        late = _wait_until(lambda: tok.acked, tok.lock, lambda: None)
+        if late is None and tok.error is not None:
+            e, tok.error = tok.error, None
+            what = "hold BLAS to one thread" if cmd == "enter" else "restore BLAS's thread count"
+            late = RuntimeError(f"attnkit could not {what} (threadpoolctl: {type(e).__name__}: {e})")
+            late.__cause__ = e
+        return late
 
 
 _blas = _Blas()

@@ -53,6 +53,12 @@ def prod(shape: tuple[int, ...]) -> int:
     return n
 
 
+def acc_dtype(dtype: str) -> str:
+    """The dtype attnkit accumulates (and returns lse) in for inputs of ``dtype``: float32
+    for the half types and float32, float64 for float64."""
+    return "float64" if dtype == "float64" else "float32"
+
+
 @dataclass(frozen=True)
 class Spec:
     """Validated, normalised inputs of one call. Arrays keep their library (NumPy or
@@ -136,8 +142,8 @@ class Spec:
 
     @property
     def acc_dtype(self) -> str:
-        """Half types accumulate in float32, float64 in float64."""
-        return "float64" if self.dtype == "float64" else "float32"
+        """Half types accumulate in float32, float64 in float64 (:func:`acc_dtype`)."""
+        return acc_dtype(self.dtype)
 
     @property
     def group(self) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .core import Spec, dtype_name, is_torch
 from .options import BY_NAME, NAMES
-from .validate import FLOAT_DTYPES, as_array, dtype_kind, validate
+from .validate import FLOAT_DTYPES, as_array, dtype_kind, host_ints, validate
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,6 @@ class KVCall:
     @property
     def paged(self) -> bool:
         return self.block_table is not None
-
-
-def _host(x: Any) -> np.ndarray:
-    return np.asarray(x.detach().cpu() if is_torch(x) else x)
 
 
 def _ints(name: str, x: Any, want_torch: bool, ndim: int, what: str) -> Any:
@@ -73,18 +69,27 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
     if q.ndim != 4:
         raise ValueError(f"q: expected shape (B, H, L, D), got {tuple(q.shape)}")
     B, H, L, D = (int(n) for n in q.shape)
+    if 0 in (B, H, L, D):
+        raise ValueError(f"q: expected shape (B, H, L, D) with every size at least 1, got {tuple(q.shape)}")
     k_cache = as_array("k_cache", k_cache, want_torch, required=True)
     v_cache = as_array("v_cache", v_cache, want_torch, required=True)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.ndim != 4:
+        if c.ndim != 4 or 0 in tuple(c.shape):
             raise ValueError(f"{name}: expected shape (B, Hkv, S_max, D) or (num_pages, Hkv, page_size, D), "
-                             f"got {tuple(c.shape)}")
+                             f"every size at least 1, got {tuple(c.shape)}")
         if dtype_name(c) != dtype_name(q):
             raise TypeError(f"{name}: dtype {dtype_name(c)} differs from q's dtype {dtype_name(q)}")
         if want_torch and c.device != q.device:
             raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {c.device}")
     if dtype_name(q) not in FLOAT_DTYPES:
         raise TypeError(f"q: expected a float dtype {FLOAT_DTYPES}, got {dtype_name(q)}")
+    if want_torch:
+        import torch
+        grad = [n for n, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
+                               ("v_new", v_new)) if getattr(x, "requires_grad", False)]
+        if grad and torch.is_grad_enabled():
+            raise TypeError(f"{', '.join(grad)}: attention_kvcache is forward only (no autograd); call it "
+                            "under torch.no_grad() or pass tensors that do not require grad")
     N, Hkv, P, Dk = (int(n) for n in k_cache.shape)
     Dv = int(v_cache.shape[-1])
     if Dk != D:
@@ -119,7 +124,7 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
                                  f"got {tuple(x.shape)}")
             if dtype_name(x) != dtype_name(q):
                 raise TypeError(f"{name}: dtype {dtype_name(x)} differs from q's dtype {dtype_name(q)}")
-    h_len = _host(lengths).astype(np.int64)
+    h_len = host_ints(lengths).astype(np.int64)
     if h_len.size and h_len.min() < 0:
         raise ValueError(f"cache_lengths: expected non-negative lengths, got {h_len.tolist()[:16]}")
     total = h_len + L_new
@@ -130,7 +135,7 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
         raise ValueError(f"cache_lengths: sequence {b} holds {int(h_len[b])} keys + {L_new} new = {int(total[b])}, "
                          f"{what} its capacity of {int(capacity[b])} keys")
     if block_table is not None:
-        bt = _host(block_table).astype(np.int64)
+        bt = host_ints(block_table).astype(np.int64)
         used = -(-total // P)                            # pages each sequence touches
         for b in range(B):
             pages = bt[b, :used[b]]

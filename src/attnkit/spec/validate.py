@@ -80,7 +80,8 @@ def _at_least(x: Any, nd: int) -> Any:
     return x.reshape((1,) * (nd - x.ndim) + tuple(x.shape)) if x.ndim < nd else x
 
 
-def _host_ints(x: Any) -> np.ndarray:
+def host_ints(x: Any) -> np.ndarray:
+    """x's values on the host as a NumPy array (a torch tensor is copied from its device)."""
     return np.asarray(x.detach().cpu() if is_torch(x) else x)
 
 
@@ -122,6 +123,11 @@ def check_seed(seed: Any, name: str = "seed") -> int | None:
 
 
 # ---- the call ------------------------------------------------------------------------
+def _grad_enabled() -> bool:
+    import torch
+    return torch.is_grad_enabled()
+
+
 def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = True,
              **options: Any) -> Spec:
     """Check every argument and return a Spec. Raises TypeError / ValueError naming the
@@ -208,6 +214,9 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
         if not _broadcasts_to(_shape(slopes), batch + (H,)):
             raise ValueError(f"alibi_slopes: expected a shape that broadcasts to (..., H) = {batch + (H,)}, "
                              f"got {_shape(slopes)}")
+        if want_torch and slopes.requires_grad and _grad_enabled():
+            raise TypeError("alibi_slopes: attnkit computes no gradient for the slopes; pass them without "
+                            "requires_grad (e.g. slopes.detach())")
         shapes["alibi_slopes"] = _shape(slopes)
         slopes = _at_least(slopes, 1)
 
@@ -221,6 +230,8 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
                 raise ValueError(f"sinks: a 1-D sinks array is one logit per head, expected shape ({H},), "
                                  f"got {_shape(sinks)}")
             sinks = sinks.reshape(H, 1)
+        elif sinks.ndim == 0:
+            sinks = sinks.reshape(1, 1)                  # one logit for every row
         elif not _broadcasts_to(_shape(sinks), batch + (H, L)):
             raise ValueError(f"sinks: expected shape (H,) = ({H},) or a shape that broadcasts to "
                              f"(..., H, L) = {batch + (H, L)}, got {_shape(sinks)}")
@@ -281,7 +292,7 @@ def check_lengths(name: str, x: Any, want_torch: bool, batch: tuple[int, ...], n
     if shapes is not None:
         shapes[name] = _shape(a)
     if not compiling():
-        h = _host_ints(a)
+        h = host_ints(a)
         if h.size and (h.min() < 0 or h.max() > n):
             raise ValueError(f"{name}: expected lengths in [0, {axis}={n}], got {h.ravel().tolist()[:16]}")
     return a.broadcast_to(batch) if want_torch else np.broadcast_to(a, batch)
@@ -315,7 +326,7 @@ def _cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: 
         shapes[name] = _shape(a)
         if compiling():
             continue
-        h = _host_ints(a).astype(np.int64)
+        h = host_ints(a).astype(np.int64)
         if h[0] != 0:
             raise ValueError(f"{name}: expected offsets starting at 0, got {h.tolist()[:16]}")
         if (np.diff(h) < 0).any():

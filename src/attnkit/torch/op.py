@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from ..backends import RUNGS, Grads, load
-from ..spec import OPTIONS, Spec
+from ..spec import OPTIONS, Spec, dtype_name
+from ..spec import acc_dtype as spec_acc_dtype
 
 # ---- the flat argument order: the one place that knows it --------------------------------
 _ARRAY_OPTIONS = tuple(o.name for o in OPTIONS if o.schema == "Tensor?")
@@ -49,7 +50,7 @@ _SCHEMA_ARGS = ", ".join(["Tensor q", "Tensor k", "Tensor v"]
 _UINT64 = 1 << 64
 
 
-def _seed_tensor(spec: Spec) -> torch.Tensor | None:
+def seed_tensor(spec: Spec) -> torch.Tensor | None:
     """The dropout seed as a 0-d int64 CPU tensor: the user's (wrapped into int64), else
     drawn from torch's default generator; None without dropout."""
     if spec.dropout == 0:
@@ -68,7 +69,7 @@ def to_op_args(spec: Spec, rung: str) -> tuple[Any, ...]:
         if o.name == "window":
             args += list(spec.window) if spec.window is not None else [None, None]
         elif o.name == "seed":
-            args.append(_seed_tensor(spec))
+            args.append(seed_tensor(spec))
         else:
             args.append(getattr(spec, o.name))
     return tuple(args) + (list(spec.origin), None if spec.extent is None else list(spec.extent), rung)
@@ -134,8 +135,9 @@ def numpy_spec(spec: Spec) -> Spec:
     return spec.replace(dtype=dtype, **arrays)
 
 
-def _lse_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+def acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """The accumulation (and lse) dtype for inputs like x (:func:`attnkit.spec.acc_dtype`)."""
+    return getattr(torch, spec_acc_dtype(dtype_name(x)))
 
 
 def _batch(*xs: torch.Tensor) -> tuple[int, ...]:
@@ -150,14 +152,14 @@ def _fwd(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse, _ = mod.rung_forward(spec)
         return out.contiguous(), lse.contiguous()
     out, lse, _ = mod.rung_forward(numpy_spec(spec))
-    return _torch(out, spec.q.dtype), _torch(lse, _lse_dtype(spec.q))
+    return _torch(out, spec.q.dtype), _torch(lse, acc_dtype(spec.q))
 
 
 def _fwd_fake(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = args[:3]
     batch = _batch(q, k, v)
     H, L = q.shape[-3], q.shape[-2]
-    return q.new_empty(batch + (H, L, v.shape[-1])), q.new_empty(batch + (H, L), dtype=_lse_dtype(q))
+    return q.new_empty(batch + (H, L, v.shape[-1])), q.new_empty(batch + (H, L), dtype=acc_dtype(q))
 
 
 attention_fwd = torch.library.custom_op("attnkit::attention_fwd", _fwd, mutates_args=(),
@@ -287,7 +289,7 @@ class TorchRung:
             names = ("k_cache", "v_cache", "cache_lengths", "lengths", "block_table", "k_new", "v_new")
             npkv = replace(kv, spec=numpy_spec(kv.spec), **{n: _np(getattr(kv, n)) for n in names})
             out, lse = self.mod.rung_kvcache(npkv)
-        return _torch(out, kv.spec.q.dtype), _torch(lse, _lse_dtype(kv.spec.q))
+        return _torch(out, kv.spec.q.dtype), _torch(lse, acc_dtype(kv.spec.q))
 
     def rung_weights(self, spec: Spec, lse: Any = None, rows: Any = None) -> Any:
         return self._weights(to_op_args(spec, self.mod.name), None if lse is None else lse.detach(), rows)

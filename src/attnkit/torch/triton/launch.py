@@ -63,6 +63,7 @@ import itertools
 import math
 
 from ... import philox
+from ...reference import sink_gradient
 from ...spec import geometry, reduce_to
 from . import tuning as triton_tuning
 from .jit import FP_FUSION, IMPORT_ERROR, interpreting, kernels, triton
@@ -372,17 +373,6 @@ def _grad_buffer(x_full_shape, x, acc_dtype):
     return torch.empty(x_full_shape, dtype=dtype, device=x.device)
 
 
-def _sink_gradient(spec, lse, delta):
-    """d loss / d sinks reduced to sinks' shape in their dtype: the sink is a logit
-    with value 0, so its gradient is −w_sink · delta with w_sink = exp(sink − lse)
-    (0 where the sink is −inf or lse is −inf), delta = rowsum(dout ∘ out) − dlse."""
-    import torch
-    sinks = spec.sinks.to(torch.float32).broadcast_to(spec.lse_shape)
-    shift = torch.where(lse == float("-inf"), float("inf"), lse)
-    w = torch.where(sinks == float("-inf"), 0.0, torch.exp(sinks - shift))
-    return reduce_to(-(w * delta), tuple(spec.sinks.shape)).reshape(spec.shapes["sinks"]).to(spec.sinks.dtype)
-
-
 def backward(spec, dout, out, lse, dlse=None, need_dbias=True):
     """(dq, dk, dv, dbias, dsinks) from the given out and lse (DESIGN.md: weights =
     exp(scores - lse), Jacobian term rowsum(dout ∘ out), minus ``dlse`` when a
@@ -461,5 +451,5 @@ def backward(spec, dout, out, lse, dlse=None, need_dbias=True):
         return reduce_to(g, spec.shapes[x]).to(getattr(spec, x).dtype)
 
     dbias = reduce_to(ds, spec.shapes["bias"]).to(spec.bias.dtype) if write_ds else None
-    dsinks = _sink_gradient(spec, lse, delta) if spec.sinks is not None else None
+    dsinks = None if spec.sinks is None else sink_gradient(spec, lse, delta).to(spec.sinks.dtype)
     return finish(dq, "q"), finish(dk, "k"), finish(dv, "v"), dbias, dsinks

@@ -1,0 +1,890 @@
+#!/usr/bin/env python3
+"""Mutation testing for attnkit: do the tests catch wrong code?
+
+A self-contained, AST-based mutation tool (no services, no extra packages). For each
+target module it makes realistic single-site mutants — the bugs a person writes:
+
+    compare   ``<``↔``<=``, ``>``↔``>=``, ``==``↔``!=``, ``is``↔``is not``, ``in``↔``not in``
+    arith     ``+``↔``-``, ``*``↔``/`` (not on string, tuple or list literals); ``&``↔``|``,
+              ``^``→``|``, ``<<``↔``>>``; the same for augmented assignments (``+=``↔``-=``)
+    cond      an ``if`` / ``while`` / conditional-expression / comprehension test negated
+    not       a ``not`` or ``~`` dropped
+    neg       a unary minus dropped (``-np.inf`` → ``np.inf`` among them)
+    inf       ``np.inf`` / ``float("inf")`` negated
+    bool      ``True``↔``False``
+    int       an integer constant ±1 (0 → 1)
+    boolop    ``and``↔``or``
+    minmax    ``min``↔``max`` (builtins, ``np.minimum``/``np.maximum``, ``.min()``/``.max()``)
+    del       a statement removed inside a function: an assignment, an augmented
+              assignment or a call statement (replaced by ``pass``)
+
+Not mutated: docstrings, strings and f-strings (messages), type annotations, ``assert``
+and ``raise`` statements (the conditions above a ``raise`` are), and the statements
+at module or class level (a removed one fails at import: trivially killed).
+
+Each mutant is applied to a private copy of the repository (``--work``, default
+/tmp/mutwork; one copy per job): the main tree is never written to. pytest runs from
+the copy with ``PYTHONPATH=<copy>/src`` ahead of the editable install, using this
+interpreter (the repo's .venv); a self-check proves that the copy is what gets
+imported and that a deliberate mutant there fails the tests. A baseline run of every
+mapped test file records, per test, which lines of the targets it executes (a small
+settrace plugin) and which tests fail on the unmutated code (those are deselected).
+A mutant then runs first the tests that execute its line (fastest first, ``-x``),
+and, if those pass, the whole mapped test set of its module — only a mutant that
+passes all of them survives. A mutant whose line no test executes in-process runs
+the whole set directly. A timeout (a hang) or a crash at import counts as killed.
+
+Survivors are printed with file:line, the mutation and the mutated line. Mutants
+judged equivalent (they cannot change any observable result) are listed in
+``EQUIVALENT`` below, each with a one-line reason; the kill rate is
+killed / (run − equivalent). Results go to a JSON file (``--json``) so that a rerun
+can take only the previous survivors (``--survivors-of``).
+
+Usage (slow: not run by CI; docs/mutation.md has the latest results)::
+
+    .venv/bin/python scripts/mutation.py                       # every target, every mutant
+    .venv/bin/python scripts/mutation.py spec/geometry.py merge.py --max 40 --seed 1
+    .venv/bin/python scripts/mutation.py --list spec/core.py   # print the mutants, run nothing
+    .venv/bin/python scripts/mutation.py --survivors-of out/mutation.json   # rerun survivors
+    .venv/bin/python scripts/mutation.py --jobs 2 --json out/mutation.json
+
+Targets are paths under src/attnkit (``TARGETS`` maps each to its test files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import io
+import json
+import os
+import queue
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tokenize
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = Path("src/attnkit")
+
+# target module (under src/attnkit) -> the test files that exercise it, likeliest
+# killers first. Its own doctests run too when it has any.
+_FLASH_TESTS = ["tests/flash/test_flash.py", "tests/flash/test_kernels.py", "tests/flash/test_varlen.py",
+                "tests/test_kvcache.py", "tests/test_nonfinite.py"]
+_EXPLAIN = ["tests/explain/test_trace.py", "tests/explain/test_text.py"]   # the reference's trace, shown
+TARGETS: dict[str, list[str]] = {
+    "spec/validate.py": ["tests/spec/test_validate.py", "tests/test_api.py", "tests/flash/test_varlen.py",
+                         "tests/test_kvcache.py", "tests/spec/test_options.py", "tests/test_reference.py",
+                         "tests/torch/test_op.py", "tests/torch/test_terms.py"] + _EXPLAIN,
+    "spec/geometry.py": ["tests/spec/test_geometry.py", "tests/test_reference.py", "tests/flash/test_flash.py",
+                         "tests/flash/test_varlen.py", "tests/test_kvcache.py", "tests/test_nonfinite.py",
+                         "tests/test_api.py"] + _EXPLAIN,
+    "spec/core.py": ["tests/test_reference.py", "tests/test_api.py", "tests/spec/test_validate.py",
+                     "tests/spec/test_geometry.py", "tests/flash/test_flash.py", "tests/flash/test_varlen.py",
+                     "tests/torch/test_op.py"] + _EXPLAIN,
+    "spec/checks.py": ["tests/spec/test_validate.py", "tests/test_api.py", "tests/test_merge.py",
+                       "tests/torch/test_mha.py", "tests/torch/test_op.py"],
+    "spec/options.py": ["tests/spec/test_options.py", "tests/test_api.py", "tests/spec/test_validate.py",
+                        "tests/test_kvcache.py"],
+    "spec/kvcache.py": ["tests/test_kvcache.py"],
+    "reference.py": ["tests/test_reference.py", "tests/test_nonfinite.py", "tests/test_api.py",
+                     "tests/flash/test_varlen.py", "tests/test_kvcache.py", "tests/torch/test_terms.py"] + _EXPLAIN,
+    "flash/plan.py": _FLASH_TESTS + ["tests/flash/test_runtime.py", "tests/spec/test_geometry.py"],
+    "flash/forward.py": _FLASH_TESTS + ["tests/spec/test_geometry.py"],
+    "flash/backward.py": _FLASH_TESTS + ["tests/torch/test_terms.py", "tests/spec/test_geometry.py"],
+    "flash/kernels.py": ["tests/flash/test_kernels.py"] + [t for t in _FLASH_TESTS if "kernels" not in t],
+    "flash/runtime.py": ["tests/flash/test_runtime.py", "tests/flash/test_flash.py"],
+    "merge.py": ["tests/test_merge.py", "tests/test_kvcache.py", "tests/torch/test_op.py"],
+    "nonfinite.py": ["tests/test_nonfinite.py", "tests/test_reference.py", "tests/flash/test_flash.py"],
+    "philox.py": ["tests/test_philox.py", "tests/flash/test_flash.py", "tests/test_reference.py",
+                  "tests/torch/test_terms.py"],
+    "torch/op.py": ["tests/torch/test_op.py", "tests/torch/test_terms.py"],
+}
+# Tests that fail or flake on the unmutated tree whatever the mutant (another change in
+# progress, timing): never run, so that they can neither kill nor save a mutant.
+DESELECT = ["tests/torch/test_op.py::test_cpu_tensors_run_the_flash_rung_when_heads_are_large",
+            "tests/flash/test_runtime.py::test_interrupt_storm_leaves_pool_locks_and_blas_intact"]
+
+# Mutants judged equivalent: (module, the original line stripped, the mutation) ->
+# why no observable result can change. Matched by line text, not number.
+EQUIVALENT: dict[tuple[str, str, str], str] = {}
+
+
+# ---- mutants ---------------------------------------------------------------------------
+@dataclass
+class Mutant:
+    module: str                  # under src/attnkit
+    line: int                    # 1-based
+    end_line: int
+    kind: str
+    what: str                    # "`<` -> `<=`"
+    original: str                # the original line, stripped
+    mutated: str                 # the first mutated line, stripped
+    start: tuple[int, int] = (0, 0)      # (line, char col) of the replaced span
+    end: tuple[int, int] = (0, 0)
+    replacement: str = ""
+    status: str = ""             # killed | survived | timeout | crash | equivalent
+    detail: str = ""
+    seconds: float = 0.0
+    ident: str = ""              # stable across line shifts: module, line text, mutation, column
+    cover: tuple[int, int] = (0, 0)      # lines whose execution reaches the mutated code
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return self.module, self.original, self.what
+
+
+    def apply(self, lines: list[str]) -> str:
+        (l1, c1), (l2, c2) = self.start, self.end
+        head, tail = lines[l1 - 1][:c1], lines[l2 - 1][c2:]
+        return "".join(lines[:l1 - 1] + [head + self.replacement + tail] + lines[l2:])
+
+
+_CMP = {ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"), ast.Gt: (">", ">="), ast.GtE: (">=", ">"),
+        ast.Eq: ("==", "!="), ast.NotEq: ("!=", "=="), ast.Is: ("is", "is not"), ast.IsNot: ("is not", "is"),
+        ast.In: ("in", "not in"), ast.NotIn: ("not in", "in")}
+_BIN = {ast.Add: ("+", "-"), ast.Sub: ("-", "+"), ast.Mult: ("*", "/"), ast.Div: ("/", "*"),
+        ast.BitAnd: ("&", "|"), ast.BitOr: ("|", "&"), ast.BitXor: ("^", "|"),
+        ast.LShift: ("<<", ">>"), ast.RShift: (">>", "<<")}
+_MINMAX = {"min": "max", "max": "min", "minimum": "maximum", "maximum": "minimum", "amin": "amax",
+           "amax": "amin"}
+_TYPE_NAMES = {"int", "float", "str", "bool", "bytes", "tuple", "list", "dict", "set", "None", "Any"}
+
+
+class _Source:
+    """A module's text with AST (UTF-8 byte) offsets turned into character offsets, and
+    its tokens for finding operators."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.lines = text.splitlines(keepends=True)
+        self.tokens = [t for t in tokenize.generate_tokens(io.StringIO(text).readline)
+                       if t.type in (tokenize.OP, tokenize.NAME)]
+
+    def col(self, line: int, byte_col: int) -> int:
+        return len(self.lines[line - 1].encode("utf-8")[:byte_col].decode("utf-8"))
+
+    def start(self, node: ast.AST) -> tuple[int, int]:
+        return node.lineno, self.col(node.lineno, node.col_offset)  # type: ignore[attr-defined]
+
+    def end(self, node: ast.AST) -> tuple[int, int]:
+        return node.end_lineno, self.col(node.end_lineno, node.end_col_offset)  # type: ignore[attr-defined]
+
+    def segment(self, a: tuple[int, int], b: tuple[int, int]) -> str:
+        (l1, c1), (l2, c2) = a, b
+        if l1 == l2:
+            return self.lines[l1 - 1][c1:c2]
+        return self.lines[l1 - 1][c1:] + "".join(self.lines[l1:l2 - 1]) + self.lines[l2 - 1][:c2]
+
+    def find(self, a: tuple[int, int], b: tuple[int, int], sym: str) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """The span of operator ``sym`` (one or two tokens: "is not", "not in") between a and b."""
+        toks = [t for t in self.tokens if a <= t.start and t.end <= b]
+        parts = sym.split()
+        for i, t in enumerate(toks):
+            if [x.string for x in toks[i:i + len(parts)]] == parts:
+                return t.start, toks[i + len(parts) - 1].end
+        return None
+
+
+def _is_literal_seq(node: ast.AST) -> bool:
+    if isinstance(node, (ast.Tuple, ast.List, ast.JoinedStr)):
+        return True
+    if isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)):
+        return True
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("tuple", "list", "str")
+
+
+def _is_type_expr(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant) and node.value is None:
+        return True
+    if isinstance(node, ast.Name) and node.id in _TYPE_NAMES:
+        return True
+    return isinstance(node, ast.Attribute) and node.attr in ("ndarray", "Tensor", "dtype")
+
+
+def _skipped_subtrees(tree: ast.AST) -> set[int]:
+    """ids of nodes whose subtrees are never mutated: docstrings, annotations, f-strings,
+    assert and raise statements."""
+    skip: set[int] = set()
+
+    def mark(n: ast.AST | None) -> None:
+        if n is not None:
+            for x in ast.walk(n):
+                skip.add(id(x))
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assert, ast.Raise, ast.JoinedStr)):
+            mark(node)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            mark(node.returns)
+            for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                mark(a.annotation)
+            for a in (node.args.vararg, node.args.kwarg):
+                if a is not None:
+                    mark(a.annotation)
+        elif isinstance(node, ast.AnnAssign):
+            mark(node.annotation)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                mark(first)
+    return skip
+
+
+def _bound_names(target: ast.AST) -> list[str] | None:
+    """The plain names an assignment target binds; None when it also writes into an
+    object (attribute, subscript): removing that is always a candidate."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        names: list[str] = []
+        for t in target.elts:
+            sub = _bound_names(t.value if isinstance(t, ast.Starred) else t)
+            if sub is None:
+                return None
+            names += sub
+        return names
+    return None
+
+
+def _removable(tree: ast.AST) -> set[int]:
+    """ids of the statements inside functions whose removal is a realistic bug: call
+    statements, augmented assignments, assignments into objects, and assignments that
+    rebind a name already bound earlier in the function (removing the first binding of
+    a name only raises NameError)."""
+    ids: set[int] = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        a = fn.args
+        first: dict[str, int] = {x.arg: fn.lineno for x in a.posonlyargs + a.args + a.kwonlyargs}
+        for x in (a.vararg, a.kwarg):
+            if x is not None:
+                first[x.arg] = fn.lineno
+        stmts = [n for n in ast.walk(fn) if isinstance(n, ast.stmt) and n is not fn]
+        for n in sorted(stmts, key=lambda n: (n.lineno, n.col_offset)):
+            targets: list[ast.AST] = []
+            if isinstance(n, ast.Assign):
+                targets = list(n.targets)
+            elif isinstance(n, (ast.AugAssign, ast.AnnAssign, ast.For)):
+                targets = [n.target]
+            elif isinstance(n, ast.With):
+                targets = [i.optional_vars for i in n.items if i.optional_vars is not None]
+            names = [_bound_names(t) for t in targets]
+            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call):
+                ids.add(id(n))
+            elif isinstance(n, ast.AugAssign):
+                ids.add(id(n))
+            elif isinstance(n, ast.Assign) or (isinstance(n, ast.AnnAssign) and n.value is not None):
+                if any(x is None for x in names) or all(first.get(v, n.lineno) < n.lineno
+                                                        for x in names for v in x or []):
+                    ids.add(id(n))
+            for x in names:
+                for v in x or []:
+                    first.setdefault(v, n.lineno)
+    return ids
+
+
+def generate(module: str, text: str | None = None) -> list[Mutant]:
+    """Every mutant of src/attnkit/<module> (deduplicated by resulting source)."""
+    if text is None:
+        text = (ROOT / PKG / module).read_text()
+    src = _Source(text)
+    tree = ast.parse(text)
+    skip = _skipped_subtrees(tree)
+    parents: dict[int, ast.AST] = {}
+    for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            parents[id(child)] = node
+    removable = _removable(tree)
+    out: list[Mutant] = []
+
+    def add(node: ast.AST, kind: str, what: str, a: tuple[int, int], b: tuple[int, int], repl: str) -> None:
+        lines = src.lines
+        # line: where the change is; cover: the lines whose execution reaches it
+        m = Mutant(module, a[0], b[0], kind, what, lines[a[0] - 1].strip(), "", a, b, repl,
+                   cover=(min(a[0], node.lineno), max(b[0], node.end_lineno)))  # type: ignore[attr-defined]
+        new = m.apply(lines)
+        try:
+            ast.parse(new)
+        except SyntaxError:
+            return
+        new_lines = new.splitlines()
+        m.mutated = new_lines[a[0] - 1].strip() if a[0] - 1 < len(new_lines) else ""
+        out.append(m)
+
+    def whole(node: ast.AST) -> tuple[tuple[int, int], tuple[int, int], str]:
+        a, b = src.start(node), src.end(node)
+        return a, b, src.segment(a, b)
+
+    for node in ast.walk(tree):
+        if id(node) in skip or not hasattr(node, "lineno"):
+            continue
+        if isinstance(node, ast.Compare):
+            left = node.left
+            for op, right in zip(node.ops, node.comparators):
+                sym, new = _CMP[type(op)]
+                span = src.find(src.end(left), src.start(right), sym)
+                if span:
+                    add(node, "compare", f"`{sym}` -> `{new}`", span[0], span[1], new)
+                left = right
+        elif isinstance(node, ast.BinOp) and type(node.op) in _BIN:
+            if isinstance(node.op, (ast.Add, ast.Mult)) and (_is_literal_seq(node.left) or _is_literal_seq(node.right)):
+                continue
+            if isinstance(node.op, (ast.BitOr, ast.BitAnd)) and (_is_type_expr(node.left) or _is_type_expr(node.right)):
+                continue
+            if isinstance(node.op, ast.Mod):
+                continue
+            sym, new = _BIN[type(node.op)]
+            span = src.find(src.end(node.left), src.start(node.right), sym)
+            if span:
+                add(node, "arith", f"`{sym}` -> `{new}`", span[0], span[1], new)
+        elif isinstance(node, ast.AugAssign) and type(node.op) in _BIN:
+            sym, new = _BIN[type(node.op)]
+            span = src.find(src.end(node.target), src.start(node.value), sym + "=")
+            if span:
+                add(node, "arith", f"`{sym}=` -> `{new}=`", span[0], span[1], new + "=")
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.Invert, ast.USub)):
+            sym = {ast.Not: "not", ast.Invert: "~", ast.USub: "-"}[type(node.op)]
+            a = src.start(node)
+            span = src.find(a, src.start(node.operand), sym)
+            if span and span[0] == a:
+                kind = "neg" if sym == "-" else "not"
+                add(node, kind, f"drop `{sym}`", span[0], src.start(node.operand), "")
+        elif isinstance(node, ast.BoolOp):
+            sym, new = ("and", "or") if isinstance(node.op, ast.And) else ("or", "and")
+            for left, right in zip(node.values, node.values[1:]):
+                span = src.find(src.end(left), src.start(right), sym)
+                if span:
+                    add(node, "boolop", f"`{sym}` -> `{new}`", span[0], span[1], new)
+        elif isinstance(node, ast.Constant):
+            if isinstance(node.value, bool):
+                a, b, _ = whole(node)
+                add(node, "bool", f"`{node.value}` -> `{not node.value}`", a, b, str(not node.value))
+            elif isinstance(node.value, int):
+                a, b, _ = whole(node)
+                for n in ((1,) if node.value == 0 else (node.value - 1, node.value + 1)):
+                    add(node, "int", f"`{node.value}` -> `{n}`", a, b, str(n))
+        elif isinstance(node, ast.Attribute) and node.attr == "inf" and isinstance(node.ctx, ast.Load):
+            parent = parents.get(id(node))
+            if not (isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.USub)):
+                a, b, seg = whole(node)
+                add(node, "inf", f"`{seg}` -> `-{seg}`", a, b, f"(-{seg})")
+        elif isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name) and f.id == "float" and len(node.args) == 1 \
+                    and isinstance(node.args[0], ast.Constant) and node.args[0].value == "inf":
+                parent = parents.get(id(node))
+                if not (isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.USub)):
+                    a, b, seg = whole(node)
+                    add(node, "inf", f"`{seg}` -> `-{seg}`", a, b, f"(-{seg})")
+            if isinstance(f, ast.Name) and f.id in ("min", "max"):
+                a, b, _ = whole(f)
+                add(node, "minmax", f"`{f.id}` -> `{_MINMAX[f.id]}`", a, b, _MINMAX[f.id])
+            elif isinstance(f, ast.Attribute) and f.attr in _MINMAX:
+                e = src.end(f)
+                add(node, "minmax", f"`.{f.attr}` -> `.{_MINMAX[f.attr]}`", (e[0], e[1] - len(f.attr)), e,
+                    _MINMAX[f.attr])
+        # conditions
+        test = None
+        if isinstance(node, (ast.If, ast.While, ast.IfExp)):
+            test = node.test
+        if test is not None and id(test) not in skip:
+            a, b, seg = whole(test)
+            add(test, "cond", "negate the condition", a, b, f"not ({seg})")
+        if isinstance(node, ast.comprehension):
+            for t in node.ifs:
+                a, b, seg = whole(t)
+                add(t, "cond", "negate the condition", a, b, f"not ({seg})")
+        if id(node) in removable:
+            a, b, _ = whole(node)
+            add(node, "del", "remove the statement", a, b, "pass")
+
+    seen: set[str] = set()
+    unique = []
+    count: dict[tuple[str, str, str, int], int] = defaultdict(int)
+    for m in sorted(out, key=lambda m: (m.start, m.end, m.what)):
+        h = hashlib.sha1(m.apply(src.lines).encode()).hexdigest()
+        if h not in seen:
+            seen.add(h)
+            k = (m.module, m.original, m.what, m.start[1])
+            m.ident = hashlib.sha1(repr(k + (count[k],)).encode()).hexdigest()[:10]
+            count[k] += 1
+            if m.kind == "del":
+                m.mutated = f"pass  (removed: {m.original})"
+            unique.append(m)
+    return unique
+
+
+# ---- the private copy and the runs ---------------------------------------------------------
+_COPY_IGNORE = shutil.ignore_patterns(".venv", ".venv-*", ".git", "site", "out", ".pytest_cache", ".hypothesis",
+                                      "*.egg-info", "__pycache__", "*.pyc")
+
+PLUGIN = r'''
+"""Per-test line coverage of the mutation targets (sys.settrace on every thread)."""
+import json, os, sys, threading
+_FILES = set(os.environ["MUTCOV_FILES"].split(os.pathsep))
+_OUT = os.environ["MUTCOV_OUT"]
+_cur = ["<collect>"]
+_hits = {}
+_dur = {}
+_failed = []
+_order = []
+
+def _local(frame, event, arg):
+    if event == "line":
+        _hits.setdefault(_cur[0], set()).add((frame.f_code.co_filename, frame.f_lineno))
+    return _local
+
+def _global(frame, event, arg):
+    if frame.f_code.co_filename in _FILES:
+        _hits.setdefault(_cur[0], set()).add((frame.f_code.co_filename, frame.f_lineno))
+        return _local
+    return None
+
+threading.settrace(_global)
+sys.settrace(_global)
+
+def pytest_runtest_logstart(nodeid, location):
+    _cur[0] = nodeid
+    _order.append(nodeid)
+
+def pytest_runtest_logreport(report):
+    _dur[report.nodeid] = _dur.get(report.nodeid, 0.0) + report.duration
+    if report.failed and report.nodeid not in _failed:
+        _failed.append(report.nodeid)
+
+def pytest_runtest_logfinish(nodeid, location):
+    _cur[0] = "<between>"
+
+def pytest_unconfigure(config):
+    sys.settrace(None)
+    threading.settrace(None)
+    name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    hits = {t: sorted(v) for t, v in _hits.items()}
+    with open(f"{_OUT}.{name}.json", "w") as f:
+        json.dump({"hits": hits, "durations": _dur, "failed": _failed, "order": _order}, f)
+'''
+
+
+class Workspace:
+    """``jobs`` private copies of the repository under ``work``: w0, w1, …"""
+
+    def __init__(self, work: Path, jobs: int) -> None:
+        self.work = work
+        self.dirs = [work / f"w{i}" for i in range(jobs)]
+        self.free: queue.Queue = queue.Queue()
+
+    def setup(self) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        for d in self.dirs:
+            if d.exists():
+                shutil.rmtree(d)
+            shutil.copytree(ROOT, d, ignore=_COPY_IGNORE, symlinks=True)
+            (d / ".mutation").mkdir()
+            (d / ".mutation" / "mutcov.py").write_text(PLUGIN)
+            (d / ".mutation" / "server.py").write_text(SERVER)
+            self.free.put(Runner(self, d))
+
+    def env(self, d: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(d / "src"), str(d / ".mutation")]
+                                            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["PYTHONDONTWRITEBYTECODE"] = "1"     # no stale .pyc between two mutants of one size
+        env.pop("PYTEST_ADDOPTS", None)
+        env.update(extra or {})
+        return env
+
+    def write(self, d: Path, module: str, text: str) -> None:
+        path = (d / PKG / module).resolve()
+        assert self.work.resolve() in path.parents and ROOT.resolve() not in path.parents, path
+        path.write_text(text)
+
+
+SERVER = r'''
+"""A fork server for one private copy: imports the heavy third-party modules once,
+then runs each pytest invocation in a fresh fork (attnkit is never imported here, so
+every child imports the copy's current, mutated source)."""
+import json, os, sys
+sys.dont_write_bytecode = True
+import pytest
+for name in ("numpy", "torch", "numba", "hypothesis", "threadpoolctl", "xdist"):
+    try:
+        __import__(name)
+    except Exception:
+        pass
+assert not any(m == "attnkit" or m.startswith("attnkit.") for m in sys.modules)
+print(json.dumps({"ready": os.getpid()}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1); os.dup2(fd, 2)
+        os.chdir(req["cwd"])
+        os.environ.update(req["env"])
+        sys.path[:0] = req["path"]
+        try:
+            rc = int(pytest.main(req["args"]))
+        except BaseException as e:
+            print(f"pytest.main raised {e!r}")
+            rc = 99
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(rc)
+    print(json.dumps({"pid": pid}), flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+'''
+
+
+class Runner:
+    """pytest runs in one private copy, through its fork server."""
+
+    def __init__(self, ws: Workspace, d: Path) -> None:
+        self.ws, self.d = ws, d
+        self.log = d / ".mutation" / "run.log"
+        self.proc: subprocess.Popen | None = None
+
+    def _start(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, str(self.d / ".mutation" / "server.py")], cwd=self.d,
+                                         env=self.ws.env(self.d), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True, start_new_session=True)
+            assert self.proc.stdout is not None
+            json.loads(self.proc.stdout.readline())
+        return self.proc
+
+    def _reply(self, proc: subprocess.Popen, timeout: float | None) -> dict | None:
+        assert proc.stdout is not None
+        import select
+        if timeout is not None and not select.select([proc.stdout], [], [], max(timeout, 0))[0]:
+            return None
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the fork server died")
+        return json.loads(line)
+
+    def pytest(self, args: list[str], timeout: float) -> tuple[str, int, str, float]:
+        """(outcome, rc, tail of output, seconds): outcome passed | failed | timeout."""
+        proc = self._start()
+        assert proc.stdin is not None
+        argv = ["-q", "-x", "-p", "no:cacheprovider", "--no-header", "-rf", *args]
+        req = {"cwd": str(self.d), "log": str(self.log), "args": argv, "path": [str(self.d / "src")],
+               "env": {k: v for k, v in self.ws.env(self.d).items() if k in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}}
+        t0 = time.monotonic()
+        proc.stdin.write(json.dumps(req) + "\n")
+        proc.stdin.flush()
+        pid = self._reply(proc, None)["pid"]  # type: ignore[index]
+        reply = self._reply(proc, timeout)
+        timed_out = reply is None
+        if timed_out:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            reply = self._reply(proc, None)
+        dt = time.monotonic() - t0
+        out = self.log.read_text(errors="replace")
+        if timed_out:
+            return "timeout", -9, out[-2000:], dt
+        rc = reply["rc"]  # type: ignore[index]
+        return ("passed" if rc == 0 else "failed"), rc, out[-3000:], dt
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+def _doctest_path(module: str) -> list[str]:
+    return [str(PKG / module)] if ">>>" in (ROOT / PKG / module).read_text() else []
+
+
+def test_set(module: str) -> list[str]:
+    return [t for t in TARGETS[module] if (ROOT / t).exists()] + _doctest_path(module)
+
+
+@dataclass
+class Baseline:
+    hits: dict[tuple[str, int], list[str]] = field(default_factory=dict)   # (module, line) -> tests
+    durations: dict[str, float] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def baseline(ws: Workspace, modules: list[str]) -> Baseline:
+    """Run every mapped test file once on the unmutated copy with the coverage plugin."""
+    d = ws.dirs[0]
+    # test files first: collecting a module's doctests first would import attnkit.merge
+    # (the module) over attnkit.merge (the function)
+    files = sorted({t for m in modules for t in test_set(m)}, key=lambda t: (t.startswith("src"), t))
+    cov = d / ".mutation" / "cov"
+    for old in (d / ".mutation").glob("cov.*.json"):
+        old.unlink()
+    env = ws.env(d, {"MUTCOV_FILES": os.pathsep.join(str((d / PKG / m).resolve()) for m in modules),
+                     "MUTCOV_OUT": str(cov)})
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "mutcov", "--no-header",
+           "-n", "2", *files, *(a for t in DESELECT if t.split("::")[0] in files for a in ("--deselect", t))]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, cwd=d, env=env, capture_output=True, text=True)
+    b = Baseline(seconds=time.monotonic() - t0)
+    tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
+    print(f"baseline: {len(files)} test files in {b.seconds:.0f} s: {tail[0]}", flush=True)
+    prefix = str((d / PKG).resolve()) + os.sep
+    hits: dict[tuple[str, int], set[str]] = defaultdict(set)
+    for part in sorted((d / ".mutation").glob("cov.*.json")):
+        data = json.loads(part.read_text())
+        b.durations.update(data["durations"])
+        b.failed += [t for t in data["failed"] if t not in b.failed]
+        for test, pairs in data["hits"].items():
+            if test.startswith("<"):
+                continue
+            for fname, line in pairs:
+                if fname.startswith(prefix):
+                    hits[(fname[len(prefix):], line)].add(test)
+    b.hits = {k: sorted(v) for k, v in hits.items()}
+    if b.failed:
+        print(f"baseline: {len(b.failed)} tests fail on the unmutated code and are deselected:", flush=True)
+        for t in b.failed:
+            print(f"    {t}", flush=True)
+    return b
+
+
+def self_check(ws: Workspace) -> None:
+    """Every copy's fork server imports attnkit from that copy, and a deliberate mutant
+    there fails its tests while the main tree stays as it was."""
+    runners = [ws.free.get() for _ in ws.dirs]
+    try:
+        for r in runners:
+            probe = r.d / ".mutation" / "test_copy.py"
+            probe.write_text("import attnkit\n\n\ndef test_the_copy_is_imported():\n"
+                             f"    assert attnkit.__file__ == {str((r.d / PKG / '__init__.py').resolve())!r}\n")
+            outcome, rc, out, _ = r.pytest([str(probe)], 300)
+            assert outcome == "passed", f"attnkit is not imported from the copy {r.d}:\n{out}"
+        r = runners[0]
+        module = "reference.py"
+        original = (r.d / PKG / module).read_text()
+        main_before = (ROOT / PKG / module).read_text()
+        broken = original.replace("scores = scores * spec.scale\n", "scores = scores * spec.scale * 0.5\n", 1)
+        assert broken != original
+        ws.write(r.d, module, broken)
+        try:
+            outcome, rc, out, _ = r.pytest(["tests/test_reference.py"], 300)
+        finally:
+            ws.write(r.d, module, original)
+        assert outcome == "failed", f"a deliberate mutant in the copy was not caught (rc {rc}):\n{out}"
+        assert (ROOT / PKG / module).read_text() == main_before
+    finally:
+        for r in runners:
+            ws.free.put(r)
+    print(f"self-check: the copies under {ws.work} are imported; a deliberate mutant there fails the tests",
+          flush=True)
+
+
+def run_mutant(ws: Workspace, m: Mutant, base: Baseline, originals: dict[str, str]) -> None:
+    runner: Runner = ws.free.get()
+    d = runner.d
+    try:
+        files = test_set(m.module)
+        skip = sorted(set(base.failed) | set(DESELECT))
+        deselect = [a for t in skip if t.split("::")[0] in files for a in ("--deselect", t)]
+        lines = range(m.cover[0], m.cover[1] + 1)
+        covering = sorted({t for line in lines for t in base.hits.get((m.module, line), [])},
+                          key=lambda t: (t.startswith("src"), base.durations.get(t, 1.0), t))
+        covering = [t for t in covering if t.split("::")[0] in files and t not in skip]
+        text = m.apply(originals[m.module].splitlines(keepends=True))
+        ws.write(d, m.module, text)
+        total = 0.0
+        stages = ([("covering", covering)] if covering else []) + [("all", files)]
+        for stage, args in stages:
+            if stage == "covering":
+                budget = 30 + 4 * sum(base.durations.get(t, 1.0) for t in covering)
+            else:
+                budget = 60 + 4 * sum(v for t, v in base.durations.items() if t.split("::")[0] in files)
+            outcome, rc, out, dt = runner.pytest(args + deselect, budget)
+            total += dt
+            if outcome == "timeout":
+                m.status, m.detail = "timeout", f"{stage}: no result after {budget:.0f} s"
+                break
+            if outcome == "failed":
+                first = next((ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))), "")
+                crash = rc not in (1,) or "error during collection" in out or "ImportError" in out
+                m.status = "crash" if crash and not first.startswith("FAILED") else "killed"
+                m.detail = f"{stage}: {first[:200] or out.strip().splitlines()[-1][:200]}"
+                break
+        else:
+            m.status, m.detail = "survived", f"{len(covering)} covering tests, then {len(files)} files"
+        m.seconds = total
+    finally:
+        ws.write(d, m.module, originals[m.module])
+        ws.free.put(runner)
+
+
+# ---- the command -----------------------------------------------------------------------------
+def _select(args: argparse.Namespace) -> list[Mutant]:
+    modules = args.targets or list(TARGETS)
+    for mod in modules:
+        if mod not in TARGETS:
+            raise SystemExit(f"unknown target {mod!r}; targets: {', '.join(TARGETS)}")
+    chosen: list[Mutant] = []
+    only: set[str] | None = None
+    if args.survivors_of:
+        prev = json.loads(Path(args.survivors_of).read_text())
+        only = {r["ident"] for r in prev["mutants"] if r["status"] == "survived"}
+    for mod in modules:
+        ms = generate(mod)
+        if only is not None:
+            ms = [m for m in ms if m.ident in only]
+        if args.kinds:
+            ms = [m for m in ms if m.kind in args.kinds]
+        if args.lines:
+            lo, _, hi = args.lines.partition("-")
+            ms = [m for m in ms if int(lo) <= m.line <= int(hi or lo)]
+        total = len(ms)
+        if args.max and len(ms) > args.max:
+            rng = random.Random(f"{args.seed}:{mod}")
+            ms = sorted(rng.sample(ms, args.max), key=lambda m: (m.start, m.what))
+        print(f"{mod}: {total} mutants" + (f", {len(ms)} sampled" if len(ms) < total else ""), flush=True)
+        chosen += ms
+    return chosen
+
+
+def _report(mutants: list[Mutant]) -> dict[str, dict[str, int]]:
+    table: dict[str, dict[str, int]] = {}
+    for m in mutants:
+        row = table.setdefault(m.module, defaultdict(int))  # type: ignore[arg-type]
+        row[m.status] += 1
+        row["mutants"] += 1
+    print("\nmodule             mutants  killed  timeout  crash  equiv  survived   kill rate")
+    tot: dict[str, int] = defaultdict(int)
+    for mod, row in list(table.items()) + [("overall", None)]:  # type: ignore[list-item]
+        if row is None:
+            row = tot
+        else:
+            for k, v in row.items():
+                tot[k] += v
+        dead = row["killed"] + row["timeout"] + row["crash"]
+        live = row["mutants"] - row["equivalent"]
+        rate = f"{100 * dead / live:6.1f} %" if live else "     -"
+        print(f"{mod:20s} {row['mutants']:5d} {row['killed']:7d} {row['timeout']:8d} {row['crash']:6d} "
+              f"{row['equivalent']:6d} {row['survived']:9d}   {rate}")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("targets", nargs="*", help="modules under src/attnkit (default: every target)")
+    p.add_argument("--max", type=int, default=0, help="sample at most N mutants per module")
+    p.add_argument("--seed", default="0", help="sampling seed")
+    p.add_argument("--kinds", nargs="*", help="only these mutation kinds (compare, arith, cond, ...)")
+    p.add_argument("--lines", help="only mutants starting on these lines (N or N-M; with one target)")
+    p.add_argument("--jobs", type=int, default=2, help="mutants run side by side (one copy each)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/mutwork"), help="where the private copies live")
+    p.add_argument("--json", type=Path, help="write every result here")
+    p.add_argument("--survivors-of", help="rerun only the survivors recorded in this JSON file")
+    p.add_argument("--list", action="store_true", help="print the mutants and exit")
+    p.add_argument("--resume", action="store_true", help="keep the results already in --json, run the rest")
+    p.add_argument("--no-equivalent", action="store_true", help="run mutants listed as equivalent too")
+    args = p.parse_args(argv)
+
+    mutants = _select(args)
+    if args.list:
+        for m in mutants:
+            print(f"{PKG / m.module}:{m.line}  [{m.ident}] {m.kind:7s} {m.what:30s} {m.mutated}")
+        return 0
+    previous: dict[str, dict] = {}
+    if args.resume and args.json and args.json.exists():
+        previous = {r["ident"]: r for r in json.loads(args.json.read_text())["mutants"] if r["status"]}
+    pending = []
+    for m in mutants:
+        if m.key in EQUIVALENT and not args.no_equivalent:
+            m.status, m.detail = "equivalent", EQUIVALENT[m.key]
+        elif m.ident in previous and previous[m.ident]["status"] != "equivalent":
+            r = previous[m.ident]
+            m.status, m.detail, m.seconds = r["status"], r["detail"], r["seconds"]
+        else:
+            pending.append(m)
+    t0 = time.monotonic()
+    if pending:
+        ws = Workspace(args.work, max(1, args.jobs))
+        ws.setup()
+        try:
+            self_check(ws)
+            base = baseline(ws, sorted({m.module for m in pending}))
+            _run_all(ws, pending, base, args, mutants, t0)
+        finally:
+            while not ws.free.empty():
+                ws.free.get().close()
+
+    survivors = [m for m in mutants if m.status == "survived"]
+    if survivors:
+        print(f"\n{len(survivors)} surviving mutants:")
+        for m in survivors:
+            print(f"  {PKG / m.module}:{m.line}  [{m.ident}] {m.what}\n      - {m.original}\n      + {m.mutated}")
+    equivalent = [m for m in mutants if m.status == "equivalent"]
+    if equivalent:
+        print(f"\n{len(equivalent)} mutants judged equivalent (not run):")
+        for m in equivalent:
+            print(f"  {PKG / m.module}:{m.line}  {m.what}: {m.mutated}\n      {m.detail}")
+    _report(mutants)
+    _save(args, mutants, t0)
+    return 0
+
+
+def _save(args: argparse.Namespace, mutants: list[Mutant], t0: float) -> None:
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"mutants": [asdict(m) for m in mutants], "seconds": time.monotonic() - t0},
+                                  indent=1))
+        tmp.replace(args.json)
+
+
+def _run_all(ws: Workspace, pending: list[Mutant], base: Baseline, args: argparse.Namespace,
+             mutants: list[Mutant], t0: float) -> None:
+    """The pending mutants on every copy side by side; progress lines, JSON saved as
+    it goes."""
+    originals = {mod: (ROOT / PKG / mod).read_text() for mod in {m.module for m in pending}}
+    work: queue.Queue = queue.Queue()
+    for m in pending:
+        work.put(m)
+    lock = threading.Lock()
+    done = [0]
+
+    def worker() -> None:
+        while True:
+            try:
+                m = work.get_nowait()
+            except queue.Empty:
+                return
+            run_mutant(ws, m, base, originals)
+            with lock:
+                done[0] += 1
+                if m.status == "survived" or done[0] % 25 == 0 or done[0] == len(pending):
+                    print(f"[{done[0]}/{len(pending)} {time.monotonic() - t0:.0f}s] {m.status:8s} "
+                          f"{PKG / m.module}:{m.line} {m.what}: {m.mutated}", flush=True)
+                if done[0] % 10 == 0:
+                    _save(args, mutants, t0)
+
+    threads = [threading.Thread(target=worker) for _ in ws.dirs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

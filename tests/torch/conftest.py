@@ -1,0 +1,32 @@
+"""Every torch-op test runs twice: with "auto" choosing the flash rung (the default
+for real sizes) and the reference rung (what "auto" picks for tiny calls) under the
+op — the test shapes are tiny, so without this they would only reach the reference.
+Tests of the choice itself are marked ``real_auto`` and run once, unpatched. (The
+Triton files choose their rung explicitly and run once.)"""
+
+import pytest
+
+from attnkit import backends
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_auto: run once with backend='auto' choosing as it does for users")
+
+
+TWICE = ("test_op.py", "test_mha.py", "test_terms.py")
+
+
+def pytest_generate_tests(metafunc):
+    if (metafunc.definition.path.name in TWICE and "auto_rung" in metafunc.fixturenames
+            and metafunc.definition.get_closest_marker("real_auto") is None):
+        metafunc.parametrize("auto_rung", ["flash", "reference"], indirect=True,
+                             ids=["under-flash", "under-reference"])
+
+
+@pytest.fixture(autouse=True)
+def auto_rung(request, monkeypatch):
+    """backend="auto" under the op picks this rung for every call of the test."""
+    rung = getattr(request, "param", None)
+    if rung is not None:
+        monkeypatch.setattr(backends, "SMALL_TOTAL", 0 if rung == "flash" else 1 << 62)
+    return rung
