@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..nonfinite import exempt_matmul
+from ..nonfinite import all_finite, exempt_matmul
 from ..spec import geometry as geo
 from . import runtime
 from .plan import Call, Unit
@@ -93,21 +93,22 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: 
 def _stream(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, m_i: np.ndarray, l_i: np.ndarray,
             lo: int | None, hi: int | None) -> State:
     """online_softmax for a few rows (decoding) by the compiled streaming kernel: each
-    key and value row is read once for all of the unit's rows."""
+    key and value row is read once for all of its head's rows, the unit's kv heads
+    side by side."""
     spec = call.spec
     a, z = geo.key_range(u.seg, call.band, r0, r1)
     a, z = (a if lo is None else max(a, lo)), (z if hi is None else min(z, hi))
     row_lo, row_hi = call.bounds(u, r0, r1)
-    acc = np.zeros((1, u.g * (r1 - r0), spec.Dv), dtype=np.float32)
+    acc = np.zeros((u.nk, u.g * (r1 - r0), spec.Dv), dtype=np.float32)
     slopes = diag = np.zeros(0, dtype=np.float32)
     if call.slopes is not None:                          # per row: its head's slope, its diagonal
         slopes = np.repeat(np.ascontiguousarray(call.slopes[u.b][u.heads]), r1 - r0).astype(np.float32)
-        diag = np.tile(np.arange(r0, r1, dtype=np.int64) + u.seg.sigma, u.g)
+        diag = np.tile(np.arange(r0, r1, dtype=np.int64) + u.seg.sigma, u.nk * u.g)
     k, v, table, row, P = call.cache_rows(u)
     if z > a:
-        call.kern.decode_part(np.ascontiguousarray(q_t[0]), k, v, table, row, u.h0 // spec.group, P, a, z,
+        call.kern.decode_part(np.ascontiguousarray(q_t), k, v, table, row, u.h0 // spec.group, P, a, z,
                               row_lo, row_hi, np.float32(spec.softcap or 0.0), slopes, diag.astype(np.int64),
-                              m_i, l_i, acc[0])
+                              m_i, l_i, acc)
     return m_i, l_i, acc
 
 
@@ -119,11 +120,15 @@ def finish(m_i: np.ndarray, l_i: np.ndarray, acc: np.ndarray | None) -> tuple[np
     lse += m_i
     if acc is not None:
         flat = acc.reshape(l_i.shape[0], -1)
-        np.divide(flat, l_i[:, None], out=flat, where=~empty[:, None])
-        flat[empty] = 0.0
+        if empty.any():
+            np.divide(flat, l_i[:, None], out=flat, where=~empty[:, None])
+            flat[empty] = 0.0
+        else:                                            # the common case: one pass
+            flat /= l_i[:, None]
         # |out| ≤ max |v| over visible keys: ±inf can only come from an inf value a
         # row sees, which the NaN rule makes NaN (paths that take the plain product)
-        np.copyto(flat, np.nan, where=np.isinf(flat))
+        if not all_finite(flat):
+            np.copyto(flat, np.nan, where=np.isinf(flat))
     return lse, acc
 
 
@@ -168,7 +173,7 @@ def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray 
     def task(t: tuple[Any, ...]) -> None:
         n_b, i, n, lo, hi = t
         u, r0, r1 = blocks[n_b]
-        buf = np.empty(u.nk * u.g * (r1 - r0) * call.key_block(u.g * (r1 - r0)), dtype=call.acc)
+        buf = call.tile_buffer(u, r0, r1)
         q_t = call.q_tile(u, r0, r1)
         state = online_softmax(call, u, q_t, r0, r1, buf, want_out, lo, hi, with_sink=i == 0)
         if n > 1:
@@ -199,7 +204,7 @@ def weights_rows(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, lse_i: 
     lse) for rows [r0, r1) of unit u, tile by tile (weights before dropout)."""
     nk, m = u.nk, r1 - r0
     if buf is None:
-        buf = np.empty(nk * u.g * m * call.key_block(u.g * m), dtype=call.acc)
+        buf = call.tile_buffer(u, r0, r1)
     dest = w[u.b][u.heads, pos:pos + m]                  # (nk·g, rows, S)
     lse_h = lse_i.reshape(nk * u.g, m)
     for a0, a1, c0, c1, partial in call.tiles(u, r0, r1):
@@ -232,7 +237,7 @@ def weights(call: Call, lse: Any, rows: np.ndarray) -> np.ndarray:
     def task(t: tuple[Any, ...]) -> None:
         u, pos, r0, r1 = t
         q_t = call.q_tile(u, r0, r1)
-        buf = np.empty(u.nk * u.g * (r1 - r0) * call.key_block(u.g * (r1 - r0)), dtype=call.acc)
+        buf = call.tile_buffer(u, r0, r1)
         if lse_all is None:
             lse_i, _ = finish(*online_softmax(call, u, q_t, r0, r1, buf, False))
         else:

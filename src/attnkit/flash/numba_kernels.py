@@ -63,21 +63,18 @@ def exp2_f32(t):
     return f32(0.0) if t < EXP2_MIN else y
 
 
-@numba.njit(**REDUCE)
-def row_max(row, m):
-    for j in range(row.shape[0]):
-        m = _fmax(m, row[j])
-    return m
-
-
-@numba.njit(**REDUCE)
-def _softmax_row(seg, m_i, l_i, alpha, i):
-    m_new = row_max(seg, m_i[i])
+@numba.njit(**REDUCE, inline="always")
+def _softmax_span(s, i, a0, a1, m_i, l_i, alpha):
+    # row i of s over its columns [a0, a1): exp in place, the row state updated. Indexes
+    # s element by element (no row views: a view costs as much as a short row's work)
+    m_new = m_i[i]
+    for j in range(a0, a1):
+        m_new = _fmax(m_new, s[i, j])
     shift = f32(0.0) if m_new == -np.inf else m_new      # all −inf so far: shift by 0, no NaN
     total = f32(0.0)
-    for j in range(seg.shape[0]):
-        e = exp2_f32((seg[j] - shift) * LOG2E)           # subtract first: shift·LOG2E may overflow
-        seg[j] = e
+    for j in range(a0, a1):
+        e = exp2_f32((s[i, j] - shift) * LOG2E)          # subtract first: shift·LOG2E may overflow
+        s[i, j] = e
         total += e
     a = exp2_f32((m_i[i] - shift) * LOG2E)               # m_i = −inf gives 0
     alpha[i] = a
@@ -88,7 +85,7 @@ def _softmax_row(seg, m_i, l_i, alpha, i):
 @numba.njit(**REDUCE)
 def _softmax_tile(s, m_i, l_i, alpha):
     for i in range(s.shape[0]):
-        _softmax_row(s[i], m_i, l_i, alpha, i)
+        _softmax_span(s, i, 0, s.shape[1], m_i, l_i, alpha)
 
 
 @numba.njit(**REDUCE)
@@ -96,38 +93,40 @@ def _softmax_tile_bounded(s, m_i, l_i, alpha, lo, hi, c0):
     # row i limited to the keys [lo[i], hi[i]); the other columns get weight 0
     w = s.shape[1]
     for i in range(s.shape[0]):
-        row = s[i]
         a0 = min(max(lo[i] - c0, 0), w)
         a1 = min(max(hi[i] - c0, a0), w)
-        row[:a0] = f32(0.0)
-        row[a1:] = f32(0.0)
-        _softmax_row(row[a0:a1], m_i, l_i, alpha, i)     # indexed from 0: the loops vectorise
+        for j in range(a0):
+            s[i, j] = f32(0.0)
+        for j in range(a1, w):
+            s[i, j] = f32(0.0)
+        _softmax_span(s, i, a0, a1, m_i, l_i, alpha)
 
 
 @numba.njit(**ORDERED)
 def rescale_add(o, alpha, pv):
-    for i in range(o.shape[0]):
+    n = o.shape[1]
+    for i in range(o.shape[0]):                          # (element-wise indexing: no row views)
         a = alpha[i]
-        orow, prow = o[i], pv[i]
         if a == f32(1.0):
-            for j in range(orow.shape[0]):
-                orow[j] += prow[j]
+            for j in range(n):
+                o[i, j] += pv[i, j]
         else:
-            for j in range(orow.shape[0]):
-                orow[j] = orow[j] * a + prow[j]
+            for j in range(n):
+                o[i, j] = o[i, j] * a + pv[i, j]
 
 
 @numba.njit(**ORDERED)
 def exp_from_lse(s, lse):
+    n = s.shape[1]
     for i in range(s.shape[0]):
-        row = s[i]
         if lse[i] == -np.inf:                            # fully masked row: weights 0
-            row[:] = f32(0.0)
+            for j in range(n):
+                s[i, j] = f32(0.0)
             continue
         c = lse[i]
-        for j in range(row.shape[0]):
-            x = row[j]
-            row[j] = f32(0.0) if x == -np.inf else exp2_f32((x - c) * LOG2E)  # excluded: 0 even for a NaN lse
+        for j in range(n):
+            x = s[i, j]
+            s[i, j] = f32(0.0) if x == -np.inf else exp2_f32((x - c) * LOG2E)  # excluded: 0 even for a NaN lse
 
 
 @numba.njit(**ORDERED)
@@ -144,9 +143,8 @@ def alibi_tile(s, slopes, r0, c0, sigma):
         sl = f32(slopes[h])
         for i in range(s.shape[1]):
             d0 = r0 + i + sigma - c0
-            row = s[h, i]
             for j in range(s.shape[2]):
-                row[j] -= sl * f32(abs(d0 - j))
+                s[h, i, j] -= sl * f32(abs(d0 - j))
 
 
 @numba.njit(**ORDERED, inline="always")
@@ -185,74 +183,83 @@ def dropout_tile(p, heads, r0, c0, seed, thr, scale):
             for g in range(ng):
                 a, b, c, d = _philox4(np.uint64(g0 + g), row, h_lo, h_hi, k0, k1)
                 w[4 * g], w[4 * g + 1], w[4 * g + 2], w[4 * g + 3] = a, b, c, d
-            pr = p[h, i]
             for j in range(n):
-                pr[j] = pr[j] * sc if w[off + j] >= t else f32(0.0)
+                p[h, i, j] = p[h, i, j] * sc if w[off + j] >= t else f32(0.0)
 
 
 # ---- decoding: few query rows against many keys, streamed from the cache -------------
 CHUNK = 64                                               # keys per pass over the rows
 
 
-@numba.njit(**ORDERED)
-def _dot(a, b):
-    acc = f32(0.0)
-    for d in range(a.shape[0]):
-        acc += a[d] * b[d]
-    return acc
-
-
-@numba.njit(**ORDERED)
+@numba.njit(**REDUCE)
 def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, diag, m_i, l_i, acc):
-    """Rows q (R, D) — already times scale (and / softcap) — against keys [c0, c1)
-    of one sequence and kv head ``hk``, key p at ``kc[table[row, p // P], hk, p % P]``
-    (a contiguous cache is one page per sequence: table[row] = [row], P = S). Row r
-    sees keys [lo[r], hi[r]); ALiBi subtracts slopes[r]·|diag[r] − p| when slopes has
-    rows; softcap > 0 caps. Updates the online softmax state m_i, l_i (R,) and acc
-    (R, Dv) in place, keys in chunks of CHUNK: every key and value row is read once
-    for all R rows (a GQA group's heads share one read)."""
-    R = q.shape[0]
-    s = np.empty((R, CHUNK), dtype=np.float32)
-    alpha = np.empty(R, dtype=np.float32)
-    use_alibi = slopes.shape[0] == R
+    """Rows q (A, R, D) — already times scale (and / softcap) — of kv heads hk … hk + A − 1
+    (R rows each) against keys [c0, c1) of one sequence, key p of kv head hk + a at
+    ``kc[table[row, p // P], hk + a, p % P]`` (a contiguous cache is one page per
+    sequence: table[row] = [row], P = S). Flat row f = a·R + r sees keys [lo[f], hi[f]);
+    ALiBi subtracts slopes[f]·|diag[f] − p| when slopes has rows; softcap > 0 caps.
+    Updates the online softmax state m_i, l_i (A·R,) and acc (A, R, Dv) in place, keys
+    in chunks of CHUNK: every key and value row is read once for all rows of its head
+    (a GQA group's heads share one read), and a page's heads are read together (a
+    small page holds each head's rows in a short run: read one head at a time, the
+    prefetcher would restart every run). Compiled with reassociation (sums run in
+    vector lanes, in an order fixed at compile time) and indexing the cache element by
+    element: a view per key row would cost more than the row."""
+    A, R, D = q.shape
+    Dv = acc.shape[2]
+    s = np.empty((A * R, CHUNK), dtype=np.float32)
+    alpha = np.empty(A * R, dtype=np.float32)
+    use_alibi = slopes.shape[0] == A * R
+    pages = np.empty(CHUNK, dtype=np.int64)                # each key's page and slot, for both passes
+    slots = np.empty(CHUNK, dtype=np.int64)
     for start in range(c0, c1, CHUNK):
         n = min(CHUNK, c1 - start)
+        pi, slot = start // P, start % P                   # walked along: no division per key
         for jj in range(n):
-            p = start + jj
-            krow = kc[table[row, p // P], hk, p % P]
-            for r in range(R):
-                x = _dot(q[r], krow)
-                if softcap > f32(0.0):
-                    x = softcap * np.tanh(x)
-                if use_alibi:
-                    x -= slopes[r] * f32(abs(diag[r] - p))
-                s[r, jj] = x if lo[r] <= p < hi[r] else -np.inf
-        for r in range(R):
-            m_new = m_i[r]
+            pages[jj], slots[jj] = table[row, pi], slot
+            slot += 1
+            if slot == P:
+                pi, slot = pi + 1, 0
+        for jj in range(n):
+            p, page, slot = start + jj, pages[jj], slots[jj]
+            for a in range(A):
+                for r in range(R):
+                    f = a * R + r
+                    x = f32(0.0)
+                    for d in range(D):
+                        x += q[a, r, d] * kc[page, hk + a, slot, d]
+                    if softcap > f32(0.0):
+                        x = softcap * np.tanh(x)
+                    if use_alibi:
+                        x -= slopes[f] * f32(abs(diag[f] - p))
+                    s[f, jj] = x if lo[f] <= p < hi[f] else -np.inf
+        for f in range(A * R):
+            m_new = m_i[f]
             for jj in range(n):
-                m_new = _fmax(m_new, s[r, jj])
+                m_new = _fmax(m_new, s[f, jj])
             shift = f32(0.0) if m_new == -np.inf else m_new
             total = f32(0.0)
             for jj in range(n):
-                x = s[r, jj]
+                x = s[f, jj]
                 e = f32(0.0) if x == -np.inf else exp2_f32((x - shift) * LOG2E)
-                s[r, jj] = e
+                s[f, jj] = e
                 total += e
-            a = exp2_f32((m_i[r] - shift) * LOG2E)
-            alpha[r] = a
-            l_i[r] = l_i[r] * a + total
-            m_i[r] = m_new
-            if a != f32(1.0):
-                for d in range(acc.shape[1]):
-                    acc[r, d] *= a
+            al = exp2_f32((m_i[f] - shift) * LOG2E)
+            alpha[f] = al
+            l_i[f] = l_i[f] * al + total
+            m_i[f] = m_new
+            if al != f32(1.0):
+                for d in range(Dv):
+                    acc[f // R, f % R, d] *= al
         for jj in range(n):
-            p = start + jj
-            vrow = vc[table[row, p // P], hk, p % P]
-            for r in range(R):
-                if lo[r] <= p < hi[r]:                   # an excluded key's value is never read
-                    w = s[r, jj]
-                    for d in range(vrow.shape[0]):
-                        acc[r, d] += w * vrow[d]
+            p, page, slot = start + jj, pages[jj], slots[jj]
+            for a in range(A):
+                for r in range(R):
+                    f = a * R + r
+                    if lo[f] <= p < hi[f]:               # an excluded key's value is never read
+                        w = s[f, jj]
+                        for d in range(Dv):
+                            acc[a, r, d] += w * vc[page, hk + a, slot, d]
 
 
 def _with_alpha(kernel):

@@ -148,6 +148,8 @@ class Call:
                 if stackable and G * Lq <= self.BLOCK_M:
                     per_head = G * Lq * Sk
                     nk = max(1, min(Hkv, SMALL_TILE // per_head)) if Sk <= self.BLOCK_N else 1
+                    if self.stream and G * Lq <= DECODE_ROWS:   # decoding: all kv heads, one pass over the keys
+                        nk = Hkv
                     units += [Unit(b, hk * G, min(nk, Hkv - hk), G, seg) for hk in range(0, Hkv, nk)]
                 else:
                     units += [Unit(b, h, 1, 1, seg) for h in range(H)]
@@ -160,11 +162,17 @@ class Call:
             return [(q0, q1)]
         return [(i, min(i + self.BLOCK_M, q1)) for i in range(q0, q1, self.BLOCK_M)]
 
-    def key_block(self, rows: int) -> int:
-        """Keys per tile: BLOCK_N, wider for few rows (decoding) at the same tile size."""
+    def key_block(self, u: Unit, r0: int, r1: int) -> int:
+        """Keys per tile of rows [r0, r1) of unit u: BLOCK_N, wider for few rows
+        (decoding) at the same tile size (all of the unit's heads counted)."""
+        rows = u.nk * u.g * (r1 - r0)
         if not self.tuned or rows >= self.BLOCK_M:
             return self.BLOCK_N
         return max(self.BLOCK_N, (self.BLOCK_M * self.BLOCK_N // max(rows, 1)) // self.BLOCK_N * self.BLOCK_N)
+
+    def tile_buffer(self, u: Unit, r0: int, r1: int) -> np.ndarray:
+        """Scratch for one tile of rows [r0, r1) of unit u (scores, then weights)."""
+        return np.empty(u.nk * u.g * (r1 - r0) * self.key_block(u, r0, r1), dtype=self.acc)
 
     def splits(self, n_tasks: int, keys: int) -> int:
         """How many parts (split-KV) each row block's keys are cut into, by shape."""
@@ -178,7 +186,7 @@ class Call:
         excluded and skipped), optionally within [lo, hi)."""
         a, z = geo.key_range(u.seg, self.band, r0, r1)
         a, z = (a if lo is None else max(a, lo)), (z if hi is None else min(z, hi))
-        bn = self.key_block(u.g * (r1 - r0))
+        bn = self.key_block(u, r0, r1)
         return [(c, min(c + bn, z)) for c in range(a, z, bn)]
 
     def partial(self, u: Unit, r0: int, r1: int, c0: int, c1: int) -> bool:
@@ -191,7 +199,7 @@ class Call:
         rows are taken in strips of SUB_M: strips that see the whole key block are
         merged, the others clipped to their own key bounds. Worked out once per call
         for each (sequence, row block, range)."""
-        key = (u.seg, u.g * u.nk > 1, r0, r1, lo, hi)
+        key = (u.seg, u.nk, u.g, r0, r1, lo, hi)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = [t + (self.partial(u, *t),) for t in self._tiles(u, r0, r1, lo, hi)]
@@ -290,7 +298,7 @@ class Call:
 
     def streams(self, u: Unit, r0: int, r1: int) -> bool:
         """Whether rows [r0, r1) of unit u take the streaming decode kernel."""
-        return self.stream and u.nk == 1 and u.g * (r1 - r0) <= DECODE_ROWS
+        return self.stream and u.g * (r1 - r0) <= DECODE_ROWS
 
     def cache_rows(self, u: Unit) -> tuple[Any, Any, np.ndarray, int, int]:
         """(k, v, table, row, P) for the streaming kernel: key p of the unit's sequence
