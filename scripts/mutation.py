@@ -90,7 +90,8 @@ TARGETS: dict[str, list[str]] = {
     "spec/core.py": ["tests/test_reference.py", "tests/test_api.py", "tests/spec/test_validate.py",
                      "tests/spec/test_geometry.py", "tests/flash/test_flash.py", "tests/flash/test_varlen.py",
                      "tests/torch/test_op.py"] + _EXPLAIN,
-    "spec/checks.py": ["tests/spec/test_validate.py", "tests/test_api.py", "tests/test_merge.py",
+    "spec/checks.py": ["tests/spec/test_checks.py", "tests/spec/test_validate.py",
+                       "tests/test_api.py", "tests/test_merge.py",
                        "tests/torch/test_mha.py", "tests/torch/test_op.py"],
     "spec/options.py": ["tests/spec/test_options.py", "tests/test_api.py", "tests/spec/test_validate.py",
                         "tests/test_kvcache.py"],
@@ -114,8 +115,78 @@ DESELECT = ["tests/torch/test_op.py::test_cpu_tensors_run_the_flash_rung_when_he
             "tests/flash/test_runtime.py::test_interrupt_storm_leaves_pool_locks_and_blas_intact"]
 
 # Mutants judged equivalent: (module, the original line stripped, the mutation) ->
-# why no observable result can change. Matched by line text, not number.
-EQUIVALENT: dict[tuple[str, str, str], str] = {}
+# why no observable result can change. Matched by line text, not number; where one
+# line has two mutants of the same name, the mutation ends in " @<column>" (the
+# character column of the replaced span, as --list shows it) to name one.
+EQUIVALENT: dict[tuple[str, str, str], str] = {
+    ("spec/checks.py",
+     "if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):",
+     "`1` -> `0`"):
+        "world >= 0 only adds world = 0, which 0 <= rank < world refuses anyway",
+    ("spec/core.py", "lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1",
+     "`1` -> `0` @84"):
+        "it also sums axes of length 1 (no value changes) and no gradient dim is 0 (validate refuses empty sizes)",
+    ("spec/core.py", "causal: bool = False", "`False` -> `True`"):
+        "every Spec is made by from_arrays and every caller of it passes causal",
+    ("spec/core.py", "two_d: bool = False", "`False` -> `True`"):
+        "from_arrays always passes two_d to the constructor",
+    ("spec/core.py", "def from_arrays(cls, q: Any, k: Any, v: Any, *, two_d: bool = False,", "`False` -> `True`"):
+        "the callers that omit two_d (the torch op, ring blocks) never read it; api, explain and ring read the "
+        "validated Spec's",
+    ("spec/geometry.py", "if (r, c) == (0, 0) and spec.extent is None:", "`==` -> `!=`"):
+        "a shortcut: for the whole problem the loop below shifts by (0, 0) and clips nothing, the same segments",
+    ("spec/geometry.py", "if (r, c) == (0, 0) and spec.extent is None:", "`0` -> `1`"):
+        "a shortcut: for the whole problem the loop below shifts by (0, 0) and clips nothing, the same segments",
+    ("spec/geometry.py", "for p in parts[1:]:", "`1` -> `0`"):
+        "the first part is or-ed with itself: the same mask",
+    ("spec/geometry.py", "c0: int, c1: int, index: bool = True) -> np.ndarray | None:", "`True` -> `False`"):
+        "the default is never used: the one caller (flash.plan) passes index",
+    ("spec/kvcache.py", "if Hkv < 1 or H % Hkv:", "`1` -> `0`"):
+        "Hkv >= 1 here: a cache with a zero dim was refused above",
+    ("spec/kvcache.py", 'k_new = as_array("k_new", k_new, want_torch, required=True)', "`True` -> `False`"):
+        "k_new is not None in this branch, so required never applies",
+    ("spec/kvcache.py", 'v_new = as_array("v_new", v_new, want_torch, required=True)', "`True` -> `False`"):
+        "v_new is not None in this branch (k_new and v_new come together), so required never applies",
+    ("spec/kvcache.py", "L_new = int(k_new.shape[-2]) if k_new.ndim == 4 else -1", "drop `-` @32"):
+        "k_new.ndim == 4 in that branch: index 2 is index -2",
+    ("spec/kvcache.py", "L_new = int(k_new.shape[-2]) if k_new.ndim == 4 else -1", "`1` -> `0`"):
+        "a k_new that is not 4-D fails the shape check whatever L_new; the message prints max(L_new, 0) = 0 either way",
+    ("spec/kvcache.py", "L_new = int(k_new.shape[-2]) if k_new.ndim == 4 else -1", "`1` -> `2`"):
+        "a k_new that is not 4-D fails the shape check whatever L_new; the message prints max(L_new, 0) = 0 either way",
+    ("spec/kvcache.py", "S_cap = int(capacity.max()) if B else 0", "`.max` -> `.min`"):
+        "capacity is np.full(B, ...): every entry is the same",
+    ("spec/kvcache.py", "S_cap = int(capacity.max()) if B else 0", "`0` -> `1`"):
+        "B >= 1 here: q with B = 0 was refused above",
+    ("spec/validate.py", "return x.reshape((1,) * (nd - x.ndim) + tuple(x.shape)) if x.ndim < nd else x",
+     "`<` -> `<=`"):
+        "when x.ndim == nd the reshape adds no dim: the same view",
+    ("spec/validate.py", "m = _at_least(m, 2)", "`2` -> `1`"):
+        "keep/drop/bias are only broadcast to score_shape (gradients reduced to the user's shape): leading 1s "
+        "change nothing, and a 0-d mask still becomes an array",
+    ("spec/validate.py", "m = _at_least(m, 2)", "`2` -> `3`"):
+        "keep/drop/bias are only broadcast to score_shape (gradients reduced to the user's shape): leading 1s "
+        "change nothing",
+    ("spec/validate.py", "slopes = _at_least(slopes, 1)", "remove the statement"):
+        "every rung broadcasts the slopes to batch + (H,); explain reshapes them to the user's shape",
+    ("spec/validate.py", "slopes = _at_least(slopes, 1)", "`1` -> `0`"):
+        "every rung broadcasts the slopes to batch + (H,); explain reshapes them to the user's shape",
+    ("spec/validate.py", "elif sinks.ndim == 0:", "`0` -> `1`"):
+        "a 0-d sink then stays 0-d: every rung broadcasts sinks to (..., H, L) and reduces its gradient to ()",
+    ("spec/validate.py", "sinks = sinks.reshape(1, 1)                  # one logit for every row",
+     "remove the statement"):
+        "a 0-d sink then stays 0-d: every rung broadcasts sinks to (..., H, L) and reduces its gradient to ()",
+    ("reference.py", "def rung_forward(spec: Spec, need_weights: bool = False) -> tuple[np.ndarray, np.ndarray, "
+     "np.ndarray | None]:", "`False` -> `True`"):
+        "the callers that use the default (rung_kvcache, the torch op, ring attention) discard the weights",
+    ("reference.py", "if k.shape[-2] == 0:                                 # a block table without columns: the Spec's",
+     "drop `-`"):
+        "the gathered keys are 4-D (B, Hkv, S, D): index 2 is index -2",
+}
+
+
+def equivalent_reason(m: Mutant) -> str | None:
+    """Why m is judged equivalent (EQUIVALENT), or None."""
+    return EQUIVALENT.get(m.key) or EQUIVALENT.get((m.module, m.original, f"{m.what} @{m.start[1]}"))
 
 
 # ---- mutants ---------------------------------------------------------------------------
@@ -810,8 +881,9 @@ def main(argv: list[str] | None = None) -> int:
         previous = {r["ident"]: r for r in json.loads(args.json.read_text())["mutants"] if r["status"]}
     pending = []
     for m in mutants:
-        if m.key in EQUIVALENT and not args.no_equivalent:
-            m.status, m.detail = "equivalent", EQUIVALENT[m.key]
+        why = equivalent_reason(m)
+        if why and not args.no_equivalent:
+            m.status, m.detail = "equivalent", why
         elif m.ident in previous and previous[m.ident]["status"] != "equivalent":
             r = previous[m.ident]
             m.status, m.detail, m.seconds = r["status"], r["detail"], r["seconds"]

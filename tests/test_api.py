@@ -220,3 +220,21 @@ def test_seed_mask_names_itself_and_reads_truthy_values_like_the_seed():
     a = attnkit.scaled_dot_product_attention(Q, K, V, mask=np.array([[0, 1]]))
     b = attnkit.scaled_dot_product_attention(Q, K, V, mask=np.array([[False, True]]))
     assert max_error(a[0], b[0]) == 0 and a[0][0].tolist() == [10.0, 0.0]
+
+
+# ---- found by mutation testing (scripts/mutation.py, docs/mutation.md) ------------------
+def test_two_d_q_against_batched_keys_round_trips_through_backward():
+    """A 2-D q broadcast against batched k, v: out (B, L, Dv) and lse (B, L) — no head
+    axis — and attention_weights / attention_backward take those shapes back."""
+    q = make_qkv((3, 4), (5, 4), seed=24)[0]
+    k, v = make_qkv((2, 1, 5, 4), (2, 1, 5, 4), 3, seed=25)[1:]
+    out, lse = attnkit.attention(q, k, v, return_lse=True)
+    assert out.shape == (2, 3, 3) and lse.shape == (2, 3)
+    for b in range(2):
+        assert max_error(out[b], attnkit.attention(q, k[b, 0], v[b, 0])) <= 1e-12
+    w = attnkit.attention_weights(q, k, lse=lse)
+    assert w.shape == (2, 3, 5) and max_error(w, attnkit.attention_weights(q, k)) <= 1e-12
+    dq, dk, dv = attnkit.attention_backward(np.ones_like(out), q, k, v, out, lse)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    with pytest.raises(ValueError, match=r"^dout\b"):
+        attnkit.attention_backward(np.ones((3, 3)), q, k, v, out, lse)

@@ -197,3 +197,103 @@ def test_paged_cache_helper_generates_like_attention_over_the_whole_sequence():
         cache.length(seqs[0])
     with pytest.raises(ValueError, match="^n"):
         cache.reserve(seqs[1], 16 * 4)
+
+
+# ---- found by mutation testing (scripts/mutation.py, docs/mutation.md) ------------------
+BAD_MORE = [
+    (dict(q=None), TypeError, "q"),
+    (dict(k_cache=None), TypeError, "k_cache"),
+    (dict(v_cache=None), TypeError, "v_cache"),
+    (dict(cache_lengths=None), TypeError, "cache_lengths"),
+    (dict(k_cache=np.zeros((2, 40, 4))), ValueError, "k_cache"),                  # 3-D
+    (dict(v_cache=np.zeros((2, 1, 40, 0))), ValueError, "v_cache"),               # an empty dim
+    (dict(k_cache=np.zeros((2, 0, 40, 4)), v_cache=np.zeros((2, 0, 40, 4))), ValueError, "k_cache"),
+    (dict(q=np.zeros((2, 3, 1, 4)), k_cache=np.zeros((2, 2, 40, 4)), v_cache=np.zeros((2, 2, 40, 4))),
+     ValueError, "k_cache"),                                                       # H=3 over Hkv=2
+    (dict(block_table=np.zeros((2, 1))), TypeError, "block_table"),               # float pages
+    (dict(block_table=np.zeros(2, np.int64)), ValueError, "block_table"),         # 1-D
+]
+
+
+@pytest.mark.parametrize("kw,err,name", BAD_MORE)
+def test_more_bad_input_gets_a_named_error_and_leaves_the_cache_alone(kw, err, name):
+    k, v = np.zeros((2, 1, 40, 4)), np.zeros((2, 1, 40, 4))
+    args = dict(q=np.zeros((2, 2, 1, 4)), k_cache=k, v_cache=v, cache_lengths=np.array([3, 0]))
+    args.update(kw)
+    with pytest.raises(err, match=rf"^{name}(?!\w)"):
+        attnkit.attention_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("cache_lengths"),
+                                  **args)
+    assert not k.any() and not v.any()
+
+
+def test_overflow_messages_say_whether_the_append_overflows():
+    k, v = np.zeros((2, 1, 40, 4)), np.zeros((2, 1, 40, 4))
+    q = np.zeros((2, 2, 1, 4))
+    with pytest.raises(ValueError, match=r"^cache_lengths: sequence 0 holds 41 keys \+ 0 new = 41, beyond"):
+        attnkit.attention_kvcache(q, k, v, np.array([41, 0]))
+    with pytest.raises(ValueError,
+                       match=r"^cache_lengths: sequence 1 holds 39 keys \+ 2 new = 41, the append overflows"):
+        attnkit.attention_kvcache(q, k, v, np.array([0, 39]), k_new=np.ones((2, 1, 2, 4)), v_new=np.ones((2, 1, 2, 4)))
+    assert not k.any() and not v.any()
+
+
+@pytest.mark.parametrize("bad", [-1, 4])
+def test_a_block_table_entry_outside_the_pages_is_named(bad):
+    """Page -1 would silently read the last page (NumPy's negative index); page
+    num_pages is one past the end. Either is refused, and the message names it."""
+    k, v = np.zeros((4, 1, 8, 4)), np.zeros((4, 1, 8, 4))
+    with pytest.raises(ValueError, match=rf"^block_table: sequence 0 points at page {bad} outside \[0, num_pages=4\)"):
+        attnkit.attention_kvcache(np.zeros((1, 1, 1, 4)), k, v, np.array([10]), block_table=np.array([[2, bad]]))
+    assert not k.any()
+
+
+@pytest.mark.parametrize("backend", ["flash", "reference"])
+def test_tiny_caches_one_slot_and_no_pages(backend):
+    """A contiguous cache of one slot attends its one key; a block table with no
+    columns holds no key (out 0, lse -inf)."""
+    rng = RNG(6)
+    q, k, v = rng.standard_normal((2, 2, 1, 4)), rng.standard_normal((2, 1, 1, 4)), rng.standard_normal((2, 1, 1, 3))
+    out, lse = attnkit.attention_kvcache(q, k, v, np.array([1, 0]), return_lse=True, backend=backend)
+    for b, n in enumerate((1, 0)):
+        want, want_lse = one_by_one(q[b:b + 1], [np.repeat(k[b, :, :n], 2, axis=0)],
+                                    [np.repeat(v[b, :, :n], 2, axis=0)], {})
+        assert max_error(out[b:b + 1], want) <= 1e-12 and max_error(lse[b:b + 1], want_lse) <= 1e-12
+    out, lse = attnkit.attention_kvcache(q, k, v, np.array([0, 0]), block_table=np.zeros((2, 0), np.int64),
+                                         return_lse=True, backend=backend)
+    assert out.shape == (2, 2, 1, 3) and not out.any() and np.all(lse == -np.inf)
+
+
+def test_new_keys_in_lists_are_read_like_arrays():
+    rng = RNG(8)
+    q = rng.standard_normal((1, 2, 1, 4))
+    kn, vn = rng.standard_normal((1, 1, 1, 4)), rng.standard_normal((1, 1, 1, 4))
+    k1, v1, k2, v2 = (np.zeros((1, 1, 8, 4)) for _ in range(4))
+    want = attnkit.attention_kvcache(q, k1, v1, np.array([0]), k_new=kn, v_new=vn)
+    got = attnkit.attention_kvcache(q.tolist(), k2, v2, [0], k_new=kn.tolist(), v_new=vn.tolist())
+    assert np.array_equal(got, want) and np.array_equal(k2, k1) and np.array_equal(v2, v1)
+
+
+def test_torch_caches_refuse_new_keys_that_require_grad():
+    """Forward only: any input that requires grad is named while grad mode is on; no
+    append at all runs with grad mode on."""
+    torch = pytest.importorskip("torch")
+    q, cache = torch.randn(1, 2, 1, 4), torch.zeros(1, 1, 8, 4)
+    assert attnkit.attention_kvcache(q, cache, cache, torch.tensor([3])).shape == (1, 2, 1, 4)
+    kn, vn = torch.ones(1, 1, 1, 4, requires_grad=True), torch.ones(1, 1, 1, 4)
+    with pytest.raises(TypeError, match=r"^k_new: attention_kvcache is forward only"):
+        attnkit.attention_kvcache(q, cache, cache, torch.tensor([3]), k_new=kn, v_new=vn)
+    assert not cache.any()
+    with pytest.raises(TypeError, match=r"^k_new\b"):
+        attnkit.attention_kvcache(q.numpy(), cache.numpy(), cache.numpy(), np.array([3]), k_new=kn.detach(),
+                                  v_new=vn.numpy())
+
+
+def test_the_validated_call_is_frozen():
+    """Like the Spec, a validated call cannot be changed by the rungs it is handed to."""
+    import dataclasses
+
+    from attnkit.spec.kvcache import validate_kvcache
+    kv = validate_kvcache(np.zeros((1, 1, 1, 4)), np.zeros((1, 1, 8, 4)), np.zeros((1, 1, 8, 4)), np.array([3]))
+    assert kv.page_size == 8 and not kv.paged
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        kv.page_size = 4

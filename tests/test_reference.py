@@ -290,3 +290,131 @@ def test_traced_alibi_step_penalises_pairs_inside_a_sequence_only():
             for j in range(ck[b], ck[b + 1]):
                 want[i, j] = -0.5 * abs(i + ck[b + 1] - cq[b + 1] - j)
     assert max_error((steps["alibi"] - steps["scaled"])[0], want) <= 1e-12
+
+
+@pytest.mark.parametrize("which", ["q_lengths", "kv_lengths"])
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True)])
+def test_one_kind_of_lengths_alone_equals_each_sequence_alone(which, kw):
+    """q_lengths alone or kv_lengths alone (the other side full length)."""
+    q, k, v = make_qkv((3, 2, 6, 3), (3, 1, 9, 3), 2, seed=22)
+    ql, kl = np.array([6, 2, 0]), np.array([9, 4, 1])
+    full = dict(q_lengths=np.full(3, 6), kv_lengths=np.full(3, 9))
+    full[which] = ql if which == "q_lengths" else kl
+    got = attnkit.attention(q, k, v, **{which: full[which]}, return_lse=True, **kw, **R)
+    want = _one_by_one(q, k, v, full["q_lengths"], full["kv_lengths"], kw)
+    assert all(max_error(a, b) <= 1e-12 for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("sink", [np.nan, np.inf])
+def test_padding_rows_are_zero_whatever_the_sink(sink):
+    """Rows past q_lengths are padding: out 0, lse -inf and weights 0 even with a
+    non-finite sink (which makes every real row NaN)."""
+    q, k, v = make_qkv((2, 1, 4, 3), (2, 1, 5, 3), 2, seed=23)
+    out, lse, w = attnkit.attention(q, k, v, q_lengths=np.array([4, 1]), sinks=np.array([sink]),
+                                    return_lse=True, return_weights=True, **R)
+    assert np.all(out[1, :, 1:] == 0) and np.all(lse[1, :, 1:] == -np.inf) and np.all(w[1, :, 1:] == 0)
+    assert np.isnan(out[0]).all() and np.isnan(out[1, :, 0]).all()
+    w = attnkit.attention_weights(q, k, q_lengths=np.array([4, 1]), sinks=np.array([sink]), **R)
+    assert np.all(w[1, :, 1:] == 0) and np.isnan(w[0]).all()
+
+
+def test_a_0d_sink_is_one_logit_for_every_row():
+    q, k, v = make_qkv((2, 3, 5, 4), (2, 3, 7, 4), seed=26)
+    got = attnkit.attention(q, k, v, sinks=np.array(0.4), return_lse=True, **R)
+    want = attnkit.attention(q, k, v, sinks=np.full(3, 0.4), return_lse=True, **R)
+    assert all(max_error(a, b) <= 1e-15 for a, b in zip(got, want))
+    out, lse = attnkit.attention(q, k, v, sinks=np.array(0.4), return_lse=True)      # the default rung
+    assert max_error(out, want[0]) <= 1e-12 and max_error(lse, want[1]) <= 1e-12
+
+
+def test_sink_gradient_of_torch_tensors_is_the_numpy_one():
+    """sink_gradient serves every rung: the Triton rung and ring attention hand it
+    torch tensors, the NumPy rungs arrays."""
+    torch = torch_or_skip()
+    from attnkit.reference import sink_gradient
+    from attnkit.spec import validate
+    q, k, v = make_qkv((2, 3, 4, 5), (2, 3, 6, 5), seed=27)
+    sinks = np.random.default_rng(28).standard_normal((2, 3, 4))
+    sinks[0, 1, 2] = -np.inf
+    lse = np.random.default_rng(29).standard_normal((2, 3, 4))
+    lse[1, 0] = -np.inf                                  # padding rows
+    delta = np.random.default_rng(30).standard_normal((2, 3, 4))
+    want = sink_gradient(validate(q, k, v, sinks=sinks), lse, delta)
+    t = [torch.tensor(x) for x in (q, k, v, sinks, lse, delta)]
+    got = sink_gradient(validate(*t[:3], sinks=t[3]), t[4], t[5])
+    assert isinstance(got, torch.Tensor) and got.shape == want.shape
+    assert max_error(got.numpy(), want) <= 1e-15
+
+
+def test_padding_rows_give_their_sinks_no_gradient_even_an_infinite_one():
+    q, k, v = make_qkv((2, 1, 4, 3), (2, 1, 5, 3), seed=31)
+    sinks = np.full((2, 1, 4), 0.5)
+    sinks[1, 0, 1:] = np.inf                             # on padding rows only
+    kw = dict(q_lengths=np.array([4, 1]), sinks=sinks, **R)
+    out, lse = attnkit.attention(q, k, v, return_lse=True, **kw)
+    assert np.isfinite(out).all() and np.all(out[1, :, 1:] == 0)
+    dq, dk, dv, dsinks = attnkit.attention_backward(np.ones_like(out), q, k, v, out, lse, **kw)
+    assert np.isfinite(dsinks).all() and np.all(dsinks[1, 0, 1:] == 0)
+    assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+
+
+def test_half_precision_backward_is_the_float32_computation_rounded_once():
+    q, k, v = (x.astype(np.float16) for x in make_qkv((2, 5, 8), (2, 7, 8), seed=32))
+    dout = np.random.default_rng(33).standard_normal((2, 5, 8)).astype(np.float16)
+    out, lse = attnkit.attention(q, k, v, causal=True, return_lse=True, **R)
+    assert lse.dtype == np.float32
+    got = attnkit.attention_backward(dout, q, k, v, out, lse, causal=True, **R)
+    wide = attnkit.attention_backward(*(x.astype(np.float32) for x in (dout, q, k, v, out)), lse, causal=True, **R)
+    for g, w in zip(got, wide):
+        assert g.dtype == np.float16 and np.array_equal(g, w.astype(np.float16))
+
+
+def test_a_non_finite_dout_row_reaches_only_the_values_it_attended():
+    """dv[j] = Σ_i w[i, j] dout[i]: an inf in dout[i] reaches the keys row i sees
+    (NaN there) and no other (an excluded pair is exactly 0, not 0 · inf)."""
+    q, k, v = make_qkv((1, 5, 4), (1, 5, 4), 3, seed=34)
+    out, lse = attnkit.attention(q, k, v, causal=True, return_lse=True, **R)
+    dout = np.ones_like(out)
+    dout[0, 2, 1] = np.inf                               # row 2 sees keys 0, 1, 2
+    dq, dk, dv = attnkit.attention_backward(dout, q, k, v, out, lse, causal=True, **R)
+    assert np.isnan(dv[0, :3, 1]).all() and np.isfinite(dv[0, 3:]).all() and np.isfinite(dv[0, :, [0, 2]]).all()
+    assert np.isfinite(dk[0, 3:]).all() and np.isfinite(dq[0, [0, 1, 3, 4]]).all()
+    q = q.copy()
+    q[0, 2, 0] = np.inf                                  # a non-finite query row: its keys only
+    out, lse = attnkit.attention(q, k, v, causal=True, return_lse=True, **R)
+    dq, dk, dv = attnkit.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True, **R)
+    assert np.isnan(dk[0, :3]).any() and np.isfinite(dk[0, 3:]).all()
+
+
+def test_bias_and_sink_gradients_keep_their_own_dtypes():
+    q, k, v = make_qkv((2, 4, 3), (2, 6, 3), seed=37)
+    bias = np.random.default_rng(38).standard_normal((4, 6)).astype(np.float32)
+    sinks = np.array([0.5, -0.5], np.float32)
+    out, lse = attnkit.attention(q, k, v, bias=bias, sinks=sinks, return_lse=True, **R)
+    g = attnkit.attention_backward(np.ones_like(out), q, k, v, out, lse, bias=bias, sinks=sinks, **R)
+    assert [x.dtype for x in g] == [np.float64] * 3 + [np.float32] * 2
+    assert g[3].shape == bias.shape and g[4].shape == sinks.shape
+
+
+def test_a_gradient_for_lse_enters_the_backward_pass():
+    """dlse (what the torch op receives when lse is used): the gradients are those of
+    Σ out·dout + Σ lse·dlse, by central differences."""
+    from attnkit import reference
+    from attnkit.spec import validate
+    q, k, v = make_qkv((2, 4, 3), (2, 6, 3), seed=35)
+    spec = validate(q, k, v, causal=True)
+    out, lse, _ = reference.rung_forward(spec)
+    rng = np.random.default_rng(36)
+    dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+    g = reference.rung_backward(spec, dout, out, lse, dlse)
+
+    def loss(qq, kk):
+        o, l, _ = reference.rung_forward(validate(qq, kk, v, causal=True))
+        return (o * dout).sum() + (l * dlse).sum()
+    eps = 1e-6
+    for x, grad, i in ((q, g.dq, (1, 2, 0)), (k, g.dk, (0, 1, 2))):
+        xp, xm = x.copy(), x.copy()
+        xp[i] += eps
+        xm[i] -= eps
+        args = [(xp, k), (xm, k)] if x is q else [(q, xp), (q, xm)]
+        assert abs((loss(*args[0]) - loss(*args[1])) / (2 * eps) - grad[i]) < 1e-7

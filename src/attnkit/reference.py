@@ -158,7 +158,8 @@ def sink_gradient(spec: Spec, lse: Any, delta: Any) -> Any:
     """d loss / d sinks, reduced to the shape the user gave sinks, for every rung
     (NumPy arrays or torch tensors, in lse's dtype): the sink is a logit with value 0,
     so its score gradient is w_sink · (0 − delta) with w_sink = exp(sink − lse) — 0
-    where the sink or lse is −inf — and delta = rowsum(dout ∘ out) − dlse, (..., H, L)."""
+    where the sink or lse is −inf (padding rows: whatever the sink) — and delta =
+    rowsum(dout ∘ out) − dlse, (..., H, L)."""
     inf = float("inf")
     where: Any
     exp: Any
@@ -170,7 +171,7 @@ def sink_gradient(spec: Spec, lse: Any, delta: Any) -> Any:
         where, exp = torch.where, torch.exp
         sinks = spec.sinks.to(lse.dtype).broadcast_to(lse.shape)
     shift = where(lse == -inf, inf, lse)                   # lse −inf: exp(s − inf) = 0
-    w_sink = where(sinks == -inf, 0.0, exp(sinks - shift))
+    w_sink = where(lse == -inf, 0.0, exp(sinks - shift))    # a −inf sink: exp(−inf) = 0
     return reduce_to(-(w_sink * delta), tuple(spec.sinks.shape)).reshape(spec.shapes["sinks"])
 
 
@@ -266,6 +267,8 @@ def rung_kvcache(kv: Any) -> tuple[np.ndarray, np.ndarray]:
     cache (:func:`attnkit.kvcache.gather`), then the forward above."""
     from .kvcache import gather
     k, v = gather(kv)
+    if k.shape[-2] == 0:                                 # a block table without columns: the Spec's
+        k, v = kv.spec.k, kv.spec.v                      # stand-in key (excluded: every length is 0)
     out, lse, _ = rung_forward(kv.spec.replace(k=np.asarray(k), v=np.asarray(v)))
     return out, lse
 

@@ -5,6 +5,7 @@ and the public API is fully annotated."""
 import inspect
 import typing
 
+import numpy as np
 import pytest
 
 import attnkit
@@ -57,3 +58,37 @@ def test_docs_section_from_the_table():
     text = options.docs_section()
     assert all(f"{o.name} :" in text for o in OPTIONS)
     assert "cu_seqlens_q" not in options.docs_section(kvcache=True)
+
+
+# ---- found by mutation testing (scripts/mutation.py, docs/mutation.md) ------------------
+# What attention_kvcache takes is part of its contract, written out here rather than
+# read from the table (a wrong flag in the table would then pass unseen).
+KVCACHE_TAKES = ["scale", "causal", "window", "align", "softcap", "alibi_slopes", "sinks"]
+KVCACHE_REFUSES = dict(keep=np.ones((1, 8), bool), drop=np.zeros((1, 8), bool), bias=np.zeros((1, 8)),
+                       q_lengths=np.array([1]), kv_lengths=np.array([3]), cu_seqlens_q=np.array([0, 1]),
+                       cu_seqlens_k=np.array([0, 3]), dropout=0.5, seed=1)
+
+
+def test_kvcache_signature_has_exactly_the_cache_keywords():
+    params = inspect.signature(attnkit.attention_kvcache).parameters
+    assert all(n in params for n in KVCACHE_TAKES)
+    assert not any(n in params for n in KVCACHE_REFUSES)
+    assert set(KVCACHE_TAKES) | set(KVCACHE_REFUSES) == set(NAMES)
+
+
+@pytest.mark.parametrize("name", list(KVCACHE_REFUSES))
+def test_kvcache_refuses_the_other_keywords_by_name(name):
+    q, cache = np.zeros((1, 1, 1, 4)), np.zeros((1, 1, 8, 4))
+    with pytest.raises(TypeError, match=rf"^{name}: not taken by attention_kvcache"):
+        attnkit.attention_kvcache(q, cache, cache, np.array([3]), **{name: KVCACHE_REFUSES[name]})
+
+
+def test_with_options_on_a_function_without_docstring():
+    """python -OO strips docstrings: the decorator still gives the keyword signature."""
+    def fn(q, **masking):
+        return masking
+
+    fn.__doc__ = None
+    deco = options.with_options()(fn)
+    assert deco.__doc__ is None
+    assert list(inspect.signature(deco).parameters) == ["q"] + list(NAMES)

@@ -341,3 +341,35 @@ def test_the_keyword_table_fills_every_docstring_and_stays_fixed():
     assert not Masking.__required_keys__
     with pytest.raises(dataclasses.FrozenInstanceError):
         OPTIONS[0].default = 1.0
+
+
+def test_one_dimensional_masks_broadcast_over_the_rows_of_a_2d_call():
+    """keep / drop / bias of shape (S,) (one value per key) on 2-D q, k, v: the same as
+    the (L, S) mask they broadcast to, and out keeps the 2-D shape."""
+    q, k, v = make_qkv((3, 4), (5, 4), 2, seed=7)
+    rng = np.random.default_rng(8)
+    for name, m in (("keep", rng.random(5) < 0.6), ("drop", rng.random(5) < 0.4), ("bias", rng.standard_normal(5))):
+        got = attnkit.attention(q, k, v, **{name: m})
+        assert got.shape == (3, 2)
+        assert np.array_equal(got, attnkit.attention(q, k, v, **{name: np.broadcast_to(m, (3, 5))}))
+
+
+def test_explain_keeps_the_shapes_the_user_gave_the_lengths():
+    """The Spec records each array argument's own shape (explain's JSON reports the
+    lengths as given: a 0-d length stays one number)."""
+    q, k, v = make_qkv((2, 1, 3, 4), (2, 1, 5, 4), seed=9)
+    d = attnkit.explain(q, k, v, q_lengths=np.array([3, 1]), kv_lengths=np.array(4)).to_dict()
+    assert d["q_lengths"] == [3, 1] and d["kv_lengths"] == 4
+    assert d["shapes"]["q_lengths"] == (2,) and d["shapes"]["kv_lengths"] == ()
+
+
+def test_only_torch_tensors_count_as_torch():
+    """Both marks are needed: torch's own module (torch.Size has no detach) and a
+    tensor's detach (io objects have a detach too)."""
+    import io
+
+    from attnkit.spec import is_torch
+    assert not is_torch(np.ones(2)) and not is_torch(io.BytesIO())
+    torch = pytest.importorskip("torch")
+    assert is_torch(torch.ones(2)) and is_torch(torch.nn.Parameter(torch.ones(2)))
+    assert not is_torch(torch.Size([2, 3]))

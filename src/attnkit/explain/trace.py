@@ -225,10 +225,19 @@ class Trace(Mapping):
         for name in ("alibi_slopes", "sinks", "q_lengths", "kv_lengths", "cu_seqlens_q", "cu_seqlens_k"):
             x = getattr(s, name)
             if x is not None:
-                d[name] = jsonable(np.asarray(x).reshape(s.shapes[name]))
+                d[name] = jsonable(_as_given(np.asarray(x), s.shapes[name]))
         if s.sinks is not None:
             d["sink_weights"] = jsonable(self.sink_weights)
         return d
+
+
+def _as_given(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """An array of the Spec back in the shape the user gave it: validate adds leading
+    1s (slopes, sinks) or broadcasts to the batch dims (lengths); a broadcast array is
+    taken back to one entry along each dim it was broadcast along."""
+    if x.size != prod(tuple(shape)):
+        x = x[(0,) * (x.ndim - len(shape)) + tuple(slice(0, 1) if n == 1 else slice(None) for n in shape)]
+    return x.reshape(shape)
 
 
 @with_options()
