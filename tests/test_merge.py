@@ -35,3 +35,18 @@ def test_a_nan_block_makes_its_rows_nan():
     lse = [np.array([0.0, np.nan]), np.array([0.0, 0.0])]
     o, l = attnkit.merge(out, lse)
     assert np.isfinite(o[0]).all() and np.isnan(o[1]).all() and np.isnan(l[1])
+
+
+def test_one_block_is_itself_and_far_apart_blocks_do_not_overflow():
+    """merge of one block returns it; blocks whose lse are 1000 apart (exp would
+    overflow without the running max) weigh 1 and 0; huge equal lse stay exact."""
+    rng = np.random.default_rng(3)
+    o1, o2 = rng.standard_normal((2, 4, 3)), rng.standard_normal((2, 4, 3))
+    l1 = rng.standard_normal((2, 4))
+    o, lse = attnkit.merge([o1], [l1])
+    assert max_error(o, o1) <= 1e-15 and max_error(lse, l1) <= 1e-15
+    o, lse = attnkit.merge([o1, o2], [l1 + 1000.0, l1])
+    assert max_error(o, o1) <= 1e-15 and max_error(lse, l1 + 1000.0) <= 1e-12
+    big = np.full((2, 4), 1e4)
+    o, lse = attnkit.merge([o1, o2], [big, big])
+    assert max_error(o, (o1 + o2) / 2) <= 1e-15 and max_error(lse, big + np.log(2)) <= 1e-12

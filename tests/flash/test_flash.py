@@ -375,3 +375,21 @@ def test_dropout_drops_the_same_entries_on_every_rung_kernel_and_thread_count(mo
         assert np.array_equal(outs[a], outs[b])
     assert np.array_equal(flash.rung_forward(validate(q, k, v, dropout=0.0, seed=1, causal=True))[0],
                           flash.rung_forward(validate(q, k, v, causal=True))[0])   # p = 0 is no dropout, bitwise
+
+
+def test_float32_decoding_with_empty_rows_minus_inf_sinks_and_weights():
+    """The streaming kernel's shapes (float32, one row per head, split-KV): a sequence
+    with no keys gives out 0 and lse −inf (or the sink), a −inf sink is no sink, and
+    the exact weights of those rows agree with the reference's."""
+    from attnkit.testing import error_budget
+    q, k, v = make_qkv((3, 8, 1, 32), (3, 2, 3000, 32), dtype="float32", seed=4)
+    sinks = np.array([-np.inf, 0.5, -np.inf, 1.0, -np.inf, -np.inf, 2.0, 0.0])
+    kw = dict(kv_lengths=np.array([0, 2999, 1700]), sinks=sinks, causal=True)
+    out, lse, w = attnkit.attention(q, k, v, **kw, return_lse=True, return_weights=True, backend="flash")
+    f64 = [x.astype(np.float64) for x in (q, k, v)]
+    o64, l64, w64 = attnkit.attention(*f64, **kw, return_lse=True, return_weights=True, backend="reference")
+    o32, l32, w32 = attnkit.attention(q, k, v, **kw, return_lse=True, return_weights=True, backend="reference")
+    assert np.all(out[0] == 0) and np.all(w[0] == 0)
+    assert np.array_equal(lse[0, :, 0], sinks.astype(np.float32))      # the sink alone, or −inf
+    for got, want, ref in ((out, o64, o32), (lse, l64, l32), (w, w64, w32)):
+        assert max_error(got, want) <= error_budget(want, ref)
