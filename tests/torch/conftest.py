@@ -30,3 +30,16 @@ def auto_rung(request, monkeypatch):
     if rung is not None:
         monkeypatch.setattr(backends, "SMALL_TOTAL", 0 if rung == "flash" else 1 << 62)
     return rung
+
+
+@pytest.fixture
+def fast_interpreter(monkeypatch):
+    """Triton's interpreter without its int32 overflow checks: a debugging aid that adds
+    ~40% to the Triton tests' time (their shapes are far from int32 limits). Compiled
+    kernels (the GPU tests) do not use the interpreter, so it is harmless there."""
+    import dataclasses
+
+    from triton.runtime import interpreter as ti
+    builder = getattr(ti, "interpreter_builder", None)
+    if builder is not None and hasattr(getattr(builder, "options", None), "sanitize_overflow"):
+        monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=False))

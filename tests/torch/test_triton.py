@@ -35,25 +35,14 @@ DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.flo
 
 
 @pytest.fixture(autouse=True)
-def interpreter(request, monkeypatch):
-    """TRITON_INTERPRET=1 for CPU tests, unset for GPU tests; tuning override reset."""
+def interpreter(request, monkeypatch, fast_interpreter):
+    """TRITON_INTERPRET=1 for CPU tests (the fast interpreter: conftest.py), unset for
+    GPU tests; tuning override reset."""
     if request.node.name.startswith("test_gpu"):
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     else:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        fast_interpreter(monkeypatch)
     monkeypatch.setattr(triton_tuning, "override", None)
-
-
-def fast_interpreter(monkeypatch):
-    """The interpreter without its int32 overflow checks (a debugging aid that adds
-    ~40% to these tests' time; the test shapes are far from int32 limits)."""
-    import dataclasses
-
-    from triton.runtime import interpreter as ti
-    builder = getattr(ti, "interpreter_builder", None)
-    if builder is not None and hasattr(getattr(builder, "options", None), "sanitize_overflow"):
-        monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=False))
 
 
 def blocks(n):

@@ -31,13 +31,9 @@ def small_tiles(D, dtype, cap, kind):
 
 
 @pytest.fixture(autouse=True)
-def interpreter(request, monkeypatch):
-    """TRITON_INTERPRET=1, small tiles and splits, the interpreter without its int32
-    overflow checks (a debugging aid that costs ~40% of the time here); the
-    ``test_gpu`` tests run compiled with the tuning table."""
-    import dataclasses
-
-    from triton.runtime import interpreter as ti
+def interpreter(request, monkeypatch, fast_interpreter):
+    """TRITON_INTERPRET=1 (the fast interpreter: conftest.py), small tiles and splits;
+    the ``test_gpu`` tests run compiled with the tuning table."""
     if request.node.name.startswith("test_gpu"):
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         monkeypatch.setattr(triton_tuning, "override", None)
@@ -45,9 +41,6 @@ def interpreter(request, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if triton_rung.unavailable() is not None:
         pytest.skip(triton_rung.unavailable())
-    builder = getattr(ti, "interpreter_builder", None)
-    if builder is not None and hasattr(getattr(builder, "options", None), "sanitize_overflow"):
-        monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=False))
     monkeypatch.setattr(triton_tuning, "override", small_tiles)
 
 

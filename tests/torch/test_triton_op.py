@@ -22,18 +22,11 @@ NAN, INF = float("nan"), float("inf")
 
 
 @pytest.fixture(autouse=True)
-def interpreter(monkeypatch):
-    """TRITON_INTERPRET=1, 16 × 16 tiles, the interpreter without its int32 overflow
-    checks (a debugging aid that costs ~40% of the time here)."""
-    import dataclasses
-
-    from triton.runtime import interpreter as ti
+def interpreter(monkeypatch, fast_interpreter):
+    """TRITON_INTERPRET=1 (the fast interpreter: conftest.py), 16 × 16 tiles."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if triton_rung.unavailable() is not None:
         pytest.skip(triton_rung.unavailable())
-    builder = getattr(ti, "interpreter_builder", None)
-    if builder is not None and hasattr(getattr(builder, "options", None), "sanitize_overflow"):
-        monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=False))
     monkeypatch.setattr(triton_tuning, "override", lambda *a: {"BLOCK_M": 16, "BLOCK_N": 16})
 
 
