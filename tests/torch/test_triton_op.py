@@ -115,7 +115,12 @@ def nonfinite_case(kind):
         bias[1, 17, 20] = NAN                       # at a visible key: row NaN
         bias[0, 25, :] = -INF                       # a row masked by bias alone
         kw["bias"] = bias
-    elif kind == "overflow":                        # scores overflow float32 on rows 5 and 6
+    elif kind == "overflow":                        # scores overflow float32 on rows 5 and 6 only
+        q[:, :, 0] = 0.0                            # the other rows never see k's huge dim 0
+        q[0, 5, 0] = 1e20
+        q[1, 6, 0] = -1e20
+        k[0, :8, 0] = 1e20
+    elif kind == "huge":                            # every row's scores reach ~1e20 on keys 0-7
         q[0, 5] = 1e20
         q[1, 6] = -1e20
         k[0, :8] = 1e20
@@ -128,7 +133,7 @@ def nonfinite_case(kind):
     return q, k, v, kw
 
 
-@pytest.mark.parametrize("kind", ["q", "k", "v", "bias", "overflow", "sinks"])
+@pytest.mark.parametrize("kind", ["q", "k", "v", "bias", "overflow", "huge", "sinks"])
 def test_nan_rule_matches_the_reference(kind):
     """Non-finite q, k, v, bias, sinks and overflowing scores: out, lse and the
     gradients NaN exactly where the reference (float32, the NumPy rule) has them, the
@@ -138,7 +143,14 @@ def test_nan_rule_matches_the_reference(kind):
     got = run("triton", q, k, v, grad_of, **kw)
     want = run("reference", q, k, v, grad_of, **kw)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias/dsinks"), got, want):
-        same(f"{kind} {name}", a, b)
+        if kind == "huge" and name.startswith("d"):
+            # weights recomputed from lse at scores ~1e20 are ill-conditioned (lse's last
+            # bit is worth 1e13): only where NaN and inf are is compared; a weight must
+            # never round up to inf (it made the dk of keys row 5 cannot see NaN)
+            assert torch.equal(torch.isnan(a), torch.isnan(b)), f"{kind} {name}: NaN positions differ"
+            assert torch.equal(torch.isinf(a), torch.isinf(b)), f"{kind} {name}: inf positions differ"
+        else:
+            same(f"{kind} {name}", a, b)
     assert not torch.isnan(got[0]).all()            # the case is not trivially all NaN
 
 

@@ -31,6 +31,7 @@ from .device import (
     _sequence,
     _sum_combine,
     _tile_scores,
+    _weights,
 )
 from .jit import constexpr, tl
 
@@ -81,7 +82,7 @@ def _dkdv_inner(dk, dv, k, v, q_tile, do_tile, lse_ptr, delta_ptr, stride_lm, co
         lse = tl.load(lse_ptr + rows * stride_lm, mask=row_ok, other=float("inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # lse -inf: weights 0
         visT = sT != float("-inf")
-        pT = tl.where(visT, tl.exp2(sT - lse2[None, :]), 0.0)  # weights = exp(scores - lse); 0 if excluded
+        pT = _weights(sT, lse2[None, :], visT)       # weights = exp(scores - lse); 0 if excluded
         do = tl.load(do_ptr + rows[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                      mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.0)
         if HAS_DROPOUT:
@@ -220,7 +221,7 @@ def _dq_inner(dq, q, do, lse2, Di, k_tile, v_tile, ds_tile, offs_m, offs_d, offs
         s, t = _tile_scores(qk, offs_m[:, None], cols[None, :], geo, masks, scal, INDEX_MASK, HAS_LEFT,
                             HAS_RIGHT, HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, HAS_ALIBI)
         vis = s != float("-inf")
-        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)   # weights = exp(scores - lse)
+        p = _weights(s, lse2[:, None], vis)         # weights = exp(scores - lse)
         dp = _mm(do, vT, None, INTERPRET, PRECISION)
         if HAS_DROPOUT:
             dp = dp * _dropout_scale(offs_m[:, None], cols[None, :], rng)

@@ -28,7 +28,8 @@ PHILOX_ROUNDS = const(ROUNDS)
 
 JIT = ("_max_combine", "_sum_combine", "_tanh", "_mm", "_bound", "_cast", "_mm_lowp", "_tile_scores",
        "_key_range", "_query_range", "_sequence", "_finite_skip", "_philox_word", "_dropout_scale",
-       "_exempt", "_nan_through", "_mask_tiles", "_rng", "_online_softmax", "_join_sink", "_finish")
+       "_exempt", "_nan_through", "_mask_tiles", "_rng", "_online_softmax", "_join_sink", "_finish",
+       "_weights")
 
 
 def _max_combine(a, b):
@@ -130,6 +131,16 @@ def _finish(acc, l_i, m_i):
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), m_i * LN2 + tl.log(l_safe))   # log2 units -> natural log
     return acc / l_safe[:, None], lse
+
+
+def _weights(s, lse2, vis):
+    """The backward's weights exp(scores - lse) of a tile (s and lse2 in log2 units),
+    0 where not ``vis``. A weight is at most 1, but s and lse round differently where
+    scores are huge (|s| ~ 1e20: lse's last bit is worth 1e13), so s - lse2 can come
+    out above 0 and its exp2 overflow to inf: the difference is capped at 0. NaN
+    passes (NaN > 0 is False)."""
+    d = s - lse2
+    return tl.where(vis, tl.exp2(tl.where(d > 0.0, 0.0, d)), 0.0)
 
 
 # ---- the NaN rule: exempt products ---------------------------------------------------
