@@ -297,3 +297,83 @@ def test_the_validated_call_is_frozen():
     assert kv.page_size == 8 and not kv.paged
     with pytest.raises(dataclasses.FrozenInstanceError):
         kv.page_size = 4
+
+
+# ---- dropout: the same entries as attention over the gathered keys ------------------------
+def dropout_case(paged, page_size, dtype="float64", seed=0):
+    """(q, k, v, table, lengths, k_new, v_new, dense (K, V) with each sequence's keys
+    after the append, zeros past its length): B=3, H=4 over Hkv=2, L=3, L_new=2."""
+    B, H, Hkv, D, Dv, L, L_new, capacity = 3, 4, 2, 8, 5, 3, 2, 48
+    k, v, table = make_cache(B, Hkv, D, Dv, capacity, page_size, paged, seed=seed, dtype=dtype)
+    rng = RNG(seed + 1)
+    lengths = np.array([0, 19, capacity - L_new])
+    for b in range(B):
+        write(k, table, b, range(lengths[b]), rng.standard_normal((Hkv, lengths[b], D)).astype(dtype), page_size)
+        write(v, table, b, range(lengths[b]), rng.standard_normal((Hkv, lengths[b], Dv)).astype(dtype), page_size)
+    q = rng.standard_normal((B, H, L, D)).astype(dtype)
+    k_new, v_new = rng.standard_normal((B, Hkv, L_new, D)).astype(dtype), rng.standard_normal((B, Hkv, L_new, Dv)).astype(dtype)
+    K, V = np.zeros((B, Hkv, capacity, D), dtype), np.zeros((B, Hkv, capacity, Dv), dtype)
+    for b in range(B):
+        n = lengths[b]
+        K[b, :, :n], V[b, :, :n] = read(k, table, b, n, page_size), read(v, table, b, n, page_size)
+        K[b, :, n:n + L_new], V[b, :, n:n + L_new] = k_new[b], v_new[b]
+    return q, k, v, table, lengths, k_new, v_new, (K, V)
+
+
+@pytest.mark.parametrize("paged,page_size", [(False, 48), (True, 1), (True, 16)])
+@pytest.mark.parametrize("backend", ["flash", "reference"])
+def test_dropout_drops_what_attention_over_the_gathered_keys_drops(paged, page_size, backend):
+    """Dropout's counters are (seed, batch index, head, the query's row in q, the key's
+    position in its sequence) — not the cache slot or page: the same output as
+    attention with kv_lengths over each sequence's keys laid out densely."""
+    q, k, v, table, lengths, k_new, v_new, (K, V) = dropout_case(paged, page_size)
+    kw = dict(causal=True, alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]), dropout=0.3, seed=2 ** 40 + 5)
+    out, lse = attnkit.attention_kvcache(q, k, v, lengths, block_table=table, k_new=k_new, v_new=v_new,
+                                         return_lse=True, backend=backend, **kw)
+    want, want_lse = attnkit.attention(q, K, V, kv_lengths=lengths + 2, return_lse=True, backend="reference", **kw)
+    plain = attnkit.attention(q, K, V, kv_lengths=lengths + 2, backend="reference",
+                              **{n: x for n, x in kw.items() if n not in ("dropout", "seed")})
+    assert max_error(out, want) <= 1e-12 and max_error(lse, want_lse) <= 1e-12   # lse: before dropout
+    assert max_error(out, plain) > 0.1                  # dropout did drop something
+
+
+def test_dropout_in_float32_and_p_zero_is_no_dropout_bitwise():
+    q, k, v, table, lengths, k_new, v_new, (K, V) = dropout_case(True, 16, dtype="float32")
+    got = attnkit.attention_kvcache(q, k, v, lengths, block_table=table, k_new=k_new, v_new=v_new,
+                                    dropout=0.5, seed=3, backend="flash")
+    want = attnkit.attention(q, K, V, kv_lengths=lengths + 2, dropout=0.5, seed=3, backend="reference")
+    assert max_error(got, want) <= 1e-5 * max(1.0, np.abs(want).max())
+    plain = attnkit.attention_kvcache(q, k, v, lengths, block_table=table, backend="flash")   # appended already
+    zero = attnkit.attention_kvcache(q, k, v, lengths + 2, block_table=table, dropout=0.0, seed=3, backend="flash")
+    again = attnkit.attention_kvcache(q, k, v, lengths + 2, block_table=table, backend="flash")
+    assert np.array_equal(zero, again) and not np.array_equal(plain, again)
+
+
+def test_dropout_needs_a_seed_outside_torch_and_a_probability_below_one():
+    q, k, v, table, lengths, _, _, _ = dropout_case(False, 48)
+    with pytest.raises(ValueError, match="^seed: dropout > 0 needs a seed"):
+        attnkit.attention_kvcache(q, k, v, lengths, dropout=0.1)
+    with pytest.raises(ValueError, match="^dropout"):
+        attnkit.attention_kvcache(q, k, v, lengths, dropout=1.0, seed=1)
+
+
+@pytest.mark.parametrize("backend", ["flash", "reference"])
+def test_torch_dropout_draws_its_seed_from_torch(backend):
+    """Torch tensors without a seed: torch.manual_seed makes a call reproducible, the
+    next draw drops other entries, and an explicit seed equals the NumPy result."""
+    torch = pytest.importorskip("torch")
+    q, k, v, table, lengths, k_new, v_new, (K, V) = dropout_case(True, 16, dtype="float32")
+    for b in range(len(lengths)):                        # the new keys, appended by hand
+        write(k, table, b, range(lengths[b], lengths[b] + 2), k_new[b], 16)
+        write(v, table, b, range(lengths[b], lengths[b] + 2), v_new[b], 16)
+    t = [torch.tensor(x) for x in (q, k, v, lengths + 2, table)]
+
+    def call(**kw):
+        return attnkit.attention_kvcache(t[0], t[1], t[2], t[3], block_table=t[4], dropout=0.4, backend=backend, **kw)
+
+    torch.manual_seed(11)
+    a, b = call(), call()
+    torch.manual_seed(11)
+    assert torch.equal(call(), a) and not torch.equal(a, b)
+    want = attnkit.attention(q, K, V, kv_lengths=lengths + 2, dropout=0.4, seed=2 ** 63 + 9, backend=backend)
+    assert np.allclose(call(seed=2 ** 63 + 9).numpy(), want, atol=1e-6)

@@ -54,6 +54,12 @@ def key(seed: int) -> tuple[int, int]:
     return seed & MASK32, (seed >> 32) & MASK32
 
 
+def int64(seed: int) -> int:
+    """A seed in [0, 2⁶⁴) as the signed int64 with the same 64 bits (numba and torch
+    take int64; :func:`key` gives the same words for both)."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
 def words(seed: int, head: Any, rows: Any, cols: Any) -> np.ndarray:
     """The uint32 word of every (head, row, key): ``head`` is n·H + h, the three index
     arrays broadcast together."""

@@ -69,11 +69,11 @@ def decode(backend, q, k_cache, v_cache, lengths, table=None, k_new=None, v_new=
     return out, lse, k_cache, v_cache
 
 
-def check(q, cache, lengths, L_new=0, seed=1, device="cpu", **kw):
+def check(q, cache, lengths, L_new=0, new_seed=1, device="cpu", **kw):
     """Triton (on ``device``) vs the reference (on the CPU) by the 2× rule on out and
     lse; the caches after the append are identical. Returns Triton's (out, lse)."""
     k_cache, v_cache, table = cache
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(new_seed)
     new = {}
     if L_new:
         shape = (q.shape[0], k_cache.shape[1], L_new)
@@ -114,6 +114,7 @@ TERMS = {
     "softcap-alibi-sinks": dict(softcap=1.5, alibi_slopes=torch.tensor([0.3, 0.1, 0.6, 0.05]),
                                 sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]), causal=True),
     "row-sinks": dict(sinks=torch.linspace(-2, 2, 2 * 4 * 3).reshape(2, 4, 3)),
+    "dropout": dict(dropout=0.3, seed=12345, causal=True, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0])),
 }
 
 
@@ -138,6 +139,18 @@ def test_paged(page):
     cache = paged(3, 2, max_pages, page, 16, 16, "float32", seed=page)
     kw = dict(causal=True, alibi_slopes=torch.tensor([0.2, 0.4, 0.1, 0.3]), sinks=torch.tensor([0.1, 0.2, 0.3, 0.4]))
     check(queries(3, 4, 2, 16, "float32"), cache, torch.tensor([0, 17, cap - 2]), 2, **kw)
+
+
+def test_paged_dropout_across_splits():
+    """Dropout on a paged cache (page 16, shuffled) whose keys spread over several
+    splits and tiles: the entries the reference drops (counters: the key's position in
+    its sequence, not its slot), a seed above 2⁶³ (the key's high word), L > 1."""
+    cache = paged(3, 2, 6, 16, 16, 16, "float32", seed=9)
+    kw = dict(causal=True, dropout=0.45, seed=2 ** 63 + 2 ** 40 + 7, alibi_slopes=torch.tensor([0.2, 0.4, 0.1, 0.3]))
+    out, _ = check(queries(3, 4, 2, 16, "float32"), cache, torch.tensor([3, 50, 94]), 2, **kw)
+    plain, _ = check(queries(3, 4, 2, 16, "float32"), cache, torch.tensor([3, 50, 94]), 2, causal=True,
+                     alibi_slopes=kw["alibi_slopes"])
+    assert (out - plain).abs().max() > 0.1              # something was dropped
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import philox
 from ..nonfinite import all_finite
 from ..spec import Spec, broadcast_to
 from ..spec import geometry as geo
@@ -126,7 +127,6 @@ class Call:
                       broadcast_to(np.asarray(spec.sinks, dtype=self.acc), spec.lse_shape))
         self.drop_thr = 0
         if spec.dropout > 0:
-            from .. import philox
             self.drop_thr = philox.threshold(spec.dropout)
             self.drop_scale = 1.0 / (1.0 - spec.dropout)
         # few rows against many keys (decoding): the compiled streaming kernel reads each
@@ -325,4 +325,4 @@ class Call:
         if self.drop_thr:
             r, c = self.spec.origin                      # a block of a larger problem: global positions
             self.kern.dropout_tile(p.reshape(u.nk * u.g, r1 - r0, -1), self.flat_heads(u), r0 + r, c0 + c,
-                                   int(self.spec.seed), self.drop_thr, self.drop_scale)
+                                   philox.int64(int(self.spec.seed)), self.drop_thr, self.drop_scale)

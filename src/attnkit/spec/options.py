@@ -67,12 +67,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("cu_seqlens_k", None, "Tensor?",
            "packed sequences: B + 1 key offsets; k, v are (Hkv, Tk, D[v])", kvcache=False),
     Option("dropout", 0.0, "float",
-           "probability p of dropping each weight (kept ones are scaled by 1/(1 − p))",
-           kvcache=False),
+           "probability p of dropping each weight (kept ones are scaled by 1/(1 − p))"),
     Option("seed", None, "Tensor?",
            "dropout seed (an int ≥ 0): the drop decision is a pure function of "
            "(seed, batch, head, i, j); required when dropout > 0 except for torch "
-           "tensors, which draw it from torch's generator", kvcache=False),
+           "tensors, which draw it from torch's generator"),
 )
 
 NAMES: tuple[str, ...] = tuple(o.name for o in OPTIONS)

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import philox
 from ..backends import RUNGS, Grads, load
 from ..spec import OPTIONS, Spec, dtype_name
 from ..spec import acc_dtype as spec_acc_dtype
@@ -56,8 +57,7 @@ def seed_tensor(spec: Spec) -> torch.Tensor | None:
     if spec.dropout == 0:
         return None
     if spec.seed is not None:
-        s = int(spec.seed)
-        return torch.tensor(s - _UINT64 if s >= 1 << 63 else s, dtype=torch.int64)
+        return torch.tensor(philox.int64(int(spec.seed)), dtype=torch.int64)
     return torch.randint(0, 1 << 62, (), dtype=torch.int64)
 
 
@@ -282,7 +282,11 @@ class TorchRung:
 
     def rung_kvcache(self, kv: Any) -> tuple[Any, Any]:
         """attention_kvcache for torch tensors (forward only, no autograd): NumPy
-        views of CPU tensors for the NumPy rungs, the tensors themselves for Triton."""
+        views of CPU tensors for the NumPy rungs, the tensors themselves for Triton.
+        Dropout without a seed draws one from torch's default generator, per call."""
+        drawn = seed_tensor(kv.spec) if kv.spec.dropout > 0 and kv.spec.seed is None else None
+        if drawn is not None:
+            kv = replace(kv, spec=kv.spec.replace(seed=int(drawn)))
         if getattr(self.mod, "arrays", "numpy") == "torch":
             return self.mod.rung_kvcache(kv)
         with torch.no_grad():

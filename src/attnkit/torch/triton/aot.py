@@ -87,7 +87,7 @@ def compile_decode_only(capability, dtype, D, Dv=None, *, group=4, rows=None, ca
                         softcap=True, terms=True, frontend_only=False) -> dict:
     """The KV-cache decode kernels (``decode.py``) for a CUDA target, as
     :func:`compile_only`: the split kernel for a contiguous ("decode") and a paged
-    ("decode/paged") cache with the band, softcap and ALiBi asked for, and the combine
+    ("decode/paged") cache with the band, softcap, ALiBi and dropout asked for, and the combine
     kernel ("decode_combine", with sinks when ``terms``); ``rows`` (a GQA group's
     heads × L, default the table's BLOCK_M) sizes the row block."""
     from .kvcache import combine_constexprs, split_constexprs
@@ -100,7 +100,8 @@ def compile_decode_only(capability, dtype, D, Dv=None, *, group=4, rows=None, ca
     kernels_ = []
     for paged in (False, True):
         _, consts = split_constexprs(cfg, group=group, D=D, Dv=Dv, dtype=dtype, rows=rows,
-                                     band=(window, causal or window), softcap=softcap, alibi=terms, paged=paged,
+                                     band=(window, causal or window), softcap=softcap, alibi=terms,
+                                     dropout=terms, paged=paged,
                                      bottom_right=True, interpret=False, precision="ieee")
         kernels_.append(("decode/paged" if paged else "decode", k._decode_split, cfg, consts))
     _, consts = combine_constexprs(ccfg, group=group, Dv=Dv, rows=rows, sinks=terms, interpret=False)

@@ -37,6 +37,7 @@ from .device import (
     LOG2E,
     _bound,
     _cast,
+    _dropout_scale,
     _exempt,
     _finish,
     _join_sink,
@@ -45,6 +46,7 @@ from .device import (
     _mm_lowp,
     _nan_through,
     _online_softmax,
+    _rng,
     _tile_scores,
 )
 from .jit import constexpr, tl
@@ -77,11 +79,12 @@ def _decode_split(Q, K, V, Table, Lens, Slopes, PartO, PartM, PartL,
                   stride_tb, stride_tp, stride_len, stride_slope_b, stride_slope_h,
                   stride_pb, stride_ps, stride_pm, stride_pd, stride_mb, stride_ms, stride_mm,
                   HKV, L, BH, PAGE, NUM_SPLITS, sm_scale, softcap, LEFT, RIGHT,
+                  seed_lo, seed_hi, drop_threshold, drop_scale,
                   GROUP: constexpr, HEAD_D: constexpr, HEAD_DV: constexpr,
                   BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
                   HAS_LEFT: constexpr, HAS_RIGHT: constexpr, HAS_SOFTCAP: constexpr, HAS_ALIBI: constexpr,
-                  PAGED: constexpr, BOTTOM_RIGHT: constexpr, SPLIT: constexpr, INTERPRET: constexpr,
-                  PRECISION: constexpr):
+                  HAS_DROPOUT: constexpr, PAGED: constexpr, BOTTOM_RIGHT: constexpr, SPLIT: constexpr,
+                  INTERPRET: constexpr, PRECISION: constexpr):
     """The partial (acc, m, l) of one key split for one block of a GQA group's rows."""
     pid = tl.program_id(0)
     split = pid % NUM_SPLITS
@@ -108,6 +111,8 @@ def _decode_split(Q, K, V, Table, Lens, Slopes, PartO, PartM, PartL,
     if HAS_ALIBI:                                   # one slope per row's head, in log2 units
         slope = tl.load(Slopes + b * stride_slope_b + h * stride_slope_h, mask=row_ok, other=0.0)[:, None] * LOG2E
     scal = (sm_scale, softcap, slope)
+    # dropout's counters: flat head n·H + h per row, query row i, key position j
+    rng = _rng(seed_lo, seed_hi, drop_threshold, drop_scale, (b * HKV * GROUP + h)[:, None], 0, 0)
 
     # the keys the band can leave visible to rows i_lo … i_hi, in whole tiles, dealt out to the splits
     i_lo = (rb * BLOCK_M) // GROUP
@@ -139,6 +144,8 @@ def _decode_split(Q, K, V, Table, Lens, Slopes, PartO, PartM, PartL,
         v = _cache_tile(V, Table, b, hk, cols, col_ok, offs_dv, stride_vp, stride_vh, stride_vn, stride_vd,
                         stride_tb, stride_tp, PAGE, HEAD_DV, True, PAGED)
         v, bad = _exempt(v, INTERPRET)              # non-finite values as 0: excluded keys never reach a row
+        if HAS_DROPOUT:                             # out = dropout(weights) v; l (and lse) count every weight
+            p = p * _dropout_scale(i[:, None], cols[None, :], rng)
         acc = _mm_lowp(p, v, acc * alpha[:, None], SPLIT, INTERPRET, PRECISION)
         if tl.reduce(tl.reduce(bad.to(tl.float32), 1, _max_combine), 0, _max_combine) > 0:
             acc = _nan_through(acc, s != float("-inf"), bad, INTERPRET, PRECISION)   # visible ones: NaN

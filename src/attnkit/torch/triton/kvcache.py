@@ -13,26 +13,29 @@ the same inputs give the same bits on every device and every run, with no host s
 (lengths and block table stay on the device). Partials are float32: (B·Hkv, splits,
 rows, Dv) for acc and two (B·Hkv, splits, rows) arrays for m and l.
 
-Terms: scale, softcap, ALiBi, sinks, causal / window in either alignment (bottom-right
-per sequence: diag(i) = i + length − L), GQA / MQA, any L >= 1, float16, bfloat16,
-float32. The cache was appended to (``attnkit.kvcache.append``) before this runs.
+Terms: scale, softcap, ALiBi, sinks, dropout (Philox counters: the flat head, the
+query's row in q and the key's position in its sequence, as every rung), causal /
+window in either alignment (bottom-right per sequence: diag(i) = i + length − L),
+GQA / MQA, any L >= 1, float16, bfloat16, float32. The cache was appended to
+(``attnkit.kvcache.append``) before this runs.
 """
 
 from ...spec import geometry
 from . import tuning as triton_tuning
 from .jit import FP_FUSION, interpreting, kernels, triton
-from .launch import _capability, _device_guard, _next_pow2, _precision, _terms
+from .launch import _capability, _device_guard, _dropout_scalars, _next_pow2, _precision, _terms
 
 
-def split_constexprs(cfg, *, group, D, Dv, dtype, rows, band, softcap, alibi, paged, bottom_right, interpret,
-                     precision):
+def split_constexprs(cfg, *, group, D, Dv, dtype, rows, band, softcap, alibi, dropout, paged, bottom_right,
+                     interpret, precision):
     """(BLOCK_M, the compile-time parameters of _decode_split): BLOCK_M is the table's
     at most, fewer for a small group (rows = H / Hkv · L)."""
     block_m = min(cfg["BLOCK_M"], _next_pow2(rows))
     return block_m, dict(GROUP=group, HEAD_D=D, HEAD_DV=Dv, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
                          BLOCK_D=_next_pow2(D), BLOCK_DV=_next_pow2(Dv), HAS_LEFT=band[0], HAS_RIGHT=band[1],
-                         HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, PAGED=paged, BOTTOM_RIGHT=bottom_right,
-                         SPLIT=bool(cfg["SPLIT"]) and dtype != "float32", INTERPRET=interpret, PRECISION=precision)
+                         HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, HAS_DROPOUT=dropout, PAGED=paged,
+                         BOTTOM_RIGHT=bottom_right, SPLIT=bool(cfg["SPLIT"]) and dtype != "float32",
+                         INTERPRET=interpret, PRECISION=precision)
 
 
 def combine_constexprs(cfg, *, group, Dv, rows, sinks, interpret):
@@ -80,7 +83,7 @@ def kvcache(kv):
     rows, bh = spec.group * L, B * Hkv
     block_m, consts = split_constexprs(
         cfg, group=spec.group, D=D, Dv=Dv, dtype=spec.dtype, rows=rows, band=(left is not None, right is not None),
-        softcap=spec.softcap is not None, alibi=slopes is not None, paged=kv.paged,
+        softcap=spec.softcap is not None, alibi=slopes is not None, dropout=spec.dropout > 0, paged=kv.paged,
         bottom_right=spec.align == "bottom_right", interpret=interpreting(), precision=_precision(spec))
     row_blocks = triton.cdiv(rows, block_m)
     part_o = torch.empty((bh, splits, rows, Dv), dtype=torch.float32, device=dev)
@@ -91,7 +94,8 @@ def kvcache(kv):
             q, k, v, table, lens, slopes if slopes is not None else part_o, part_o, part_ml[0], part_ml[1],
             *q.stride(), *k.stride(), *v.stride(), *table_strides, lens.stride(0),
             *(slopes.stride() if slopes is not None else (0, 0)), *part_o.stride(), *part_ml[0].stride(),
-            Hkv, L, bh, page, splits, spec.scale, spec.softcap or 1.0, left or 0, right or 0, **consts,
+            Hkv, L, bh, page, splits, spec.scale, spec.softcap or 1.0, left or 0, right or 0, *_dropout_scalars(spec),
+            **consts,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **FP_FUSION)
         block_c, cconsts = combine_constexprs(ccfg, group=spec.group, Dv=Dv, rows=rows, sinks=sinks is not None,
                                               interpret=interpreting())

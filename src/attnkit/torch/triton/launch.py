@@ -320,11 +320,16 @@ def _common(spec, kind):
                          packed=spec.packed, bottom_right=spec.align == "bottom_right",
                          interpret=interpreting(), precision=_precision(spec))
     consts.update(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **FP_FUSION)
-    key0, key1 = philox.key(int(spec.seed or 0))
-    threshold = philox.threshold(spec.dropout)
     scalars = (spec.scale, spec.softcap or 1.0, _offset(spec), *spec.origin, left or 0, right or 0,
-               _s32(key0), _s32(key1), _s32(threshold), 1.0 / (1.0 - spec.dropout))
+               *_dropout_scalars(spec))
     return cfg, consts, scalars
+
+
+def _dropout_scalars(spec):
+    """(seed_lo, seed_hi, drop_threshold, drop_scale), the kernels' last scalars (the
+    Philox key from the seed; unused without dropout)."""
+    key0, key1 = philox.key(int(spec.seed or 0))
+    return _s32(key0), _s32(key1), _s32(philox.threshold(spec.dropout)), 1.0 / (1.0 - spec.dropout)
 
 
 def _preprocess_launch(Dv, dtype, capability):
