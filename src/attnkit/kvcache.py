@@ -184,7 +184,7 @@ class PagedCache:
             Keys and values to append first.
         **kwargs
             Passed to :func:`attnkit.attention_kvcache` (causal, window, softcap,
-            alibi_slopes, sinks, scale, return_lse, backend).
+            alibi_slopes, sinks, dropout, seed, scale, return_lse, backend).
         """
         from .api import attention_kvcache
         seqs = [seqs] if isinstance(seqs, int) else list(seqs)
