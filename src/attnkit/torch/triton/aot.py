@@ -14,24 +14,35 @@ from .launch import _constexprs, _preprocess_launch
 
 _TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
-_CONTIGUOUS = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dqd", "stride_dkd",
-               "stride_dvd", "stride_lm", "stride_keep_n", "stride_drop_n", "stride_bias_n", "stride_ds_n",
-               "stride_slope_h", "stride_sink_m", "stride_qlen", "stride_klen", "stride_tp", "stride_len", "stride_pd",
-               "stride_mm")
+# each kernel operand ``*_op`` = (pointer, strides): the pointer's name (its type below)
+# and how many strides follow it
+_OPERANDS = dict(q_op=("Q", 4), k_op=("K", 4), v_op=("V", 4), out_op=("Out", 4), do_op=("DO", 4),
+                 dq_op=("DQ", 4), dk_op=("DK", 4), dv_op=("DV", 4), ds_op=("DS", 4), lse_op=("Lse", 3),
+                 delta_op=("Delta", 3), keep_op=("Keep", 4), drop_op=("Drop", 4), bias_op=("Bias", 4),
+                 slopes_op=("Slopes", 2), sinks_op=("Sinks", 3), qlen_op=("QLen", 1), klen_op=("KLen", 1),
+                 table_op=("Table", 2), lens_op=("Lens", 1), part_o_op=("PartO", 4), part_m_op=("PartM", 3))
 
 
 def _signature(kern, consts, dtype, bias_dtype):
-    """Triton's signature of ``kern`` for contiguous operands: their last-dim strides
-    (``_CONTIGUOUS``) are 1, which Triton makes compile-time constants at launch, so
-    they are constants here too."""
+    """(Triton's signature of ``kern``, the constants of its operands) for contiguous
+    operands: each operand's last stride is 1, which Triton makes a compile-time
+    constant at launch, so it is a constant here too (keyed by its path: (argument,
+    element))."""
     t, b = _TRITON_TYPES[dtype], _TRITON_TYPES[bias_dtype]
     ptrs = {n: f"*{t}" for n in ("Q", "K", "V", "Out", "DO", "DK", "DV", "DQ")}
     ptrs.update({n: "*fp32" for n in ("Lse", "Delta", "Slopes", "Sinks", "Finite", "PartO", "PartM", "PartL")})
     ptrs.update({n: "*i32" for n in ("QLen", "KLen", "CuQ", "CuK", "Table", "Lens")})
     ptrs.update(Keep="*u8", Drop="*u8", Bias=f"*{b}", DS=f"*{b}")
     floats = ("sm_scale", "softcap", "drop_scale")
-    return {a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a in floats else "i32")
-            for a in kern.arg_names}
+    sig, unit = {}, {}
+    for i, a in enumerate(kern.arg_names):
+        if a in _OPERANDS:
+            name, n = _OPERANDS[a]
+            sig[a] = (ptrs[name],) + ("i32",) * (n - 1) + ("constexpr",)
+            unit[(i, n)] = 1
+        else:
+            sig[a] = "constexpr" if a in consts else ptrs.get(a, "fp32" if a in floats else "i32")
+    return sig, unit
 
 
 def _frontend(src, target, options):
@@ -117,8 +128,8 @@ def _compile(kernels_, cap, dtype, bias_dtype, frontend_only) -> dict:
     target = GPUTarget("cuda", cap[0] * 10 + cap[1], 32)
     shared: dict = {}
     for name, kern, cfg, consts in kernels_:
-        consts = dict(consts, **{a: 1 for a in _CONTIGUOUS if a in kern.arg_names})
-        src = ASTSource(kern, _signature(kern, consts, dtype, bias_dtype), constexprs=consts)
+        sig, unit = _signature(kern, consts, dtype, bias_dtype)
+        src = ASTSource(kern, sig, constexprs={**consts, **unit})
         options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **FP_FUSION)
         if frontend_only:
             _frontend(src, target, options)

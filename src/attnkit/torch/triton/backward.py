@@ -38,12 +38,11 @@ from .jit import constexpr, tl
 JIT = ("_bwd_preprocess", "_dkdv_inner", "_attn_bwd_dkdv", "_dq_inner", "_attn_bwd_dq")
 
 
-def _bwd_preprocess(Out, DO, Delta,
-                    stride_ob, stride_oh, stride_om, stride_od,
-                    stride_dob, stride_doh, stride_dom, stride_dod,
-                    stride_lb, stride_lh, stride_lm,
-                    H, L, HEAD_DV: constexpr, BLOCK_M: constexpr, BLOCK_DV: constexpr):
+def _bwd_preprocess(out_op, do_op, delta_op, H, L, HEAD_DV: constexpr, BLOCK_M: constexpr, BLOCK_DV: constexpr):
     """delta = rowsum(dout ∘ out) in float32: the softmax Jacobian term Σ_j w·dw."""
+    Out, stride_ob, stride_oh, stride_om, stride_od = out_op
+    DO, stride_dob, stride_doh, stride_dom, stride_dod = do_op
+    Delta, stride_lb, stride_lh, stride_lm = delta_op
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -112,20 +111,9 @@ def _dkdv_inner(dk, dv, k, v, q_tile, do_tile, lse_ptr, delta_ptr, stride_lm, co
     return dk, dv
 
 
-def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Keep, Drop, Bias, Slopes, QLen, KLen, CuQ, CuK, Finite,
-                   stride_qb, stride_qh, stride_qm, stride_qd,
-                   stride_kb, stride_kh, stride_kn, stride_kd,
-                   stride_vb, stride_vh, stride_vn, stride_vd,
-                   stride_dob, stride_doh, stride_dom, stride_dod,
-                   stride_lb, stride_lh, stride_lm,
-                   stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                   stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                   stride_keep_b, stride_keep_h, stride_keep_m, stride_keep_n,
-                   stride_drop_b, stride_drop_h, stride_drop_m, stride_drop_n,
-                   stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-                   stride_slope_b, stride_slope_h, stride_qlen, stride_klen,
-                   HKV, L, S, N0, SEQ0, sm_scale, softcap, OFFSET, ROW0, COL0, LEFT, RIGHT,
-                   seed_lo, seed_hi, drop_threshold, drop_scale,
+def _attn_bwd_dkdv(q_op, k_op, v_op, do_op, lse_op, Delta, dk_op, dv_op, keep_op, drop_op, bias_op, slopes_op,
+                   qlen_op, klen_op, CuQ, CuK, Finite, HKV, L, S, N0, SEQ0,
+                   sm_scale, softcap, OFFSET, ROW0, COL0, LEFT, RIGHT, seed_lo, seed_hi, drop_threshold, drop_scale,
                    GROUP: constexpr, HEAD_D: constexpr, HEAD_DV: constexpr,
                    BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
                    HAS_LEFT: constexpr, HAS_RIGHT: constexpr, HAS_KEEP: constexpr, HAS_DROP: constexpr,
@@ -134,7 +122,20 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV, Keep, Drop, Bias, Slopes, QL
                    BOTTOM_RIGHT: constexpr, CAREFUL: constexpr, SPLIT: constexpr, INTERPRET: constexpr,
                    PRECISION: constexpr):
     """dk, dv for one key block of one (batch element or sequence, kv head), summed
-    over its GQA group."""
+    over its GQA group. Each ``*_op`` is a tensor's (pointer, strides) (``launch.op``)."""
+    Q, stride_qb, stride_qh, stride_qm, stride_qd = q_op
+    K, stride_kb, stride_kh, stride_kn, stride_kd = k_op
+    V, stride_vb, stride_vh, stride_vn, stride_vd = v_op
+    DO, stride_dob, stride_doh, stride_dom, stride_dod = do_op
+    Lse, stride_lb, stride_lh, stride_lm = lse_op   # Delta has lse's strides
+    DK, stride_dkb, stride_dkh, stride_dkn, stride_dkd = dk_op
+    DV, stride_dvb, stride_dvh, stride_dvn, stride_dvd = dv_op
+    Keep, stride_keep_b, stride_keep_h, stride_keep_m, stride_keep_n = keep_op
+    Drop, stride_drop_b, stride_drop_h, stride_drop_m, stride_drop_n = drop_op
+    Bias, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n = bias_op
+    Slopes, stride_slope_b, stride_slope_h = slopes_op
+    QLen, stride_qlen = qlen_op
+    KLen, stride_klen = klen_op
     if _finite_skip(Finite, CAREFUL):
         return
     start_n = tl.program_id(0)
@@ -241,20 +242,9 @@ def _dq_inner(dq, q, do, lse2, Di, k_tile, v_tile, ds_tile, offs_m, offs_d, offs
     return dq
 
 
-def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, DS, Keep, Drop, Bias, Slopes, QLen, KLen, CuQ, CuK, Finite,
-                 stride_qb, stride_qh, stride_qm, stride_qd,
-                 stride_kb, stride_kh, stride_kn, stride_kd,
-                 stride_vb, stride_vh, stride_vn, stride_vd,
-                 stride_dob, stride_doh, stride_dom, stride_dod,
-                 stride_lb, stride_lh, stride_lm,
-                 stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-                 stride_ds_b, stride_ds_h, stride_ds_m, stride_ds_n,
-                 stride_keep_b, stride_keep_h, stride_keep_m, stride_keep_n,
-                 stride_drop_b, stride_drop_h, stride_drop_m, stride_drop_n,
-                 stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-                 stride_slope_b, stride_slope_h, stride_qlen, stride_klen,
-                 H, L, S, N0, SEQ0, sm_scale, softcap, OFFSET, ROW0, COL0, LEFT, RIGHT,
-                 seed_lo, seed_hi, drop_threshold, drop_scale,
+def _attn_bwd_dq(q_op, k_op, v_op, do_op, lse_op, Delta, dq_op, ds_op, keep_op, drop_op, bias_op, slopes_op,
+                 qlen_op, klen_op, CuQ, CuK, Finite, H, L, S, N0, SEQ0,
+                 sm_scale, softcap, OFFSET, ROW0, COL0, LEFT, RIGHT, seed_lo, seed_hi, drop_threshold, drop_scale,
                  GROUP: constexpr, HEAD_D: constexpr, HEAD_DV: constexpr,
                  BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
                  HAS_LEFT: constexpr, HAS_RIGHT: constexpr, HAS_KEEP: constexpr, HAS_DROP: constexpr,
@@ -262,7 +252,21 @@ def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ, DS, Keep, Drop, Bias, Slopes, QLen
                  HAS_DROPOUT: constexpr, HAS_QLEN: constexpr, HAS_KLEN: constexpr, PACKED: constexpr,
                  BOTTOM_RIGHT: constexpr, WRITE_DS: constexpr, CAREFUL: constexpr, SPLIT: constexpr,
                  INTERPRET: constexpr, PRECISION: constexpr):
-    """dq (and dS) for one query block of one (batch element or sequence, head)."""
+    """dq (and dS) for one query block of one (batch element or sequence, head). Each
+    ``*_op`` is a tensor's (pointer, strides) (``launch.op``)."""
+    Q, stride_qb, stride_qh, stride_qm, stride_qd = q_op
+    K, stride_kb, stride_kh, stride_kn, stride_kd = k_op
+    V, stride_vb, stride_vh, stride_vn, stride_vd = v_op
+    DO, stride_dob, stride_doh, stride_dom, stride_dod = do_op
+    Lse, stride_lb, stride_lh, stride_lm = lse_op   # Delta has lse's strides
+    DQ, stride_dqb, stride_dqh, stride_dqm, stride_dqd = dq_op
+    DS, stride_ds_b, stride_ds_h, stride_ds_m, stride_ds_n = ds_op
+    Keep, stride_keep_b, stride_keep_h, stride_keep_m, stride_keep_n = keep_op
+    Drop, stride_drop_b, stride_drop_h, stride_drop_m, stride_drop_n = drop_op
+    Bias, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n = bias_op
+    Slopes, stride_slope_b, stride_slope_h = slopes_op
+    QLen, stride_qlen = qlen_op
+    KLen, stride_klen = klen_op
     if _finite_skip(Finite, CAREFUL):
         return
     start_m = tl.program_id(0)

@@ -72,12 +72,7 @@ def _cache_tile(C, Table, b, hk, cols, col_ok, offs, stride_p, stride_h, stride_
     return tile                                     # one return: compiled Triton types every return alike
 
 
-def _decode_split(Q, K, V, Table, Lens, Slopes, PartO, PartM, PartL,
-                  stride_qb, stride_qh, stride_qm, stride_qd,
-                  stride_kp, stride_kh, stride_kn, stride_kd,
-                  stride_vp, stride_vh, stride_vn, stride_vd,
-                  stride_tb, stride_tp, stride_len, stride_slope_b, stride_slope_h,
-                  stride_pb, stride_ps, stride_pm, stride_pd, stride_mb, stride_ms, stride_mm,
+def _decode_split(q_op, k_op, v_op, table_op, lens_op, slopes_op, part_o_op, part_m_op, PartL,
                   HKV, L, BH, PAGE, NUM_SPLITS, sm_scale, softcap, LEFT, RIGHT,
                   seed_lo, seed_hi, drop_threshold, drop_scale,
                   GROUP: constexpr, HEAD_D: constexpr, HEAD_DV: constexpr,
@@ -85,7 +80,16 @@ def _decode_split(Q, K, V, Table, Lens, Slopes, PartO, PartM, PartL,
                   HAS_LEFT: constexpr, HAS_RIGHT: constexpr, HAS_SOFTCAP: constexpr, HAS_ALIBI: constexpr,
                   HAS_DROPOUT: constexpr, PAGED: constexpr, BOTTOM_RIGHT: constexpr, SPLIT: constexpr,
                   INTERPRET: constexpr, PRECISION: constexpr):
-    """The partial (acc, m, l) of one key split for one block of a GQA group's rows."""
+    """The partial (acc, m, l) of one key split for one block of a GQA group's rows.
+    Each ``*_op`` is a tensor's (pointer, strides) (``launch.op``); PartL has PartM's."""
+    Q, stride_qb, stride_qh, stride_qm, stride_qd = q_op
+    K, stride_kp, stride_kh, stride_kn, stride_kd = k_op
+    V, stride_vp, stride_vh, stride_vn, stride_vd = v_op
+    Table, stride_tb, stride_tp = table_op
+    Lens, stride_len = lens_op
+    Slopes, stride_slope_b, stride_slope_h = slopes_op
+    PartO, stride_pb, stride_ps, stride_pm, stride_pd = part_o_op
+    PartM, stride_mb, stride_ms, stride_mm = part_m_op
     pid = tl.program_id(0)
     split = pid % NUM_SPLITS
     bh = (pid // NUM_SPLITS) % BH                   # sequence · kv head
@@ -158,15 +162,15 @@ def _decode_split(Q, K, V, Table, Lens, Slopes, PartO, PartM, PartL,
     tl.store(PartL + part, l_i, mask=row_ok)
 
 
-def _decode_combine(PartO, PartM, PartL, Sinks, Out, Lse,
-                    stride_pb, stride_ps, stride_pm, stride_pd, stride_mb, stride_ms, stride_mm,
-                    stride_sink_b, stride_sink_h, stride_sink_m,
-                    stride_ob, stride_oh, stride_om, stride_od,
-                    stride_lb, stride_lh, stride_lm,
-                    HKV, L, NUM_SPLITS, ROW_BLOCKS,
+def _decode_combine(part_o_op, part_m_op, PartL, sinks_op, out_op, lse_op, HKV, L, NUM_SPLITS, ROW_BLOCKS,
                     GROUP: constexpr, HEAD_DV: constexpr, BLOCK_M: constexpr, BLOCK_DV: constexpr,
                     HAS_SINKS: constexpr, INTERPRET: constexpr):
     """out and lse of one block of a GQA group's rows from the splits' partials."""
+    PartO, stride_pb, stride_ps, stride_pm, stride_pd = part_o_op
+    PartM, stride_mb, stride_ms, stride_mm = part_m_op
+    Sinks, stride_sink_b, stride_sink_h, stride_sink_m = sinks_op
+    Out, stride_ob, stride_oh, stride_om, stride_od = out_op
+    Lse, stride_lb, stride_lh, stride_lm = lse_op
     pid = tl.program_id(0)
     bh = pid // ROW_BLOCKS
     rb = pid % ROW_BLOCKS

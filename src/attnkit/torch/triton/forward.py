@@ -65,18 +65,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_tile, v_tile, offs_m, offs_d, offs_dv, geo, m
     return acc, l_i, m_i
 
 
-def _attn_fwd(Q, K, V, Out, Lse, Keep, Drop, Bias, Slopes, Sinks, QLen, KLen, CuQ, CuK, Finite,
-              stride_qb, stride_qh, stride_qm, stride_qd,
-              stride_kb, stride_kh, stride_kn, stride_kd,
-              stride_vb, stride_vh, stride_vn, stride_vd,
-              stride_ob, stride_oh, stride_om, stride_od,
-              stride_lb, stride_lh, stride_lm,
-              stride_keep_b, stride_keep_h, stride_keep_m, stride_keep_n,
-              stride_drop_b, stride_drop_h, stride_drop_m, stride_drop_n,
-              stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
-              stride_slope_b, stride_slope_h, stride_sink_b, stride_sink_h, stride_sink_m,
-              stride_qlen, stride_klen,
-              H, L, S, N0, SEQ0, sm_scale, softcap, OFFSET, ROW0, COL0, LEFT, RIGHT,
+def _attn_fwd(q_op, k_op, v_op, out_op, lse_op, keep_op, drop_op, bias_op, slopes_op, sinks_op, qlen_op, klen_op,
+              CuQ, CuK, Finite, H, L, S, N0, SEQ0, sm_scale, softcap, OFFSET, ROW0, COL0, LEFT, RIGHT,
               seed_lo, seed_hi, drop_threshold, drop_scale,
               GROUP: constexpr, HEAD_D: constexpr, HEAD_DV: constexpr,
               BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
@@ -85,7 +75,20 @@ def _attn_fwd(Q, K, V, Out, Lse, Keep, Drop, Bias, Slopes, Sinks, QLen, KLen, Cu
               HAS_DROPOUT: constexpr, HAS_QLEN: constexpr, HAS_KLEN: constexpr, PACKED: constexpr,
               BOTTOM_RIGHT: constexpr, CAREFUL: constexpr, SPLIT: constexpr, INTERPRET: constexpr,
               PRECISION: constexpr):
-    """out and lse for one query block of one (batch element or sequence, head)."""
+    """out and lse for one query block of one (batch element or sequence, head). Each
+    ``*_op`` is a tensor's (pointer, strides) (``launch.op``)."""
+    Q, stride_qb, stride_qh, stride_qm, stride_qd = q_op
+    K, stride_kb, stride_kh, stride_kn, stride_kd = k_op
+    V, stride_vb, stride_vh, stride_vn, stride_vd = v_op
+    Out, stride_ob, stride_oh, stride_om, stride_od = out_op
+    Lse, stride_lb, stride_lh, stride_lm = lse_op
+    Keep, stride_keep_b, stride_keep_h, stride_keep_m, stride_keep_n = keep_op
+    Drop, stride_drop_b, stride_drop_h, stride_drop_m, stride_drop_n = drop_op
+    Bias, stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n = bias_op
+    Slopes, stride_slope_b, stride_slope_h = slopes_op
+    Sinks, stride_sink_b, stride_sink_h, stride_sink_m = sinks_op
+    QLen, stride_qlen = qlen_op
+    KLen, stride_klen = klen_op
     if _finite_skip(Finite, CAREFUL):
         return
     start_m = tl.program_id(0)

@@ -23,7 +23,7 @@ GQA / MQA, any L >= 1, float16, bfloat16, float32. The cache was appended to
 from ...spec import geometry
 from . import tuning as triton_tuning
 from .jit import FP_FUSION, interpreting, kernels, triton
-from .launch import _capability, _device_guard, _dropout_scalars, _next_pow2, _precision, _terms
+from .launch import _capability, _device_guard, _dropout_scalars, _next_pow2, _precision, _terms, op
 
 
 def split_constexprs(cfg, *, group, D, Dv, dtype, rows, band, softcap, alibi, dropout, paged, bottom_right,
@@ -91,18 +91,14 @@ def kvcache(kv):
     kern = kernels()
     with _device_guard(q):
         kern._decode_split[(row_blocks * bh * splits,)](
-            q, k, v, table, lens, slopes if slopes is not None else part_o, part_o, part_ml[0], part_ml[1],
-            *q.stride(), *k.stride(), *v.stride(), *table_strides, lens.stride(0),
-            *(slopes.stride() if slopes is not None else (0, 0)), *part_o.stride(), *part_ml[0].stride(),
-            Hkv, L, bh, page, splits, spec.scale, spec.softcap or 1.0, left or 0, right or 0, *_dropout_scalars(spec),
-            **consts,
+            op(q), op(k), op(v), (table, *table_strides), op(lens), op(slopes, 2, part_o), op(part_o),
+            op(part_ml[0]), part_ml[1], Hkv, L, bh, page, splits, spec.scale, spec.softcap or 1.0, left or 0,
+            right or 0, *_dropout_scalars(spec), **consts,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **FP_FUSION)
         block_c, cconsts = combine_constexprs(ccfg, group=spec.group, Dv=Dv, rows=rows, sinks=sinks is not None,
                                               interpret=interpreting())
         blocks_c = triton.cdiv(rows, block_c)
         kern._decode_combine[(bh * blocks_c,)](
-            part_o, part_ml[0], part_ml[1], sinks if sinks is not None else part_o, out, lse,
-            *part_o.stride(), *part_ml[0].stride(), *(sinks.stride() if sinks is not None else (0, 0, 0)),
-            *out.stride(), *lse.stride(), Hkv, L, splits, blocks_c, **cconsts,
-            num_warps=ccfg["num_warps"], num_stages=ccfg["num_stages"], **FP_FUSION)
+            op(part_o), op(part_ml[0]), part_ml[1], op(sinks, 3, part_o), op(out), op(lse), Hkv, L, splits,
+            blocks_c, **cconsts, num_warps=ccfg["num_warps"], num_stages=ccfg["num_stages"], **FP_FUSION)
     return out, lse

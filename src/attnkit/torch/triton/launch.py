@@ -258,6 +258,13 @@ def _or(t, dummy):
     return t if t is not None else dummy
 
 
+def op(t, n=None, dummy=None):
+    """A kernel operand: the tuple (pointer, its n strides) the kernels take for each
+    tensor (``*_op`` parameters). An absent tensor (None) is ``dummy`` with zero
+    strides: the kernels never read it (its HAS_* flag is off)."""
+    return (_or(t, dummy),) + (_strides(t, n) if n is not None else tuple(t.stride()))
+
+
 def _device_guard(x):
     """The tensors' CUDA device as the current one; on the CPU (the interpreter, whose
     kernels are NumPy operations), NumPy's warnings off: inf − inf in a NaN row is
@@ -361,11 +368,9 @@ def forward(spec):
         for n, n0, s0, (q_, k_, v_, o_, l_, kp, dp, bs, sl, sk, ql, kl) in _programs(spec, packed, tensors, H):
             for careful in (False, True):
                 kern[(blocks, n)](
-                    q_, k_, v_, o_, l_, _or(kp, q_), _or(dp, q_), _or(bs, q_), _or(sl, l_), _or(sk, l_),
-                    _or(ql, cu[0]), _or(kl, cu[0]), *cu, finite,
-                    *q_.stride(), *k_.stride(), *v_.stride(), *o_.stride(), *l_.stride(),
-                    *_strides(kp, 4), *_strides(dp, 4), *_strides(bs, 4), *_strides(sl, 2), *_strides(sk, 3),
-                    *_strides(ql, 1), *_strides(kl, 1), H, L, S, n0, s0, *scalars, CAREFUL=careful, **consts)
+                    op(q_), op(k_), op(v_), op(o_), op(l_), op(kp, 4, q_), op(dp, 4, q_), op(bs, 4, q_),
+                    op(sl, 2, l_), op(sk, 3, l_), op(ql, 1, cu[0]), op(kl, 1, cu[0]), *cu, finite,
+                    H, L, S, n0, s0, *scalars, CAREFUL=careful, **consts)
     return out, lse
 
 
@@ -419,7 +424,7 @@ def backward(spec, dout, out, lse, dlse=None, need_dbias=True):
         pre, consts = _preprocess_launch(Dv, spec.dtype, cap)
         for nb, _, (o_, do_, de_) in _launches(B, [out, dout, delta], H):
             kern._bwd_preprocess[(triton.cdiv(L, pre["BLOCK_M"]), nb * H)](
-                o_, do_, de_, *o_.stride(), *do_.stride(), *de_.stride(), H, L, **consts,
+                op(o_), op(do_), op(de_), H, L, **consts,
                 num_warps=pre["num_warps"], num_stages=pre["num_stages"], **FP_FUSION)
         if dlse is not None:                        # d lse / d scores = weights
             delta -= dlse.to(device=dev, dtype=torch.float32)
@@ -431,11 +436,8 @@ def backward(spec, dout, out, lse, dlse=None, need_dbias=True):
                 _programs(spec, packed, tensors, Hkv):
             for careful in (False, True):
                 kern._attn_bwd_dkdv[(blocks, n)](
-                    q_, k2, v_, do_, l_, de_, dk_, dv_, _or(kp, q_), _or(dp, q_), _or(bs, q_), _or(sl, l_),
-                    _or(ql, cu[0]), _or(kl, cu[0]), *cu, finite,
-                    *q_.stride(), *k2.stride(), *v_.stride(), *do_.stride(), *l_.stride(),
-                    *dk_.stride(), *dv_.stride(), *_strides(kp, 4), *_strides(dp, 4), *_strides(bs, 4),
-                    *_strides(sl, 2), *_strides(ql, 1), *_strides(kl, 1),
+                    op(q_), op(k2), op(v_), op(do_), op(l_), de_, op(dk_), op(dv_), op(kp, 4, q_), op(dp, 4, q_),
+                    op(bs, 4, q_), op(sl, 2, l_), op(ql, 1, cu[0]), op(kl, 1, cu[0]), *cu, finite,
                     Hkv, L, S, n0, s0, *scalars, CAREFUL=careful, **consts)
 
         cfg, consts, scalars = _common(spec, "backward_dq")
@@ -445,11 +447,8 @@ def backward(spec, dout, out, lse, dlse=None, need_dbias=True):
                 _programs(spec, packed, tensors, H):
             for careful in (False, True):
                 kern._attn_bwd_dq[(blocks, n)](
-                    q_, k2, v_, do_, l_, de_, dq_, _or(ds_, dq_), _or(kp, q_), _or(dp, q_), _or(bs, q_),
-                    _or(sl, l_), _or(ql, cu[0]), _or(kl, cu[0]), *cu, finite,
-                    *q_.stride(), *k2.stride(), *v_.stride(), *do_.stride(), *l_.stride(),
-                    *dq_.stride(), *_strides(ds_, 4), *_strides(kp, 4), *_strides(dp, 4), *_strides(bs, 4),
-                    *_strides(sl, 2), *_strides(ql, 1), *_strides(kl, 1),
+                    op(q_), op(k2), op(v_), op(do_), op(l_), de_, op(dq_), op(ds_, 4, dq_), op(kp, 4, q_),
+                    op(dp, 4, q_), op(bs, 4, q_), op(sl, 2, l_), op(ql, 1, cu[0]), op(kl, 1, cu[0]), *cu, finite,
                     H, L, S, n0, s0, *scalars, WRITE_DS=write_ds, CAREFUL=careful, **consts)
 
     def finish(g, x):                               # sum over broadcast dims, back to x's dtype
