@@ -28,7 +28,10 @@ def test_bounded_softmax_tile_is_the_masked_tile(kernels):
     m0 = np.array([-np.inf, 1.0, -np.inf, 2.0, -np.inf, 0.5, 9.0, -np.inf, -np.inf], np.float32)
     l0 = np.where(np.isfinite(m0), 1.5, 0.0).astype(np.float32)
     cols = np.arange(c0, c0 + w)
-    masked = np.where((cols >= lo[:, None]) & (cols < hi[:, None]), s, -np.inf).astype(np.float32)
+    inside = (cols >= lo[:, None]) & (cols < hi[:, None])
+    masked = np.where(inside, s, -np.inf).astype(np.float32)
+    poison = np.resize(np.float32([np.nan, np.inf, 1e30, -np.inf]), s.shape)
+    s = np.where(inside, s, poison)                      # outside the bounds: never read into a row
     m1, l1, m2, l2 = m0.copy(), l0.copy(), m0.copy(), l0.copy()
     s1, s2 = s.copy(), masked.copy()
     a1 = kern.softmax_tile_bounded(s1, m1, l1, lo, hi, c0)

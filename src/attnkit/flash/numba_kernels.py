@@ -90,16 +90,30 @@ def _softmax_tile(s, m_i, l_i, alpha):
 
 @numba.njit(**REDUCE)
 def _softmax_tile_bounded(s, m_i, l_i, alpha, lo, hi, c0):
-    # row i limited to the keys [lo[i], hi[i]); the other columns get weight 0
+    # row i limited to the keys [lo[i], hi[i]); the other columns get weight 0. Every
+    # row runs over the whole tile width with a select (what the vectoriser takes):
+    # loops over [a0, a1) with bounds read per row were left scalar and ran 7–13x
+    # slower than the tile's plain softmax (every causal diagonal tile, every tile of
+    # a short causal sequence). Columns outside the bounds never reach the max or the
+    # sum, so NaN or inf there cannot leak into the row.
     w = s.shape[1]
     for i in range(s.shape[0]):
         a0 = min(max(lo[i] - c0, 0), w)
         a1 = min(max(hi[i] - c0, a0), w)
-        for j in range(a0):
-            s[i, j] = f32(0.0)
-        for j in range(a1, w):
-            s[i, j] = f32(0.0)
-        _softmax_span(s, i, a0, a1, m_i, l_i, alpha)
+        m_new = m_i[i]
+        for j in range(w):
+            m_new = _fmax(m_new, s[i, j] if a0 <= j < a1 else f32(-np.inf))
+        shift = f32(0.0) if m_new == -np.inf else m_new  # all −inf so far: shift by 0, no NaN
+        total = f32(0.0)
+        for j in range(w):
+            e = exp2_f32((s[i, j] - shift) * LOG2E)
+            e = e if a0 <= j < a1 else f32(0.0)
+            s[i, j] = e
+            total += e
+        a = exp2_f32((m_i[i] - shift) * LOG2E)           # m_i = −inf gives 0
+        alpha[i] = a
+        l_i[i] = l_i[i] * a + total
+        m_i[i] = m_new
 
 
 @numba.njit(**ORDERED)
