@@ -118,6 +118,32 @@ DESELECT = ["tests/torch/test_op.py::test_cpu_tensors_run_the_flash_rung_when_he
 # why no observable result can change. Matched by line text, not number; where one
 # line has two mutants of the same name, the mutation ends in " @<column>" (the
 # character column of the replaced span, as --list shows it) to name one.
+R_BLOCK = ("a tuning constant: the default tile sizes only change how rows and keys are cut into tiles "
+           "(the order of sums), never a result beyond rounding")
+# line texts of flash/plan.py's tuning constants (the keys below)
+_PLAN_BWD = 'return (256, 256) if D <= 128 else (128, 256)'
+_PLAN_FWD = 'return (1024, 512) if D <= 128 else (512, 512)'
+_PLAN_SUB = 'SUB_M = 128            # row strips for the tiles that causal/window cut through'
+_PLAN_DEC = 'DECODE_ROWS = 64       # units with at most this many rows stream their keys (decoding)'
+_PLAN_SMALL = 'SMALL_TILE = 1 << 18   # heads whose whole score matrix is at most this many elements are batched'
+_FIN = 'if a.dtype in (np.float32, np.float64) and a.flags.c_contiguous and a.size:'
+_EXEMPT = 'res = np.matmul(a, np.where(bad, 0, b).astype(b.dtype, copy=False), out=out)'
+_RUN = 'if blas_controller() is None or n <= 1 or getattr(_local, "worker", False):'
+_RESCALE = 'if not (alpha == 1).all():                           # the running max moved: rescale'
+_PLAN_TASKS = 'MIN_TASKS = 8          # split keys (split-KV) or chunk the backward until this many tasks exist'
+_PLAN_SPLIT = 'MIN_SPLIT = 1024       # keys per split-KV part at least'
+R_FIN = ("which finiteness check all_finite takes (Σx² by one BLAS dot, or a plain sum): either is NaN/inf "
+         "exactly when an entry is (x² of NaN/inf is NaN/inf, all other terms >= 0), and an overflowing sum is "
+         "re-checked entry by entry, so the answer is the same for every dtype, layout and size")
+R_ONE = ("one thread: the job path would run every task on the caller as well (grow(0) starts no worker, no "
+         "job is queued): the same calls in the same order, the first error re-raised either way")
+_BWD_CHUNKS = "max(1, min(max((len(b) for b in kblocks.values()), default=1), -(-MIN_TASKS // max(len(groups), 1))))"
+R_CHUNKS = ("how many chunks of key blocks the backward's tasks take (a tuning choice): dk, dv and dbias are "
+            "written by disjoint key blocks, dq summed over the chunks in a fixed order: only the order of dq's "
+            "sums changes (a bias broadcast over the keys keeps one chunk: tested)")
+_FWD_SORT = 'tasks.sort(key=lambda t: -(t[4] - t[3]) * (blocks[t[0]][2] - blocks[t[0]][1]) * blocks[t[0]][0].nk)'
+R_SORT = ("the order tasks are handed to the threads (heaviest first, for balance): each task writes its "
+          "own rows or its own split-KV part, merged in part order: speed only")
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("spec/checks.py",
      "if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):",
@@ -181,6 +207,229 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("reference.py", "if k.shape[-2] == 0:                                 # a block table without columns: the Spec's",
      "drop `-`"):
         "the gathered keys are 4-D (B, Hkv, S, D): index 2 is index -2",
+    ("flash/runtime.py", "job.cancel = True", "`True` -> `False`"):
+        "the except branch (grow or the caller's own loop raised) is followed at once by the finally's "
+        "job.cancel = True; nothing reads cancel in between that could not have read it just before the error",
+    ("nonfinite.py", _FIN, 'negate the condition'): R_FIN,
+    ("nonfinite.py", _FIN, '`in` -> `not in`'): R_FIN,
+    ("nonfinite.py", _FIN, '`and` -> `or` @51'): R_FIN,
+    ("nonfinite.py", _FIN, '`and` -> `or` @76'): R_FIN,
+    ("nonfinite.py", "flat = a.reshape(-1)", "`1` -> `2`"):
+        "NumPy reads any negative size in reshape as the inferred one",
+    ("nonfinite.py", _EXEMPT, "`0` -> `1`"):
+        "the stand-in for a non-finite b entry only meets entries of a outside visible, which every caller has "
+        "exactly 0 (the docstring's contract): 0·1 = 0·0, and a NaN a there is NaN either way",
+    ("nonfinite.py", _EXEMPT, "`False` -> `True`"): "an extra copy of a fresh array: speed only",
+    ("torch/op.py", "dbias = g.dbias if g.dbias is not None and need_dbias else spec.q.new_empty(0)", "`and` -> `or`"):
+        "every rung returns dbias None when need_dbias is False, and a dbias when it is True (only with a bias)",
+    ("torch/op.py", "dout = torch.zeros_like(out)", "remove the statement"):
+        "the custom op's autograd materializes an unused output's gradient as zeros: dout is never None here "
+        "(a loss of lse alone is tested)",
+    ("flash/runtime.py", _RUN, "`<=` -> `<`"): R_ONE,
+    ("flash/runtime.py", _RUN, "`1` -> `0`"): R_ONE,
+    ("flash/kernels.py", _RESCALE, "`1` -> `2`"):
+        "alpha <= 1 (or NaN), never 2: the rescale then always runs, and skipping it is only a shortcut for "
+        "alpha == 1 everywhere (o·1 == o exactly)",
+    ("flash/plan.py", _PLAN_TASKS, '`8` -> `7`'):
+        "how many split-KV parts a row block's keys (or backward key chunks) are cut into: parts "
+        "merged by their max and sum, the same results to rounding (split-KV is tested on decoding shapes)",
+    ("flash/plan.py", _PLAN_TASKS, '`8` -> `9`'):
+        "how many split-KV parts a row block's keys (or backward key chunks) are cut into: parts "
+        "merged by their max and sum, the same results to rounding (split-KV is tested on decoding shapes)",
+    ("flash/plan.py", _PLAN_SPLIT, '`1024` -> `1023`'):
+        "how many split-KV parts a row block's keys (or backward key chunks) are cut into: parts "
+        "merged by their max and sum, the same results to rounding (split-KV is tested on decoding shapes)",
+    ("flash/plan.py", _PLAN_SPLIT, '`1024` -> `1025`'):
+        "how many split-KV parts a row block's keys (or backward key chunks) are cut into: parts "
+        "merged by their max and sum, the same results to rounding (split-KV is tested on decoding shapes)",
+    ("flash/runtime.py", "job.cancel = True", "remove the statement"):
+        "the finally right below sets job.cancel = True at once (the same reason as its True -> False)",
+    ("flash/runtime.py", "job.cancel = True                # every task is claimed or abandoned by now",
+     "remove the statement"):
+        "after a failure cancel is already True (set by work() or the except above); after success every task "
+        "was claimed, so a worker still in the job finds the counter exhausted whatever cancel says",
+    ("flash/runtime.py", 'elif cmd == "exit" and tok is not None:', "`and` -> `or`"):
+        "it differs only for an exit whose token is already gone, where it pops id(None), never a key of active",
+    ("flash/backward.py", "return tuple(0 if n == 1 else i for i, n in zip(u.b + (u.h0,), shape[:-2]))",
+     "`2` -> `1`"):
+        "zip stops at u.b + (u.h0,), which has len(shape) - 2 entries: the extra dim of shape[:-1] is never read",
+    ("flash/backward.py", "ds, r0, r1 = ds.sum(axis=0, keepdims=True), 0, 1", "`1` -> `2`"):
+        "bias is broadcast over the rows there: the padded dbias has one row, so the slice 0:2 is 0:1",
+    ("flash/backward.py", "ds, c0, c1 = ds.sum(axis=1, keepdims=True), 0, 1", "`1` -> `2` @55"):
+        "bias is broadcast over the keys there: the padded dbias has one column, so the slice 0:2 is 0:1",
+    ("flash/backward.py", "def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, "
+     "need_dbias: bool = True) -> Grads:", "`True` -> `False`"):
+        "the default is never used: the one caller (flash.rung_backward) passes need_dbias",
+    ("flash/backward.py", _BWD_CHUNKS, '`1` -> `2` @12'): R_CHUNKS,
+    ("flash/backward.py", _BWD_CHUNKS, '`min` -> `max`'): R_CHUNKS,
+    ("flash/backward.py", _BWD_CHUNKS, '`max` -> `min` @19'): R_CHUNKS,
+    ("flash/backward.py", _BWD_CHUNKS, '`1` -> `2` @67'): R_CHUNKS,
+    ("flash/backward.py", _BWD_CHUNKS, 'drop `-`'): R_CHUNKS,
+    ("flash/backward.py", _BWD_CHUNKS, '`max` -> `min` @87'): R_CHUNKS,
+    ("flash/backward.py", _BWD_CHUNKS, '`1` -> `2` @104'): R_CHUNKS,
+    ("flash/backward.py", _BWD_CHUNKS, '`1` -> `0` @67'):
+        "call.units and the groups are never empty (L, H >= 1), so neither the default nor max(., 0) "
+        "changes the value",
+    ("flash/backward.py", _BWD_CHUNKS, '`1` -> `0` @104'):
+        "call.units and the groups are never empty (L, H >= 1), so neither the default nor max(., 0) "
+        "changes the value",
+    ('flash/forward.py', 'return x.astype(dtype, copy=False)',
+     '`False` -> `True`'):
+        'an extra copy of the result: speed only',
+    ('flash/forward.py', 'careful = ((call.careful or (call.tile_careful and partial)) and v_t is not None',
+     '`and` -> `or` @55'):
+        "the exempt product also on a KV cache's fully visible tiles with a NaN/inf value: there every key is"
+        " visible, so it gives the plain product's NaNs (finish turns its infs into NaN)",
+    ('flash/forward.py', 'careful = ((call.careful or (call.tile_careful and partial)) and v_t is not None',
+     '`and` -> `or` @69'):
+        'the exempt product on more tiles (any tile whose values hold NaN/inf, or all tiles of a careful '
+        "call): it equals the plain product where b is finite and is the NaN rule's answer where not",
+    ('flash/forward.py', 'if acc is not None and pv is not None and v_t is not None:',
+     '`and` -> `or` @27'):
+        'acc and pv are both None or both arrays (want_out); v_t is None only for calls without v, which '
+        'never want out',
+    ('flash/forward.py', 'if acc is not None and pv is not None and v_t is not None:',
+     '`and` -> `or` @46'):
+        'acc and pv are both None or both arrays (want_out); v_t is None only for calls without v, which '
+        'never want out',
+    ('flash/forward.py', 'kern.rescale_add(acc.reshape(nk * n_rows, -1), alpha, pv.reshape(nk * n_rows, -1))',
+     '`1` -> `2` @59'):
+        'NumPy reads any negative size in reshape as the inferred one',
+    ('flash/forward.py', 'kern.rescale_add(acc.reshape(nk * n_rows, -1), alpha, pv.reshape(nk * n_rows, -1))',
+     '`1` -> `2` @95'):
+        'NumPy reads any negative size in reshape as the inferred one',
+    ('flash/forward.py', 'slopes = diag = np.zeros(0, dtype=np.float32)',
+     '`0` -> `1`'):
+        'the streaming kernel applies ALiBi only when slopes has one entry per row (A·R); for one row the '
+        'placeholder slope 0 subtracts 0·|0 − p| = 0',
+    ('flash/forward.py', 'if z > a:',
+     '`>` -> `>=`'):
+        "z == a: the kernel's key loop runs zero times, the state is unchanged",
+    ('flash/forward.py', 'flat = acc.reshape(l_i.shape[0], -1)',
+     '`1` -> `2`'):
+        'NumPy reads any negative size in reshape as the inferred one',
+    ('flash/forward.py', 'flat[empty] = 0.0',
+     'remove the statement'):
+        'a row with l_i = 0 saw no key: every product left its acc at exactly 0 (the exempt product where v '
+        'holds NaN/inf, so no 0·inf), the divide skips it',
+    ('flash/forward.py', 'for p in parts[1:]:',
+     '`1` -> `0`'):
+        'the first part is maxed with itself: the same maximum',
+    ('flash/forward.py', 'acc = None if parts[0][2] is None else np.zeros_like(parts[0][2])',
+     '`0` -> `1` @24'):
+        'every part of a row block has an acc or none (want_out), of the same shape',
+    ('flash/forward.py', 'acc = None if parts[0][2] is None else np.zeros_like(parts[0][2])',
+     '`0` -> `1` @63'):
+        'every part of a row block has an acc or none (want_out), of the same shape',
+    ('flash/forward.py', 'if acc is not None and pa is not None:',
+     '`and` -> `or`'):
+        "acc is None exactly when the parts' acc are",
+    ('flash/forward.py', 'acc += w.reshape(pa.shape[0], -1, 1) * pa',
+     '`1` -> `2` @43'):
+        'NumPy reads any negative size in reshape as the inferred one',
+    ('flash/forward.py', 'if out is not None and o_i is not None:',
+     '`and` -> `or`'):
+        'out is None exactly when o_i is (want_out)',
+    ('flash/forward.py', 'out[u.b][u.heads, r0:r1] = o_i.reshape(u.nk * u.g, r1 - r0, -1)',
+     '`1` -> `2`'):
+        'NumPy reads any negative size in reshape as the inferred one',
+    ('flash/forward.py', 'n = call.splits(len(blocks), hi - lo)',
+     '`-` -> `+`'):
+        'a split-KV part count from another key count (a tuning choice): parts are merged exactly, an empty '
+        'part weighs 0',
+    ('flash/forward.py', 'cuts = [lo + (hi - lo) * i // n for i in range(n + 1)]',
+     '`-` -> `+`'):
+        "other cut points that still partition [lo, hi) (the last part runs past hi, clipped to the band's "
+        'keys): the same merge to rounding',
+    ('flash/forward.py', 'cuts = [lo + (hi - lo) * i // n for i in range(n + 1)]',
+     '`1` -> `2`'):
+        'one extra cut point, never read',
+    ('flash/forward.py', 'tasks += [(n_b, i, n, cuts[i], cuts[i + 1]) for i in range(n)]',
+     '`+` -> `-`'):
+        'part 0 then spans [lo, hi) (cuts[-1] is hi) and every other part an empty range: the same merge to rounding',
+    ('flash/forward.py', 'parts: dict[int, list[Any]] = {n_b: [None] * n for n_b, i, n, _, _ in tasks if n > 1 and i'
+     ' == 0}',
+     '`==` -> `!=`'):
+        'a split row block has parts 0 and 1 (n > 1): the same keys either way',
+    ('flash/forward.py', 'parts: dict[int, list[Any]] = {n_b: [None] * n for n_b, i, n, _, _ in tasks if n > 1 and i'
+     ' == 0}',
+     '`0` -> `1`'):
+        'a split row block has parts 0 and 1 (n > 1): the same keys either way',
+    ('flash/forward.py', _FWD_SORT, 'remove the statement'): R_SORT,
+    ('flash/forward.py', _FWD_SORT, '`4` -> `3`'): R_SORT,
+    ('flash/forward.py', _FWD_SORT, '`-` -> `+` @36'): R_SORT,
+    ('flash/forward.py', _FWD_SORT, '`3` -> `2`'): R_SORT,
+    ('flash/forward.py', _FWD_SORT, '`3` -> `4`'): R_SORT,
+    ('flash/forward.py', _FWD_SORT, '`*` -> `/` @44'): R_SORT,
+    ('flash/forward.py', _FWD_SORT, '`2` -> `1`'): R_SORT,
+    ('flash/forward.py', _FWD_SORT, '`-` -> `+` @63'): R_SORT,
+    ('flash/forward.py', _FWD_SORT, '`1` -> `2`'): R_SORT,
+    ('flash/forward.py', _FWD_SORT, '`*` -> `/` @82'): R_SORT,
+    ("torch/op.py", "return torch.randint(0, 1 << 62, (), dtype=torch.int64)", "`0` -> `1`"):
+        "the range a seed is drawn from when none is given: any drawn seed is as good (not observable beyond "
+        "which random seed it is)",
+    ("torch/op.py", "return torch.randint(0, 1 << 62, (), dtype=torch.int64)", "`62` -> `61`"):
+        "the range a seed is drawn from when none is given: any drawn seed is as good (not observable beyond "
+        "which random seed it is)",
+    ("torch/op.py", 'need_dbias = args[_OPT_INDEX["bias"]] is not None and ctx.needs_input_grad[_OPT_INDEX["bias"]]',
+     "`and` -> `or`"):
+        "a dbias computed for a bias that needs no gradient is dropped below (res only where needs_input_grad)",
+    ("torch/op.py", "if args[pos] is not None and ctx.needs_input_grad[pos] and g < len(grads):", "`and` -> `or` @33"):
+        "autograd drops a gradient returned for an input that needs none; a None input needs none",
+    ("torch/op.py", "if args[pos] is not None and ctx.needs_input_grad[pos] and g < len(grads):", "`<` -> `<=`"):
+        "g <= 4 < len(grads) = 5 always: the bound is never reached",
+    ("torch/op.py", "res[pos] = grads[g] if grads[g].numel() or args[pos].numel() == 0 else None", "`==` -> `!=`"):
+        "grads[g] is an empty placeholder only where no gradient is wanted (skipped above); inputs are never empty",
+    ("torch/op.py", "res[pos] = grads[g] if grads[g].numel() or args[pos].numel() == 0 else None", "`0` -> `1`"):
+        "grads[g] is an empty placeholder only where no gradient is wanted (skipped above); inputs are never empty",
+    ("torch/op.py", "def rung_forward(self, spec: Spec, need_weights: bool = False) -> tuple[Any, Any, Any]:",
+     "`False` -> `True`"):
+        "the one caller that uses the default (ring attention) discards the weights",
+    ("torch/op.py", "g = torch.ops.attnkit.attention_bwd(dout, dlse, out, lse, need_dbias and spec.bias is not None,",
+     "`and` -> `or`"):
+        "every caller passes need_dbias=True (the default); then it differs only without a bias, where no rung "
+        "returns a dbias",
+    ("flash/runtime.py", "_fork_hooks.append(True)", "`True` -> `False`"):
+        "_fork_hooks is only tested for emptiness: [False] is as non-empty as [True]",
+    ("flash/backward.py", "if dbias is not None and bias_shape is not None:", "`and` -> `or`"):
+        "dbias is allocated exactly when bias_shape is not None: both or neither",
+    # flash/plan.py's tuning table and constants: only speed and the order of sums change (the
+    # rungs are compared to 1e-12); the doctest of block_sizes pins the D <= 128 forward entry
+    ("flash/plan.py", _PLAN_BWD, '`256` -> `255` @16'): R_BLOCK,
+    ("flash/plan.py", _PLAN_BWD, '`256` -> `257` @16'): R_BLOCK,
+    ("flash/plan.py", _PLAN_BWD, '`256` -> `255` @21'): R_BLOCK,
+    ("flash/plan.py", _PLAN_BWD, '`256` -> `257` @21'): R_BLOCK,
+    ("flash/plan.py", _PLAN_BWD, 'negate the condition'): R_BLOCK,
+    ("flash/plan.py", _PLAN_BWD, '`<=` -> `<`'): R_BLOCK,
+    ("flash/plan.py", _PLAN_BWD, '`128` -> `127` @34'): R_BLOCK,
+    ("flash/plan.py", _PLAN_BWD, '`128` -> `129` @34'): R_BLOCK,
+    ("flash/plan.py", _PLAN_BWD, '`128` -> `127` @44'): R_BLOCK,
+    ("flash/plan.py", _PLAN_BWD, '`128` -> `129` @44'): R_BLOCK,
+    ("flash/plan.py", _PLAN_BWD, '`256` -> `255` @49'): R_BLOCK,
+    ("flash/plan.py", _PLAN_BWD, '`256` -> `257` @49'): R_BLOCK,
+    ("flash/plan.py", _PLAN_FWD, '`<=` -> `<`'): R_BLOCK,
+    ("flash/plan.py", _PLAN_FWD, '`128` -> `127`'): R_BLOCK,
+    ("flash/plan.py", _PLAN_FWD, '`128` -> `129`'): R_BLOCK,
+    ("flash/plan.py", _PLAN_FWD, '`512` -> `511` @41'): R_BLOCK,
+    ("flash/plan.py", _PLAN_FWD, '`512` -> `513` @41'): R_BLOCK,
+    ("flash/plan.py", _PLAN_FWD, '`512` -> `511` @46'): R_BLOCK,
+    ("flash/plan.py", _PLAN_FWD, '`512` -> `513` @46'): R_BLOCK,
+    ("flash/plan.py", _PLAN_SUB, "`128` -> `127`"):
+        "the height of the row strips a causal/window band cuts through: which tiles are clipped or merged, "
+        "the same results (tests set SUB_M to 1..5 to exercise the strips)",
+    ("flash/plan.py", _PLAN_SUB, "`128` -> `129`"):
+        "the height of the row strips a causal/window band cuts through: which tiles are clipped or merged, "
+        "the same results (tests set SUB_M to 1..5 to exercise the strips)",
+    ("flash/plan.py", _PLAN_DEC, "`64` -> `63`"):
+        "which few-row units take the streaming kernel instead of the tiles: the same sums in another order",
+    ("flash/plan.py", _PLAN_DEC, "`64` -> `65`"):
+        "which few-row units take the streaming kernel instead of the tiles: the same sums in another order",
+    ("flash/plan.py", _PLAN_SMALL, '`1` -> `2`'):
+        "how many small heads one task batches (a batched matmul of the same products): speed only",
+    ("flash/plan.py", _PLAN_SMALL, '`18` -> `17`'):
+        "how many small heads one task batches (a batched matmul of the same products): speed only",
+    ("flash/plan.py", _PLAN_SMALL, '`18` -> `19`'):
+        "how many small heads one task batches (a batched matmul of the same products): speed only",
 }
 
 
@@ -511,13 +760,17 @@ _dur = {}
 _failed = []
 _order = []
 
+_off = []          # set at the end: daemon threads (pool workers) still tracing stop recording
+
 def _local(frame, event, arg):
+    if _off:
+        return None
     if event == "line":
         _hits.setdefault(_cur[0], set()).add((frame.f_code.co_filename, frame.f_lineno))
     return _local
 
 def _global(frame, event, arg):
-    if frame.f_code.co_filename in _FILES:
+    if not _off and frame.f_code.co_filename in _FILES:
         _hits.setdefault(_cur[0], set()).add((frame.f_code.co_filename, frame.f_lineno))
         return _local
     return None
@@ -538,10 +791,16 @@ def pytest_runtest_logfinish(nodeid, location):
     _cur[0] = "<between>"
 
 def pytest_unconfigure(config):
+    _off.append(True)
     sys.settrace(None)
     threading.settrace(None)
     name = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    hits = {t: sorted(v) for t, v in _hits.items()}
+    for _ in range(100):                 # a thread may still add one hit while we copy
+        try:
+            hits = {t: sorted(set(v)) for t, v in list(_hits.items())}
+            break
+        except RuntimeError:
+            pass
     with open(f"{_OUT}.{name}.json", "w") as f:
         json.dump({"hits": hits, "durations": _dur, "failed": _failed, "order": _order}, f)
 '''

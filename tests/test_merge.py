@@ -50,3 +50,21 @@ def test_one_block_is_itself_and_far_apart_blocks_do_not_overflow():
     big = np.full((2, 4), 1e4)
     o, lse = attnkit.merge([o1, o2], [big, big])
     assert max_error(o, (o1 + o2) / 2) <= 1e-15 and max_error(lse, big + np.log(2)) <= 1e-12
+
+
+def test_torch_one_block_and_far_apart_blocks():
+    """The torch path as the NumPy one: one block is itself (in its dtype), blocks 1000
+    apart in lse weigh 1 and 0 whichever comes first, and the merge is differentiable."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    o1, o2 = (torch.tensor(rng.standard_normal((2, 4, 3))) for _ in range(2))
+    l1 = torch.tensor(rng.standard_normal((2, 4)))
+    o, lse = attnkit.merge([o1.float()], [l1])
+    assert o.dtype == torch.float32 and torch.equal(o, o1.float()) and torch.allclose(lse, l1)
+    for first in (True, False):
+        outs, lses = [o1, o2], [l1 + 1000.0, l1]
+        if not first:
+            outs, lses = outs[::-1], lses[::-1]
+        o, lse = attnkit.merge(outs, lses)
+        assert torch.isfinite(o).all() and max_error(o.numpy(), o1.numpy()) <= 1e-15
+        assert max_error(lse.numpy(), (l1 + 1000.0).numpy()) <= 1e-12

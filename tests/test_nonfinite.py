@@ -197,3 +197,19 @@ def test_an_inf_value_a_row_sees_gives_nan_on_the_fast_paths(dtype, rows):
     same(attnkit.attention(q, k[:, :, :1500], v[:, :, :1500], backend="flash"), want, 1e-4)
     kc, vc = k.copy(), v.copy()
     same(attnkit.attention_kvcache(q, kc, vc, np.array([1500]), backend="flash"), want, 1e-4)
+
+
+def test_exempt_matmul_takes_a_visibility_that_broadcasts():
+    """visible may be any shape that broadcasts to a's (a row of keys, one column)."""
+    rng = np.random.default_rng(1)
+    a = rng.random((2, 3, 4))
+    b = rng.standard_normal((2, 4, 5))
+    b[1, 2, 3] = np.inf
+    for vis in (np.array([True, True, False, True]), np.ones((3, 1), bool), np.ones((1, 3, 4), bool)):
+        full = np.broadcast_to(vis, a.shape)
+        aa = np.where(full, a, 0.0)
+        got = exempt_matmul(aa, b, vis)
+        bad = ~np.isfinite(b)
+        want = np.where(np.matmul(full, bad) > 0, np.nan, aa @ np.where(bad, 0.0, b))
+        assert np.array_equal(got, want, equal_nan=True)
+        assert np.isnan(got[1, :, 3]).all() == bool(full[1, :, 2].all())

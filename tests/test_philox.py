@@ -36,3 +36,35 @@ def test_decision_depends_on_every_index_and_the_seed_only():
         assert (other != a).mean() > 0.99
     big = philox.words(2 ** 63 + 1, np.array([2 ** 40]), np.array([0]), np.array([0]))   # 64-bit seeds and heads
     assert big.dtype == np.uint32
+
+
+def test_int64_indices_and_keys_give_the_uint32_answers():
+    """Counters, keys and indices given as the int64 arrays np.arange makes (or NumPy
+    integer keys): the same words as uint32 inputs."""
+    ctr, key, want = KAT[2]
+    words = philox.philox4x32_10(*(np.array([c], np.int64) for c in ctr), *(np.int64(x) for x in key))
+    assert tuple(f"{int(w[0]):08x}" for w in words) == want
+    rows, cols = np.arange(5)[:, None], np.arange(9)[None, :]
+    a = philox.words(11, np.int64(3), rows, cols)
+    b = philox.words(11, np.uint64(3), rows.astype(np.uint64), cols.astype(np.uint64))
+    assert a.dtype == np.uint32 and np.array_equal(a, b)
+
+
+def test_head_counters_past_two_to_the_31_use_both_words():
+    """The flat head index n·H + h fills counter words 2 (low 32 bits) and 3 (high)."""
+    seed, rows, cols = 2 ** 40 + 9, np.arange(3)[:, None], np.arange(8)[None, :]
+    k0, k1 = philox.key(seed)
+    for head in (2 ** 31 + 5, 2 ** 32 + 7, 2 ** 33 - 1, 3 * 2 ** 40 + 2):
+        out = philox.philox4x32_10(cols >> 2, rows, head & philox.MASK32, head >> 32, k0, k1)
+        want = np.choose(cols & 3, out)
+        assert np.array_equal(philox.words(seed, head, rows, cols), want)
+
+
+def test_a_word_equal_to_the_threshold_is_kept():
+    """dropped = word < threshold(p): a weight whose word is exactly the threshold is kept."""
+    seed = 5
+    w = int(philox.words(seed, 0, 0, 0))
+    p = w / 2 ** 32
+    assert philox.threshold(p) == w and 0 < p < 1
+    assert bool(philox.kept(seed, p, 0, 0, 0))
+    assert not bool(philox.kept(seed, (w + 1) / 2 ** 32, 0, 0, 0))

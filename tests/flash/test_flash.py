@@ -393,3 +393,205 @@ def test_float32_decoding_with_empty_rows_minus_inf_sinks_and_weights():
     assert np.array_equal(lse[0, :, 0], sinks.astype(np.float32))      # the sink alone, or −inf
     for got, want, ref in ((out, o64, o32), (lse, l64, l32), (w, w64, w32)):
         assert max_error(got, want) <= error_budget(want, ref)
+
+
+@pytest.mark.parametrize("shape", ["2-D", "3-D"])
+def test_dropout_without_batch_dims_equals_the_reference(shape):
+    """Dropout's head counter on inputs without batch dims (2-D, or heads only): the
+    flash rung drops the same entries as the reference, forward and backward."""
+    if shape == "2-D":
+        q, k, v = make_qkv((30, 8), (41, 8), 6, seed=5)
+    else:
+        q, k, v = make_qkv((3, 30, 8), (3, 41, 8), 6, seed=5)
+    spec = validate(q, k, v, dropout=0.3, seed=7, causal=True)
+    (o1, l1, w1, g1), (o0, l0, w0, g0) = both(flash, spec, dict(block_m=8, block_n=16), 3)
+    assert max_error(o1, o0) <= 1e-12 and max_error(l1, l0) <= 1e-12 and max_error(w1, w0) <= 1e-12
+    assert_grads_close(g1, g0, 1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_split_kv_parts_with_far_apart_maxima_and_fully_masked_rows(dtype):
+    """Decoding shapes whose keys are cut into split-KV parts: a row whose best scores
+    are ~800 above the rest sit in the first part or in the last (a merge shifted by
+    anything but the largest part maximum overflows exp), a row that sees no key is out
+    0 / lse -inf, and the weights of split rows are exact too."""
+    q, k, v = make_qkv((2, 4, 1, 16), (2, 2, 3000, 16), seed=6)
+    bias = np.zeros((4, 1, 3000))
+    bias[0] = -np.inf                                    # head 0 sees no key
+    bias[1, :, :5] = 800.0                               # the first part holds the maximum
+    bias[2, :, -5:] = 800.0                              # the last part holds it
+    spec = validate(*(x.astype(dtype) for x in (q, k, v)), bias=bias)
+    call = plan.Call(spec, None, None)
+    blocks = [(u, r0, r1) for u in call.units for r0, r1 in call.row_blocks(u)]
+    assert call.splits(len(blocks), 3000) > 1           # the split-KV path is taken
+    o1, l1, w1 = flash.rung_forward(spec, True)
+    f64 = validate(q, k, v, bias=bias)
+    o0, l0, w0 = reference.rung_forward(f64, True)
+    assert np.all(o1[:, 0] == 0) and np.all(l1[:, 0] == -np.inf) and np.all(w1[:, 0] == 0)
+    tol = 1e-12 if dtype == "float64" else 1e-4
+    no_v, l2, _ = flash.rung_forward(validate(q.astype(dtype), k.astype(dtype), None, need_v=False, bias=bias))
+    assert no_v is None and np.array_equal(l2, l1)      # lse alone (no values): the same parts, merged
+    for got, want in ((o1, o0), (l1, l0), (w1, w0)):
+        assert np.isfinite(got[:, 1:]).all()
+        assert max_error(got, want) <= tol * max(1.0, float(np.abs(want[np.isfinite(want)]).max()))
+
+
+def test_alibi_on_the_streaming_kernel_for_packed_sequences():
+    """The streaming (decoding) kernel with ALiBi for row blocks that do not start at
+    row 0 (the second of packed sequences): each head's slope on each of its rows."""
+    cq, ck = np.array([0, 3, 5, 9]), np.array([0, 40, 90, 150])
+    q, k, v = make_qkv((4, 9, 16), (2, 150, 16), dtype="float32", seed=7)
+    slopes = np.array([0.5, 0.05, 0.25, 0.9])
+    kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, alibi_slopes=slopes, causal=True)
+    spec = validate(q, k, v, **kw)
+    call = plan.Call(spec, None, None)
+    assert call.stream and any(u.seg.q0 > 0 and call.streams(u, u.seg.q0, u.seg.q1) for u in call.units)
+    out, lse, _ = flash.rung_forward(spec)
+    o64, l64, _ = reference.rung_forward(validate(*(x.astype(np.float64) for x in (q, k, v)), **kw))
+    o32, l32, _ = reference.rung_forward(spec)
+    assert max_error(out, o64) <= error_budget(o64, o32) and max_error(lse, l64) <= error_budget(l64, l32)
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "float16"])
+def test_backward_takes_a_broadcast_or_half_precision_dout(kind):
+    """dout of a shape that broadcasts to out's (no batch dims), or in float16: the
+    gradients of the reference given the same dout."""
+    dtype = "float16" if kind == "float16" else "float64"
+    q, k, v = (x.astype(dtype) for x in make_qkv((2, 3, 20, 8), (2, 3, 30, 8), 8, seed=3))
+    spec = validate(q, k, v, causal=True)
+    o, lse, _ = reference.rung_forward(spec)
+    rng = np.random.default_rng(0)
+    if kind == "broadcast":
+        dout = rng.standard_normal((3, 20, 8))
+        full = np.broadcast_to(dout, o.shape).copy()
+    else:
+        dout = full = rng.standard_normal(o.shape).astype(np.float16)
+    got = flash.rung_backward(spec, dout, o, lse, block_m=8, block_n=8)
+    want = reference.rung_backward(spec, full, o, lse)
+    if kind == "float16":
+        f32 = reference.rung_backward(validate(*(x.astype(np.float32) for x in (q, k, v)), causal=True),
+                                      full.astype(np.float32), o.astype(np.float32), lse)
+        for g, w, r in zip(got, want, f32):
+            if g is not None:
+                assert g.dtype == np.float16 and max_error(g, r) <= 2 * max(max_error(w, r), 1e-3)
+    else:
+        assert_grads_close(got, want, 1e-12)
+
+
+def test_backward_takes_lse_in_any_float_dtype(kernels):
+    """lse may come in another float dtype than the call's (a float64 forward's): it is
+    taken in the accumulation dtype, the same bits as that lse rounded to it."""
+    q, k, v = make_qkv((2, 2, 20, 8), (2, 2, 33, 8), dtype="float32", seed=9)
+    spec = validate(q, k, v, causal=True, sinks=np.array([0.3, -1.0]))
+    out, lse, _ = flash.rung_forward(spec)
+    dout = np.random.default_rng(1).standard_normal(out.shape).astype(np.float32)
+    lse64 = lse.astype(np.float64) + 1e-9 * np.random.default_rng(2).standard_normal(lse.shape)
+    got = flash.rung_backward(spec, dout, out, lse64, block_m=8, block_n=8)
+    want = flash.rung_backward(spec, dout, out, lse64.astype(np.float32), block_m=8, block_n=8)
+    for a, b in zip(got, want):
+        assert a is None and b is None or np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("shape", [(64, 1), (2, 2, 64, 1)])
+def test_dbias_broadcast_over_keys_has_the_same_bits_for_any_thread_count(shape):
+    """A bias broadcast over the keys (..., L, 1) sums each row's key gradients into
+    one entry: that sum stays in one task (fixed order), so 1 and 2 threads give the
+    same bits."""
+    q, k, v = make_qkv((2, 2, 64, 8), (2, 2, 256, 8), seed=10)
+    bias = np.random.default_rng(3).standard_normal(shape)
+    spec = validate(q, k, v, bias=bias)
+    out, lse, _ = reference.rung_forward(spec)
+    dout = np.random.default_rng(4).standard_normal(out.shape)
+    with flash.threads(1):
+        want = flash.rung_backward(spec, dout, out, lse, block_m=16, block_n=4)
+    with flash.threads(2):
+        for _ in range(3):
+            got = flash.rung_backward(spec, dout, out, lse, block_m=16, block_n=4)
+            assert np.array_equal(got.dbias, want.dbias) and np.array_equal(got.dk, want.dk)
+
+
+def test_backward_when_no_row_sees_any_key():
+    """Every sequence without keys (kv_lengths all 0): out 0, lse -inf, and every
+    gradient 0 — the backward has no key block at all to cut into chunks."""
+    q, k, v = make_qkv((2, 2, 5, 8), (2, 2, 7, 8), seed=12)
+    spec = validate(q, k, v, kv_lengths=np.array([0, 0]))
+    (o1, l1, _, g1), (o0, l0, _, g0) = both(flash, spec, {}, 5, need_weights=False)
+    assert np.all(o1 == 0) and np.all(l1 == -np.inf)
+    assert_grads_close(g1, g0, 0.0) and all(np.all(g == 0) for g in g1 if g is not None)
+
+
+def test_weights_without_lse_count_the_sinks():
+    """attention_weights without a saved lse runs the forward over its rows for lse: the
+    sink logit is in that softmax too (rows then sum to less than 1)."""
+    q, k, v = make_qkv((1, 2, 9, 8), (1, 2, 12, 8), seed=13)
+    kw = dict(sinks=np.array([0.5, 2.0]), causal=True)
+    got = attnkit.attention_weights(q, k, **kw, backend="flash")
+    want = attnkit.attention_weights(q, k, **kw, backend="reference")
+    assert max_error(got, want) <= 1e-12 and np.all(got.sum(-1) < 1)
+
+
+@pytest.mark.parametrize("layout", ["float16", "strided"])
+def test_decoding_with_half_precision_or_strided_caches(layout):
+    """The streaming (decoding) kernel's operands: float16 keys and values, or keys and
+    values in a (B, S, H, D) layout seen as (B, H, S, D), are read as the float32 C
+    arrays they stand for (within the 2x rule of the reference, the same bits as the
+    contiguous float32 copy)."""
+    q, k, v = make_qkv((2, 4, 1, 32), (2, 2, 700, 32), dtype="float32", seed=14)
+    if layout == "float16":
+        q, k, v = (x.astype(np.float16) for x in (q, k, v))
+        want = attnkit.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True, backend="reference")
+        ref = attnkit.attention(q, k, v, causal=True, backend="reference")
+        got = attnkit.attention(q, k, v, causal=True, backend="flash")
+        assert got.dtype == np.float16 and max_error(got, want) <= error_budget(want, ref)
+    else:
+        ks, vs = (np.swapaxes(np.ascontiguousarray(np.swapaxes(x, 1, 2)), 1, 2) for x in (k, v))
+        assert not ks.flags.c_contiguous
+        got = attnkit.attention(q, ks, vs, causal=True, backend="flash")
+        assert np.array_equal(got, attnkit.attention(q, k, v, causal=True, backend="flash"))
+
+
+def test_block_sizes_must_be_positive():
+    q, k, v = make_qkv((1, 1, 4, 8), (1, 1, 5, 8), seed=15)
+    spec = validate(q, k, v)
+    for blocks in (dict(block_m=0), dict(block_n=0), dict(block_m=0, block_n=0), dict(block_m=-3, block_n=4)):
+        with pytest.raises(ValueError, match="block sizes must be positive"):
+            flash.rung_forward(spec, **blocks)
+
+
+@pytest.mark.parametrize("case", ["heads_not_a_multiple", "one_head_over_small_tile", "empty_query_sequence"])
+def test_default_plan_edges_match_reference(case):
+    """The tuned plan where small heads are batched two at a time out of three (the last
+    batch has one head), where one head's scores are more than SMALL_TILE (one head a
+    task), and a GQA-stacked unit whose sequence has no query rows."""
+    if case == "heads_not_a_multiple":
+        q, k, v = make_qkv((1, 3, 256, 8), (1, 3, 512, 8), seed=16)       # 2**18 // (256·512) = 2 heads a task
+        kw = dict(causal=True)
+    elif case == "one_head_over_small_tile":
+        q, k, v = make_qkv((1, 2, 600, 8), (1, 2, 500, 8), seed=21)       # 600·500 > 2**18
+        kw = dict(causal=True)
+    else:
+        q, k, v = make_qkv((2, 4, 3, 8), (2, 2, 50, 8), seed=17)
+        kw = dict(q_lengths=np.array([0, 3]), causal=True)
+    spec = validate(q, k, v, **kw)
+    (o1, l1, _, g1), (o0, l0, _, g0) = both(flash, spec, {}, 6, need_weights=False)
+    assert max_error(o1, o0) <= 1e-12 and max_error(l1, l0) <= 1e-12
+    assert_grads_close(g1, g0, 1e-12)
+
+
+def test_weights_of_scattered_rows_and_of_decoding_shapes():
+    """attention_weights for rows that are not one run ([1, 3, 4, 8]), on packed GQA
+    sequences (rows outside a sequence), and on a float32 decoding shape without lse
+    (the streaming kernel's shape, no values given)."""
+    q, k, v = make_qkv((1, 2, 10, 8), (1, 2, 12, 8), seed=18)
+    full = attnkit.attention_weights(q, k, causal=True, backend="flash")
+    got = attnkit.attention_weights(q, k, causal=True, rows=[1, 3, 4, 8], backend="flash")
+    assert max_error(got, full[..., [1, 3, 4, 8], :]) <= 1e-12
+    cq, ck = np.array([0, 3, 5]), np.array([0, 4, 9])
+    q, k, v = make_qkv((4, 5, 8), (2, 9, 8), seed=19)
+    kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck)
+    got = attnkit.attention_weights(q, k, rows=[0, 1], **kw, backend="flash")
+    assert max_error(got, attnkit.attention_weights(q, k, rows=[0, 1], **kw, backend="reference")) <= 1e-12
+    q, k, _ = make_qkv((1, 4, 1, 16), (1, 2, 300, 16), dtype="float32", seed=20)
+    got = attnkit.attention_weights(q, k, backend="flash")
+    want = attnkit.attention_weights(*(x.astype(np.float64) for x in (q, k)), backend="reference")
+    assert got.dtype == np.float32 and max_error(got, want) <= 1e-6

@@ -116,3 +116,34 @@ def test_streaming_decode_kernel_is_the_tiled_forward(kw, monkeypatch):
         assert np.array_equal(np.isnan(a), np.isnan(b))
         fin = np.isfinite(b)
         assert np.allclose(a[fin], b[fin], rtol=2e-6, atol=2e-6)
+
+
+def test_dropout_keeps_a_weight_whose_word_is_the_threshold(kernels):
+    """dropped = word < threshold: with p chosen so that a weight's word is exactly the
+    threshold, both kernel sets keep that weight (as the reference does) and drop the
+    one whose word is below it."""
+    kern = kernel_set(kernels)
+    seed, heads = 3, np.array([0, 1])
+    w = philox.words(seed, heads[:, None, None], np.arange(2)[None, :, None], np.arange(5)[None, None, :])
+    thr = int(w[1, 1, 2])
+    p = np.ones((2, 2, 5), np.float32)
+    kern.dropout_tile(p, heads, 0, 0, seed, thr, 2.0)
+    assert np.array_equal(p, np.where(w >= thr, 2.0, 0.0).astype(np.float32)) and p[1, 1, 2] == 2.0
+    p64 = np.ones((2, 2, 5))
+    K.NUMPY.dropout_tile(p64, heads, 0, 0, seed, thr, 2.0)
+    assert np.array_equal(p64, p)
+
+
+def test_without_numba_float32_takes_the_numpy_kernels(monkeypatch):
+    """numba missing: compiled_kernels() is None (asked once) and float32 tiles take the
+    NumPy set; the call still computes."""
+    import sys
+    monkeypatch.setattr(K, "_compiled", [])
+    import attnkit.flash
+    monkeypatch.setitem(sys.modules, "attnkit.flash.numba_kernels", None)     # import fails
+    monkeypatch.delattr(attnkit.flash, "numba_kernels", raising=False)
+    assert K.compiled_kernels() is None and K._compiled == [None]
+    assert K.compiled_kernels() is None and K.for_dtype(np.float32) is K.NUMPY
+    q, k, v = make_qkv((1, 2, 5, 8), (1, 2, 7, 8), dtype="float32", seed=1)
+    want = attnkit.attention(*(x.astype(np.float64) for x in (q, k, v)), backend="reference")
+    assert max_error(attnkit.attention(q, k, v, backend="flash"), want) <= 1e-5

@@ -279,3 +279,367 @@ def test_a_threadpoolctl_error_is_raised_and_the_next_call_works(monkeypatch):
     assert "OSError: hiccup" in str(results[0])
     assert np.allclose(results[1], 1.0)
     assert [i["num_threads"] for i in ctl.info()] == before
+
+
+# ---- the pool's mechanics: workers really take tasks, the knob sets how many ------------
+def test_workers_take_tasks_and_their_number_follows_the_threads_setting(monkeypatch):
+    """With n threads, n - 1 pool workers are started (never more) and they run tasks
+    beside the caller: n tasks that each wait for all n to be running at once complete
+    only if n threads take them."""
+    if runtime.blas_controller() is None:
+        pytest.skip("without threadpoolctl the tiles run on the calling thread")
+    monkeypatch.setattr(runtime, "_pool", runtime._Pool())       # a fresh pool: no workers yet
+    for n, setting in ((2, flash.threads), (3, None)):
+        barrier = threading.Barrier(n, timeout=20)
+        seen = []
+
+        def fn(t, seen=seen, barrier=barrier):
+            seen.append(threading.get_ident())
+            barrier.wait()
+
+        if setting is None:
+            old = flash.set_threads(n)
+            try:
+                runtime.run(list(range(n)), fn)
+            finally:
+                flash.set_threads(old)
+        else:
+            with setting(n):
+                runtime.run(list(range(n)), fn)
+        assert len(set(seen)) == n and threading.get_ident() in seen
+        assert len(runtime._pool.workers) == n - 1
+        assert all(t.is_alive() and t.daemon for t in runtime._pool.workers)
+    with flash.threads(2):                                       # enough workers: none started
+        runtime.run([0, 1, 2], lambda t: None)
+    assert len(runtime._pool.workers) == 2
+
+
+def test_a_nested_call_on_a_worker_runs_inline(monkeypatch):
+    """A call made inside a task that runs on a pool worker runs its tasks on that worker
+    and makes no job of its own (it would wait on workers that may all be busy)."""
+    if runtime.blas_controller() is None:
+        pytest.skip("without threadpoolctl the tiles run on the calling thread")
+    main = threading.get_ident()
+    jobs, nested = [], []
+    real_job = runtime._Job
+
+    class Job(real_job):
+        def __init__(self, *a):
+            jobs.append(threading.get_ident())
+            super().__init__(*a)
+
+    monkeypatch.setattr(runtime, "_Job", Job)
+    barrier = threading.Barrier(2, timeout=20)
+
+    def outer(t):
+        barrier.wait()                                           # one task on the caller, one on a worker
+        if threading.get_ident() != main:
+            assert runtime._local.worker is True
+            runtime.run(list(range(6)), lambda i: nested.append(threading.get_ident()))
+
+    with flash.threads(2):
+        runtime.run([0, 1], outer)
+    assert jobs == [main]                                        # only the outer call made a job
+    assert len(nested) == 6 and len(set(nested)) == 1 and nested[0] != main
+
+
+def test_grow_with_enough_workers_takes_no_lock(monkeypatch):
+    """grow() returns at once when the pool is big enough: it neither takes the pool's
+    lock (held across a fork by the fork hook) nor touches the fork hooks."""
+    pool = runtime._Pool()
+
+    class Refuse:
+        def __enter__(self):
+            pytest.fail("grow took the pool's lock with enough workers")
+
+        def __exit__(self, *a):
+            return False
+
+    pool.lock = Refuse()
+    monkeypatch.setattr(runtime, "_register_fork_hooks", lambda: pytest.fail("fork hooks touched"))
+    pool.grow(0)
+    pool.workers.append(threading.current_thread())
+    pool.grow(1)
+
+
+def test_fork_hooks_are_registered_by_the_first_worker_and_by_the_blas_thread(monkeypatch):
+    registered = []
+    monkeypatch.setattr(runtime, "_fork_hooks", [])
+    monkeypatch.setattr(runtime.os, "register_at_fork", lambda **kw: registered.append(sorted(kw)))
+    runtime._Pool().grow(1)
+    assert registered == [["after_in_child", "after_in_parent", "before"]]
+    monkeypatch.setattr(runtime, "_fork_hooks", [])
+    b = runtime._Blas()
+    b.start()
+    assert registered == [["after_in_child", "after_in_parent", "before"]] * 2
+    runtime._Blas().start()                                      # registered once only
+    assert len(registered) == 2
+
+
+def test_the_fork_hooks_hold_and_release_both_locks():
+    runtime._before_fork()
+    try:
+        assert runtime._pool.lock.locked() and runtime._blas.lock.locked()
+    finally:
+        runtime._after_fork_in_parent()
+    assert not runtime._pool.lock.locked() and not runtime._blas.lock.locked()
+
+
+class FakeLimiter:
+    def __init__(self, log):
+        self.log = log
+
+    def restore_original_limits(self):
+        self.log.append("restore")
+
+
+class FakeController:
+    """threadpoolctl's controller, recording what the BLAS thread asks of it."""
+
+    def __init__(self, fail_first=False):
+        self.log, self.fail = [], fail_first
+
+    def limit(self, limits, user_api):
+        self.log.append(("limit", limits, user_api))
+        if self.fail:
+            self.fail = False
+            raise OSError("hiccup")
+        return FakeLimiter(self.log)
+
+
+def test_after_fork_the_child_starts_over_keeping_the_controller(monkeypatch):
+    """In a fork child: a new pool without workers, a new BLAS thread state that keeps
+    the (expensive) controller, and a limit the parent held at the fork is undone."""
+    ctl = FakeController()
+    parent = runtime._Blas()
+    parent.controller, parent.limiter = ctl, FakeLimiter(ctl.log)
+    pool = runtime._Pool()
+    pool.workers.append(threading.current_thread())
+    monkeypatch.setattr(runtime, "_blas", parent)
+    monkeypatch.setattr(runtime, "_pool", pool)
+    runtime._after_fork_in_child()
+    assert runtime._pool is not pool and runtime._pool.workers == []
+    assert runtime._blas is not parent and runtime._blas.controller is ctl
+    assert runtime._blas.limiter is None and runtime._blas.thread is None
+    assert ctl.log == ["restore"]
+    parent.limiter = None                                        # no limit held at the fork: nothing undone
+    monkeypatch.setattr(runtime, "_blas", parent)
+    runtime._after_fork_in_child()
+    assert ctl.log == ["restore"] and runtime._blas.controller is ctl
+
+
+def test_the_blas_thread_limits_once_and_restores_when_the_last_call_leaves():
+    """On a private BLAS thread with a recording controller: the limit is applied on the
+    first enter, kept while any call is in, restored on the last exit; a failed limit
+    is reported to its call and leaves nothing limited; no call is acknowledged twice
+    (the thread's periodic wake-ups while calls are in answer nobody)."""
+    ctl = FakeController(fail_first=True)
+    b = runtime._Blas()
+    b.controller = ctl
+    t1, t2 = runtime._Token(), runtime._Token()
+    assert t1.lock.locked() and not t1.acked
+    err = b.request("enter", t1)                                 # threadpoolctl fails once
+    assert isinstance(err, RuntimeError) and "hold BLAS to one thread" in str(err)
+    assert isinstance(err.__cause__, OSError)                    # threadpoolctl's own error chained
+    assert b.request("exit", t1) is None
+    assert ctl.log == [("limit", 1, "blas")] and b.limiter is None   # nothing left limited
+    ctl.log.clear()
+    assert b.request("enter", t1) is None and b.request("enter", t2) is None
+    assert ctl.log == [("limit", 1, "blas")]
+    t1.acked = t2.acked = False
+    time.sleep(0.5)                                              # the thread wakes every 0.2 s meanwhile
+    assert not t1.acked and not t2.acked                         # ... and acknowledges nothing
+    assert b.request("exit", t1) is None and ctl.log == [("limit", 1, "blas")]
+    assert b.request("exit", t2) is None and ctl.log == [("limit", 1, "blas"), "restore"]
+    assert b.limiter is None
+
+
+def test_wait_until_hands_back_an_interrupt_after_handling_it():
+    """A KeyboardInterrupt while waiting calls on_interrupt (retried if interrupted
+    itself), the wait goes on until done, and the first interrupt is returned."""
+    lock = runtime._thread.allocate_lock()
+    lock.acquire()
+    state = {"checks": 0, "handled": 0, "tries": 0}
+    first = KeyboardInterrupt("first")
+
+    def done():
+        state["checks"] += 1
+        if state["checks"] == 1:
+            raise first
+        if state["checks"] == 2:
+            raise KeyboardInterrupt("second")
+        return state["checks"] >= 4
+
+    def on_interrupt():
+        state["tries"] += 1
+        if state["tries"] == 1:
+            raise KeyboardInterrupt("while handling")
+        state["handled"] += 1
+
+    got = runtime._wait_until(done, lock, on_interrupt)
+    assert got is first and state["checks"] == 4 and state["handled"] == 2
+    assert runtime._wait_until(lambda: True, lock, pytest.fail) is None
+
+
+def test_release_wakes_a_waiter_and_tolerates_a_free_lock():
+    lock = runtime._thread.allocate_lock()
+    lock.acquire()
+    runtime._release(lock)
+    assert not lock.locked()
+    runtime._release(lock)                                       # already free: no error
+    assert not lock.locked()
+
+
+def test_a_job_wakes_its_caller_when_a_worker_leaves():
+    """A job's wake lock starts held; a worker leaving the job releases it (so the caller
+    waiting for the workers to leave wakes at once)."""
+    ran = []
+    job = runtime._Job(ran.append, [1, 2, 3])
+    assert job.wake.locked()
+    job.join(7)
+    assert ran == [1, 2, 3] and not job.inside and not job.wake.locked()
+
+
+def test_the_default_is_the_cores_this_process_may_use(monkeypatch):
+    """No setting: the cores in this process's affinity mask (taskset, cgroups), or
+    os.cpu_count() where there is no mask (not Linux), or 1 when even that is unknown."""
+    monkeypatch.setattr(runtime, "_default_threads", [None])
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: {0, 1, 2} if pid == 0 else {0}, raising=False)
+    assert flash.get_threads() == 3
+    monkeypatch.delattr(runtime.os, "sched_getaffinity")
+    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 5)
+    assert flash.get_threads() == 5
+    monkeypatch.setattr(runtime.os, "cpu_count", lambda: None)
+    assert flash.get_threads() == 1
+
+
+def test_wait_until_sleeps_on_the_lock_instead_of_spinning():
+    """Between checks the waiter blocks on the lock (a worker leaving releases it): a
+    free lock is taken by the wait (the wake-up consumed), so the next check comes only
+    after the next release."""
+    lock = runtime._thread.allocate_lock()
+    checks = []
+    assert runtime._wait_until(lambda: checks.append(1) or len(checks) > 1, lock, pytest.fail) is None
+    assert lock.locked() and len(checks) == 2
+
+
+def _error_path_run(monkeypatch, caller_raises, interrupt):
+    """runtime.run on 2 threads, 30 tasks: tasks 0 and 1 meet at a barrier (one on the
+    caller, one on a worker); the worker's then blocks until the caller waits for it
+    to leave; the caller's raises (caller_raises). ``interrupt``: a KeyboardInterrupt
+    lands in the caller's wait. Returns (the error raised or None, tasks run)."""
+    if runtime.blas_controller() is None:
+        pytest.skip("without threadpoolctl the tiles run on the calling thread")
+    main = threading.get_ident()
+    barrier, release = threading.Barrier(2, timeout=20), threading.Event()
+    ran = []
+    real = runtime._wait_until
+
+    def wait(done, lock, on_interrupt):
+        if sys._getframe(1).f_code.co_name != "run":
+            return real(done, lock, on_interrupt)
+        calls = []
+
+        def done_once():
+            if not calls:
+                calls.append(1)
+                release.set()
+                if interrupt:
+                    raise KeyboardInterrupt
+            return done()
+        return real(done_once, lock, on_interrupt)
+
+    def fn(t):
+        ran.append(t)
+        if t < 2:
+            barrier.wait()
+            if threading.get_ident() != main:
+                assert release.wait(20)
+            elif caller_raises:
+                raise KeyError("task on the caller")
+
+    monkeypatch.setattr(runtime, "_wait_until", wait)
+    try:
+        with flash.threads(2):
+            runtime.run(list(range(30)), fn)
+    except BaseException as e:  # noqa: BLE001 - returned to the test
+        return e, sorted(ran)
+    return None, sorted(ran)
+
+
+def test_an_error_stops_the_workers_for_good(monkeypatch):
+    """An error in the caller's task cancels the job: the worker still in its task takes
+    no other task after it, and the error is raised."""
+    err, ran = _error_path_run(monkeypatch, caller_raises=True, interrupt=False)
+    assert isinstance(err, KeyError) and ran == [0, 1]
+
+
+def test_an_interrupt_while_waiting_keeps_the_job_cancelled(monkeypatch):
+    err, ran = _error_path_run(monkeypatch, caller_raises=True, interrupt=True)
+    assert isinstance(err, KeyError) and ran == [0, 1]                 # the first error wins
+
+
+def test_an_interrupt_while_waiting_is_raised_after_the_workers_left(monkeypatch):
+    """Ctrl-C while the caller waits for a worker's last task: the call waits for it to
+    leave, then raises KeyboardInterrupt (every task ran once)."""
+    err, ran = _error_path_run(monkeypatch, caller_raises=False, interrupt=True)
+    assert isinstance(err, KeyboardInterrupt) and ran == list(range(30))
+
+
+def test_a_worker_that_cannot_start_fails_the_call(monkeypatch):
+    """The pool failing to start a thread is raised from the call, not swallowed."""
+    if runtime.blas_controller() is None:
+        pytest.skip("without threadpoolctl the tiles run on the calling thread")
+
+    def grow(n):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(runtime._pool, "grow", grow)
+    with flash.threads(2), pytest.raises(RuntimeError, match="can't start new thread"):
+        runtime.run([0, 1, 2], lambda t: None)
+
+
+def test_the_blas_limit_of_a_call_that_died_is_released():
+    """A token that dies without its exit (a call killed mid-way) is dropped by the BLAS
+    thread's periodic wake-up and the limit restored."""
+    ctl = FakeController()
+    b = runtime._Blas()
+    b.controller = ctl
+    tok = runtime._Token()
+    assert b.request("enter", tok) is None and ctl.log == [("limit", 1, "blas")]
+    del tok
+    for _ in range(200):
+        if "restore" in ctl.log:
+            break
+        time.sleep(0.05)
+    assert ctl.log == [("limit", 1, "blas"), "restore"] and b.limiter is None
+
+
+def test_a_request_returns_only_once_the_blas_thread_did_it():
+    """exit returns after BLAS is restored (not on the previous command's acknowledgement)."""
+    ctl = FakeController()
+    gate = threading.Event()
+
+    class SlowLimiter(FakeLimiter):
+        def restore_original_limits(self):
+            assert gate.wait(20)
+            super().restore_original_limits()
+
+    ctl.limit = lambda limits, user_api: ctl.log.append("limit") or SlowLimiter(ctl.log)
+    b = runtime._Blas()
+    b.controller = ctl
+    tok = runtime._Token()
+    assert b.request("enter", tok) is None
+    threading.Timer(0.1, gate.set).start()
+    assert b.request("exit", tok) is None
+    assert ctl.log == ["limit", "restore"]
+
+
+def test_without_threadpoolctl_the_controller_is_none(monkeypatch):
+    """threadpoolctl not importable: blas_controller() is None (looked up once), and the
+    BLAS block is a no-op."""
+    monkeypatch.setattr(runtime, "_blas", runtime._Blas())
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)
+    assert runtime.blas_controller() is None and runtime._blas.controller is None
+    with runtime.blas_single_threaded():
+        assert runtime._blas.thread is None
