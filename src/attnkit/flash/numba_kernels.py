@@ -76,6 +76,12 @@ def _softmax_span(s, i, a0, a1, m_i, l_i, alpha):
         e = exp2_f32((s[i, j] - shift) * LOG2E)          # subtract first: shift·LOG2E may overflow
         s[i, j] = e
         total += e
+    _row_done(i, m_new, shift, total, m_i, l_i, alpha)
+
+
+@numba.njit(**REDUCE, inline="always")
+def _row_done(i, m_new, shift, total, m_i, l_i, alpha):
+    # row i's online-softmax state after a tile: the old sums rescaled by alpha
     a = exp2_f32((m_i[i] - shift) * LOG2E)               # m_i = −inf gives 0
     alpha[i] = a
     l_i[i] = l_i[i] * a + total
@@ -110,10 +116,7 @@ def _softmax_tile_bounded(s, m_i, l_i, alpha, lo, hi, c0):
             e = e if a0 <= j < a1 else f32(0.0)
             s[i, j] = e
             total += e
-        a = exp2_f32((m_i[i] - shift) * LOG2E)           # m_i = −inf gives 0
-        alpha[i] = a
-        l_i[i] = l_i[i] * a + total
-        m_i[i] = m_new
+        _row_done(i, m_new, shift, total, m_i, l_i, alpha)
 
 
 @numba.njit(**ORDERED)
