@@ -14,6 +14,11 @@ Cases (each provider checked against the float64 reference first, DESIGN.md §6)
    at B=4, L=256 with ``attn_implementation="attnkit"`` vs ``"sdpa"``.
 4. Causal vs full at B=1, H=8, L=S=4096, D=64 (attnkit).
 
+Each timed call directly follows an untimed one of the same kind (``settle`` in
+:func:`attnkit.bench.interleaved`): after the idle gap between providers, the shared
+virtual machines here take milliseconds to bring the second core back, which would
+otherwise dominate a 15 ms call.
+
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/workloads.py
 """
 
@@ -35,7 +40,7 @@ PACKED = [64, 96, 128, 256, 512, 768, 1024, 2048]
 
 
 def best(runs, repeats):
-    return {n: min(t) for n, t in interleaved(runs, repeats, gap_s=0.3).items()}
+    return {n: min(t) for n, t in interleaved(runs, repeats, gap_s=0.3, settle=True).items()}
 
 
 def checked(name, got, q, k, v, **kw):

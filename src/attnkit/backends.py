@@ -87,6 +87,25 @@ def _small(spec: Spec) -> bool:
     return n * spec.H * spec.L * spec.S <= SMALL_TOTAL
 
 
+def _import(path: str) -> Any:
+    """import_module(path), by import statements for attnkit's own modules: torch.compile
+    runs an import statement while it traces (the first call of a process may be a
+    compiled one) but cannot trace importlib."""
+    if path == "attnkit.torch.op":
+        from .torch import op
+        return op
+    if path == "attnkit.flash":
+        from . import flash
+        return flash
+    if path == "attnkit.reference":
+        from . import reference
+        return reference
+    if path == "attnkit.torch.triton":
+        from .torch import triton
+        return triton
+    return importlib.import_module(path)
+
+
 def load(path: str) -> tuple[Any, str | None]:
     """The module at ``path``, or (None, reason) when it cannot be imported here. An
     already imported module comes from sys.modules: torch.compile traces this
@@ -94,7 +113,7 @@ def load(path: str) -> tuple[Any, str | None]:
     if path in sys.modules:
         return sys.modules[path], None
     try:
-        return importlib.import_module(path), None
+        return _import(path), None
     except ImportError as e:
         return None, f"not available: {e}"
 

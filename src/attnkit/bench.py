@@ -40,11 +40,15 @@ CHECK_L, CHECK_S = 97, 113          # the validation problem's lengths (capped b
 
 
 def interleaved(runs: dict, repeats: int, gap_s: float = 0.5, seed: int = 0, progress=None,
-                warmup=None) -> dict:
+                warmup=None, settle: bool = False) -> dict:
     """{key: [seconds per round]} for every fn in ``runs`` ({key: fn}): each warmed up
     once (only the keys in ``warmup`` when given), then ``repeats`` rounds in a shuffled
     order (no run always follows the same one), with ``gap_s`` of idle time before each
     run so that one provider's spinning worker threads do not slow the next.
+    ``settle``: each timed run directly follows one untimed run of the same fn, so that
+    a call of a few milliseconds is timed as a model makes it (layer after layer), not
+    after an idle gap: on the shared virtual machines here an idle second core takes
+    milliseconds to come back, which would be timed instead of the call.
     ``progress(i, n)`` is called after each round."""
     for key, fn in runs.items():                 # compiles, thread pools, caches
         if warmup is None or key in warmup:
@@ -55,6 +59,8 @@ def interleaved(runs: dict, repeats: int, gap_s: float = 0.5, seed: int = 0, pro
     for r in range(repeats):
         for i in order.permutation(len(keys)):
             time.sleep(gap_s)
+            if settle:
+                runs[keys[i]]()
             t0 = time.perf_counter()
             runs[keys[i]]()
             times[keys[i]].append(time.perf_counter() - t0)

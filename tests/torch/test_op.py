@@ -402,8 +402,21 @@ def test_attention_weights_through_the_op_with_rows_lse_and_torch_compile():
     assert got.shape == (1, 3, 2) and torch.allclose(got, f(q, k, [3, 0]))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: rows as a list under torch.compile(fullgraph=True) breaks the "
-                   "graph: check_rows -> is_torch calls type(x).__module__.startswith, which Dynamo cannot trace")
+def test_python_int_rows_of_a_torch_call_are_checked_like_numpy_rows():
+    """Python-int rows of a torch call take their own path (kept constant under
+    torch.compile): the same rows, the same named errors."""
+    q, k, _ = make((1, 2, 3, 4), (1, 2, 5, 4), dtype=torch.float32, seed=28, grad=False)
+    full = attnkit.attention_weights(q, k)
+    assert torch.allclose(attnkit.attention_weights(q, k, rows=[-3, 2]), full[..., [0, 2], :], atol=1e-6, rtol=0)
+    assert torch.allclose(attnkit.attention_weights(q, k, rows=(1,)), full[..., [1], :], atol=1e-6, rtol=0)
+    assert torch.allclose(attnkit.attention_weights(q, k, rows=-1), full[..., [2], :], atol=1e-6, rtol=0)
+    assert attnkit.attention_weights(q, k, rows=[]).shape == (1, 2, 0, 5)
+    for rows, err in (([-4, 0], ValueError), ([0, 3], ValueError), (3, ValueError), ([True], TypeError),
+                      ([0.5], TypeError), ([[0]], TypeError)):
+        with pytest.raises(err, match=r"^rows\b"):
+            attnkit.attention_weights(q, k, rows=rows)
+
+
 def test_attention_weights_with_rows_compiles_without_graph_breaks():
     q, k, _ = make((1, 2, 5, 4), (1, 2, 6, 4), dtype=torch.float32, seed=26, grad=False)
 
@@ -456,9 +469,6 @@ print("ok")
 
 
 @pytest.mark.real_auto
-@pytest.mark.xfail(strict=True, reason="bug: the first attnkit call of a process made under torch.compile("
-                   "fullgraph=True) fails: backends.load imports the torch bridge (attnkit.torch.op) with "
-                   "importlib, which Dynamo refuses to trace")
 def test_the_first_call_of_a_process_may_be_compiled():
     import subprocess
     import sys

@@ -48,9 +48,21 @@ def check_grad_inputs(spec: Spec, dout: Any, out: Any, lse: Any) -> None:
     check_lse(spec, lse, spec.user_lse_shape)
 
 
-def check_rows(spec: Spec, rows: Any) -> np.ndarray:
+def _python_ints(rows: Any) -> bool:
+    """An int or a list/tuple of ints, bools excluded."""
+    vals = [rows] if isinstance(rows, int) else rows if isinstance(rows, (list, tuple)) else None
+    return vals is not None and all(isinstance(r, int) and not isinstance(r, bool) for r in vals)
+
+
+def check_rows(spec: Spec, rows: Any) -> Any:
     """``rows`` for attention_weights: an int or 1-D ints in [-L, L) -> a NumPy int64
-    array of non-negative row indices."""
+    array of non-negative row indices (for torch inputs, Python ints given as such stay
+    a list of Python ints: torch.compile keeps them constants)."""
+    if spec.torch and _python_ints(rows):
+        vals = [rows] if isinstance(rows, int) else list(rows)
+        if any(not -spec.L <= r < spec.L for r in vals):
+            raise ValueError(f"rows: expected indices in [-{spec.L}, {spec.L}) (L={spec.L}), got {vals[:16]}")
+        return [r % spec.L for r in vals]
     r = np.asarray(rows.detach().cpu() if is_torch(rows) else as_array("rows", rows, False, required=True))
     if r.ndim > 1 or (r.size and r.dtype.kind not in "iu"):
         raise TypeError(f"rows: expected an int or a 1-D sequence of ints, got {r.dtype} of shape {r.shape}")

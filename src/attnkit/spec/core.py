@@ -14,6 +14,7 @@ Shape letters (DESIGN.md §1)::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,7 +28,9 @@ def dtype_name(x: Any) -> str:
 
 
 def is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+    """Whether x is a torch tensor (never imports torch; torch.compile traces it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def broadcast_to(x: Any, shape: tuple[int, ...]) -> Any:

@@ -301,7 +301,7 @@ class TorchRung:
     @staticmethod
     def _weights(args: tuple[Any, ...], lse: Any, rows: Any) -> Any:
         if rows is not None:
-            rows = torch.as_tensor(np.asarray(rows), dtype=torch.int64)
+            rows = torch.as_tensor(rows, dtype=torch.int64)
         detached = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args)
         return torch.ops.attnkit.attention_weights(lse, rows, *detached)
 
