@@ -10,7 +10,8 @@ flash rung), then times, float32 on the CPU, GQA H = 32 / Hkv = 8, D = 128, L = 
 - ``torch``    — ``F.scaled_dot_product_attention(enable_gqa=True)`` on the contiguous K/V
 
 Each is checked against the float64 reference first (DESIGN.md §6's rule). Reported:
-seconds (best of --repeats, interleaved in a shuffled order), KV bytes read per second
+seconds (best of --repeats, interleaved in a shuffled order, each timed call right
+after an untimed one: ``settle`` in :func:`attnkit.bench.interleaved`), KV bytes read per second
 (2·B·Hkv·S·D·4 / time), the share of the measured bandwidth, and the ratios. Then a
 transformers tiny Llama greedy generation (prompt 32, 20 new tokens) with
 attn_implementation="attnkit" against "sdpa".
@@ -125,7 +126,7 @@ def case(B, S, torch, bw, repeats):
     if bad:
         print(f"{bad} failed the check against the reference ({errs}); not timed")
         return None
-    times = {n: min(t) for n, t in interleaved(runs, repeats, gap_s=0.3).items()}
+    times = {n: min(t) for n, t in interleaved(runs, repeats, gap_s=0.3, settle=True).items()}
     kv_bytes = 2 * B * HKV * S * D * 4
     for n, t in times.items():
         ratio = "" if n == "attnkit" else f"{t / times['attnkit']:.2f}×"
