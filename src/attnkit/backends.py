@@ -94,15 +94,15 @@ def _import(path: str) -> Any:
     if path == "attnkit.torch.op":
         from .torch import op
         return op
+    if path == "attnkit.torch.triton":
+        from .torch import triton
+        return triton
     if path == "attnkit.flash":
         from . import flash
         return flash
     if path == "attnkit.reference":
         from . import reference
         return reference
-    if path == "attnkit.torch.triton":
-        from .torch import triton
-        return triton
     return importlib.import_module(path)
 
 
