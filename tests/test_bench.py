@@ -5,6 +5,7 @@ line. Speed itself is never asserted."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -62,6 +63,18 @@ def test_interleaved_shuffles_rounds_and_warms_up_what_it_is_told():
     assert all(len(t) == 6 for t in times.values())
     rounds = ["".join(calls[1 + 4 * i: 5 + 4 * i]) for i in range(6)]
     assert all(sorted(r) == list("abcd") for r in rounds) and len(set(rounds)) > 1
+
+
+def test_settle_times_the_second_of_two_back_to_back_calls():
+    calls, clock = [], iter(range(100))
+
+    def fn():
+        calls.append(next(clock))
+        if len(calls) % 2:                               # the untimed call of each round is slow
+            time.sleep(0.5)
+
+    times = bench.interleaved({"f": fn}, 3, gap_s=0, warmup=[], settle=True)
+    assert len(calls) == 6 and len(times["f"]) == 3 and max(times["f"]) < 0.25
 
 
 def test_command_line_json_and_errors(capsys):
