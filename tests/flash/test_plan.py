@@ -1,6 +1,8 @@
 """The flash rung's plan: operands taken in place when they can be, and decoding units
 that read each kv head once for its whole GQA group."""
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -113,3 +115,24 @@ def test_tiles_cover_every_visible_pair_once_and_little_else(case):
     cover = _tile_cover(shape, (1, S, 64) if case == "packed causal" else (1, 1, S, 64), **kw)
     assert (cover[vis] == 1).all() and cover.max() == 1
     assert cover.sum() <= budget * vis.sum()
+
+
+def test_few_rows_against_many_keys_use_one_tiles_worth_of_scratch():
+    """Few query rows get wider key tiles, but a task's scratch stays one default
+    tile (BLOCK_M × BLOCK_N elements): memory never grows with the key count."""
+    q = np.ones((1, 1, 8, 64))
+    k = np.ones((1, 1, 1 << 17, 64))
+    spec = validate(q, k, k)
+    call = plan.Call(spec, None, None)
+    u = call.units[0]
+    (r0, r1), = call.row_blocks(u)
+    assert call.key_block(u, r0, r1) > call.BLOCK_N                   # wider than a full-height tile
+    assert call.tile_buffer(u, r0, r1).size <= call.BLOCK_M * call.BLOCK_N
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        flash.rung_forward(spec)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * call.BLOCK_M * call.BLOCK_N * 8                 # float64: a few tiles at most
