@@ -72,47 +72,61 @@ def test_decoding_units_read_each_kv_head_once_for_its_group(paged, L, monkeypat
     assert sorted(covered) == sorted(((b,), hk) for b in range(B) for hk in range(Hkv))
 
 
-def _tile_cover(q_shape, k_shape, **kw):
-    """How many tiles of the default plan cover each (row, key) of the first head, and
-    the tiles' total area."""
+def _tile_cover(q_shape, k_shape, backward, **kw):
+    """How many tiles of the default plan cover each (row, key) of the first head: the
+    forward's tiles, or the backward's (query row blocks per key block)."""
     q, k = np.zeros(q_shape, np.float32), np.zeros(k_shape, np.float32)
-    call = plan.Call(validate(q, k, k, **kw), None, None)
+    spec = validate(q, k, k, **kw)
+    saved = dict(dout=q, out=q, lse=np.zeros(spec.lse_shape)) if backward else {}
+    call = plan.Call(spec, None, None, backward=backward, **saved)
     cover = np.zeros((q_shape[-2], k_shape[-2]), np.int64)
     for u in call.units:
-        if u.h0 == 0:
+        if u.h0 != 0:
+            continue
+        if backward:
+            for c0 in range(u.seg.k0, u.seg.k1, call.BLOCK_N):
+                c1 = min(c0 + call.BLOCK_N, u.seg.k1)
+                for r0, r1, _ in call.query_tiles(u, c0, c1):
+                    cover[r0:r1, c0:c1] += 1
+        else:
             for r0, r1 in call.row_blocks(u):
                 for a0, a1, c0, c1, _ in call.tiles(u, r0, r1):
                     cover[a0:a1, c0:c1] += 1
     return cover
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
 @pytest.mark.parametrize("case", ["causal", "causal L<S", "window", "packed causal", "padded"])
-def test_tiles_cover_every_visible_pair_once_and_little_else(case):
-    """Each (row, key) a query sees lies in exactly one tile; tiles the band or a
-    sequence's end excludes are skipped, and the diagonal's strips keep the computed
-    area within a few percent of the visible pairs (causal costs half of full)."""
-    L, S, kw, budget = 4096, 4096, dict(causal=True), 1.06
+def test_tiles_cover_every_visible_pair_once_and_little_else(case, backward):
+    """Each (row, key) a query sees lies in exactly one tile, forward and backward;
+    tiles the band or a sequence's end excludes are skipped, and the forward's row
+    strips along the diagonal keep the computed area within a few percent of the
+    visible pairs (causal costs about half of full)."""
+    L, S, kw = 4096, 4096, dict(causal=True)
+    # the computed area over the visible pairs, at most (the backward has no strips)
+    budget = {"causal": (1.04, 1.07), "causal L<S": (1.03, 1.10), "window": (1.45, 2.5),
+              "packed causal": (1.10, 1.17), "padded": (1.0, 1.0)}[case][backward]
     i = np.arange(L)[:, None]
     j = np.arange(S)[None]
     if case == "causal":
         vis = j <= i
     elif case == "causal L<S":
-        L, budget = 1500, 1.05
+        L = 1500
         i = np.arange(L)[:, None]
         vis = j <= i + S - L                             # bottom-right
     elif case == "window":
-        kw, budget = dict(window=(300, 0)), 1.5
+        kw = dict(window=(300, 0))
         vis = (j <= i) & (j >= i - 300)
     elif case == "packed causal":
         cu = np.array([0, 700, 2000, 2100, 4096])
-        kw, budget = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu), 1.12
+        kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
         seq = np.searchsorted(cu, np.arange(L), side="right")
         vis = (seq[:, None] == seq[None]) & (j <= i)
     else:
-        kw, budget = dict(kv_lengths=np.array([1000])), 1.0
+        kw = dict(kv_lengths=np.array([1000]))
         vis = np.broadcast_to(j < 1000, (L, S))
     shape = (1, L, 64) if case == "packed causal" else (1, 1, L, 64)
-    cover = _tile_cover(shape, (1, S, 64) if case == "packed causal" else (1, 1, S, 64), **kw)
+    cover = _tile_cover(shape, (1, S, 64) if case == "packed causal" else (1, 1, S, 64), backward, **kw)
     assert (cover[vis] == 1).all() and cover.max() == 1
     assert cover.sum() <= budget * vis.sum()
 
