@@ -145,6 +145,33 @@ R_CHUNKS = ("how many chunks of key blocks the backward's tasks take (a tuning c
 _FWD_SORT = 'tasks.sort(key=lambda t: -(t[4] - t[3]) * (blocks[t[0]][2] - blocks[t[0]][1]) * blocks[t[0]][0].nk)'
 R_SORT = ("the order tasks are handed to the threads (heaviest first, for balance): each task writes its "
           "own rows or its own split-KV part, merged in part order: speed only")
+# flash/plan.py's planning choices (speed and the order of sums only; tests/flash/test_plan.py pins
+# what must hold of any plan: each visible pair in one tile, little else computed, one tile of
+# scratch, each kv head read once per GQA group)
+R_STACK = ("how many heads one unit stacks (small heads batched, a GQA group's heads together, all kv heads "
+           "of a page): the same products in other batches — speed and the order of sums only")
+R_KEYW = ("how wide a few-row key tile is (never past one tile of scratch, pinned by a test): speed and the "
+          "order of sums only")
+R_SPLITS = ("how many split-KV parts a row block's keys are cut into: parts merged by their max and sum, the "
+            "same results to rounding (split-KV is tested on decoding shapes)")
+R_STREAM = "which few-row units take the streaming kernel instead of the tiles: the same sums in another order"
+R_STRIPS = ("whether a diagonal tile is cut into row strips: each tile's partial flag is recomputed from its "
+            "own bounds, so the band still applies; strips only skip work")
+R_NEG = "NumPy's reshape reads any negative size as 'the rest', as it does -1"
+_P_STACK1 = "Lq, Sk = seg.q1 - seg.q0, max(seg.k1 - seg.k0, 1)"
+_P_STACK2 = "if stackable and G * Lq <= self.BLOCK_M:"
+_P_STACK3 = "per_head = G * Lq * Sk"
+_P_STACK4 = "nk = max(1, min(Hkv, SMALL_TILE // per_head)) if Sk <= self.BLOCK_N else 1"
+_P_DEC = "if self.stream and G * Lq <= DECODE_ROWS and self.pages is not None:"
+_P_ROWB = "if u.g > 1 or u.nk > 1:"
+_P_KW1 = "if not self.tuned or rows >= self.BLOCK_M:"
+_P_KW2 = "return max(self.BLOCK_N, (self.BLOCK_M * self.BLOCK_N // max(rows, 1)) // self.BLOCK_N * self.BLOCK_N)"
+_P_SPL1 = "if n_tasks >= MIN_TASKS or keys < 2 * MIN_SPLIT:"
+_P_SPL2 = "return max(1, min(-(-MIN_TASKS // n_tasks), keys // MIN_SPLIT))"
+_P_STRIP = "if u.g * u.nk > 1 or r1 - r0 <= SUB_M or not self.partial(u, r0, r1, c0, c1):"
+_P_QKEY = 'key = ("keys", u.seg, u.g * u.nk > 1, c0, c1)'
+_P_STR = "return self.stream and u.g * (r1 - r0) <= DECODE_ROWS"
+_P_DENSE = "return k, v, np.zeros((1, 1), dtype=np.int64), 0, k.shape[-2]"
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("spec/checks.py",
      "if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):",
@@ -431,6 +458,101 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "how many small heads one task batches (a batched matmul of the same products): speed only",
     ("flash/plan.py", _PLAN_SMALL, '`18` -> `19`'):
         "how many small heads one task batches (a batched matmul of the same products): speed only",
+    ("flash/plan.py", "@dataclass(frozen=True)", "`True` -> `False`"):
+        "a Unit is never mutated or hashed (plans are keyed by its sequence and sizes): frozen only forbids a "
+        "bug",
+    ("flash/plan.py", "x = np.asarray(x)", "remove the statement"):
+        "every caller passes a NumPy array (validated operands, gathered pages)",
+    ("flash/plan.py", "bm, bn = block_sizes(max(spec.D, spec.Dv), spec.acc_dtype, backward)", "`max` -> `min`"):
+        R_BLOCK,
+    ("flash/plan.py", "self.tuned = block_m is None and block_n is None", "`and` -> `or`"):
+        "with one of block_m/block_n given, whether few-row tiles widen and few rows stream: speed and the "
+        "order of sums only",
+    ("flash/plan.py", "self.careful = False if self.tile_careful else not all_finite(spec.v)", "`False` -> `True`"):
+        "careful only adds a finiteness check per tile of v (the exempt product runs only where a tile holds "
+        "NaN/inf): KV-cache calls check per tile already",
+    ("flash/plan.py", "self.fuse_index = not self.masked", "drop `not`"):
+        "two implementations of the band: the bounded softmax or -inf written into the scores by index — the "
+        "same excluded positions either way (keep/drop still applied by index)",
+    ("flash/plan.py", "if spec.dropout > 0:", "`>` -> `>=`"):
+        "philox.threshold(0.0) is 0, which turns dropout off exactly as not setting it does",
+    ("flash/plan.py", _P_STACK1, "`-` -> `+` @32"): R_STACK,
+    ("flash/plan.py", _P_STACK1, "`-` -> `+` @53"): R_STACK,
+    ("flash/plan.py", _P_STACK1, "`1` -> `2`"): R_STACK,
+    ("flash/plan.py", _P_STACK2, "`*` -> `/`"): R_STACK,
+    ("flash/plan.py", _P_STACK2, "`<=` -> `<`"): R_STACK,
+    ("flash/plan.py", _P_STACK3, "`*` -> `/` @33"): R_STACK,
+    ("flash/plan.py", _P_STACK3, "`*` -> `/` @38"): R_STACK,
+    ("flash/plan.py", _P_STACK4, "`1` -> `2` @29"): R_STACK,
+    ("flash/plan.py", _P_STACK4, "`min` -> `max`"): R_STACK,
+    ("flash/plan.py", _P_STACK4, "`<=` -> `<`"): R_STACK,
+    ("flash/plan.py", _P_STACK4, "`1` -> `2` @93"): R_STACK,
+    ("flash/plan.py", _P_DEC, "negate the condition"): R_STACK,
+    ("flash/plan.py", _P_DEC, "`and` -> `or` @35"): R_STACK,
+    ("flash/plan.py", _P_DEC, "`*` -> `/`"): R_STACK,
+    ("flash/plan.py", _P_DEC, "`<=` -> `<`"): R_STACK,
+    ("flash/plan.py", _P_DEC, "`and` -> `or` @61"): R_STACK,
+    ("flash/plan.py", _P_DEC, "`is not` -> `is`"): R_STACK,
+    ("flash/plan.py", "nk = Hkv", "remove the statement"): R_STACK,
+    ("flash/plan.py", _P_ROWB, "`1` -> `2` @29"):
+        "a stacked unit holds at most BLOCK_M rows (G·Lq <= BLOCK_M), so cutting it into BLOCK_M blocks gives "
+        "the same one block",
+    ("flash/plan.py", _P_ROWB, "`or` -> `and`"):
+        "a stacked unit holds at most BLOCK_M rows (G·Lq <= BLOCK_M), so cutting it into BLOCK_M blocks gives "
+        "the same one block",
+    ("flash/plan.py", _P_ROWB, "`1` -> `2` @17"):
+        "a stacked unit holds at most BLOCK_M rows (G·Lq <= BLOCK_M), so cutting it into BLOCK_M blocks gives "
+        "the same one block",
+    ("flash/plan.py", "rows = u.nk * u.g * (r1 - r0)", "`-` -> `+`"): R_KEYW,
+    ("flash/plan.py", _P_KW1, "drop `not`"): R_KEYW,
+    ("flash/plan.py", _P_KW1, "negate the condition"): R_KEYW,
+    ("flash/plan.py", _P_KW1, "`or` -> `and`"): R_KEYW,
+    ("flash/plan.py", _P_KW1, "`>=` -> `>`"): R_KEYW,
+    ("flash/plan.py", _P_KW2, "`max` -> `min` @15"): R_KEYW,
+    ("flash/plan.py", _P_KW2, "`*` -> `/` @47"): R_KEYW,
+    ("flash/plan.py", _P_KW2, "`1` -> `0`"): "rows >= 1 always: max(rows, 0) == max(rows, 1)",
+    ("flash/plan.py", _P_KW2, "`1` -> `2`"): R_KEYW,
+    ("flash/plan.py", _P_KW2, "`*` -> `/` @95"): R_KEYW,
+    ("flash/plan.py", _P_SPL1, "`>=` -> `>`"): R_SPLITS,
+    ("flash/plan.py", _P_SPL1, "`or` -> `and`"): R_SPLITS,
+    ("flash/plan.py", _P_SPL1, "`<` -> `<=`"): R_SPLITS,
+    ("flash/plan.py", _P_SPL1, "`2` -> `1`"): R_SPLITS,
+    ("flash/plan.py", _P_SPL1, "`*` -> `/`"): R_SPLITS,
+    ("flash/plan.py", _P_SPL2, "`1` -> `0`"):
+        "reached only with keys >= 2·MIN_SPLIT and fewer than MIN_TASKS tasks, where both min terms are >= 1",
+    ("flash/plan.py", _P_SPL2, "`1` -> `2`"): R_SPLITS,
+    ("flash/plan.py", _P_SPL2, "`min` -> `max`"): R_SPLITS,
+    ("flash/plan.py", _P_STRIP, "`-` -> `+`"): R_STRIPS,
+    ("flash/plan.py", _P_STRIP, "`<=` -> `<`"): R_STRIPS,
+    ("flash/plan.py", _P_STRIP, "`or` -> `and` @50"): R_STRIPS,
+    ("flash/plan.py", _P_QKEY, "`*` -> `/`"):
+        "part of a plan cache key: when any unit of a sequence is stacked, every unit of it holds at most "
+        "BLOCK_M rows, so stacked and single units of one sequence have the same row blocks anyway",
+    ("flash/plan.py", _P_QKEY, "`>` -> `>=`"):
+        "part of a plan cache key: when any unit of a sequence is stacked, every unit of it holds at most "
+        "BLOCK_M rows, so stacked and single units of one sequence have the same row blocks anyway",
+    ("flash/plan.py", _P_QKEY, "`1` -> `0`"):
+        "part of a plan cache key: when any unit of a sequence is stacked, every unit of it holds at most "
+        "BLOCK_M rows, so stacked and single units of one sequence have the same row blocks anyway",
+    ("flash/plan.py", _P_QKEY, "`1` -> `2`"):
+        "part of a plan cache key: when any unit of a sequence is stacked, every unit of it holds at most "
+        "BLOCK_M rows, so stacked and single units of one sequence have the same row blocks anyway",
+    ("flash/plan.py", "g = g.transpose(1, 0, 2, 3).reshape(u.nk, (p1 - p0) * P, -1)", "`1` -> `2`"): R_NEG,
+    ("flash/plan.py", "return np.asarray(arr[u.b][u.heads, r0:r1]).reshape(-1)", "`1` -> `2`"): R_NEG,
+    ("flash/plan.py", "self.kern.dropout_tile(p.reshape(u.nk * u.g, r1 - r0, -1), self.flat_heads(u), r0 + r, "
+     "c0 + c,", "`1` -> `2`"): R_NEG,
+    ("flash/plan.py", "index = partial and not fused", "`and` -> `or`"):
+        "the band written by index into tiles it does not cut as well: it excludes nothing there",
+    ("flash/plan.py", _P_STR, "`*` -> `/`"): R_STREAM,
+    ("flash/plan.py", _P_STR, "`-` -> `+`"): R_STREAM,
+    ("flash/plan.py", _P_STR, "`<=` -> `<`"): R_STREAM,
+    ("flash/plan.py", _P_DENSE, "`1` -> `2` @31"):
+        "a dense sequence is one page of S keys: the kernel reads only table[0, 0]",
+    ("flash/plan.py", _P_DENSE, "`1` -> `2` @34"):
+        "a dense sequence is one page of S keys: the kernel reads only table[0, 0]",
+    ("flash/plan.py", _P_DENSE, "drop `-`"): "k here is (1, Hkv, S, D): k.shape[2] is k.shape[-2]",
+    ("flash/plan.py", 'key = ("bounds", u.seg, u.nk * u.g, r0, r1)', "`*` -> `/`"):
+        "g is one value per call, so nk / g tells the same units apart as nk · g",
 }
 
 

@@ -96,7 +96,7 @@ def _tile_cover(q_shape, k_shape, backward, **kw):
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-@pytest.mark.parametrize("case", ["causal", "causal L<S", "window", "packed causal", "padded"])
+@pytest.mark.parametrize("case", ["causal", "causal L<S", "window", "window 256", "packed causal", "padded"])
 def test_tiles_cover_every_visible_pair_once_and_little_else(case, backward):
     """Each (row, key) a query sees lies in exactly one tile, forward and backward;
     tiles the band or a sequence's end excludes are skipped, and the forward's row
@@ -104,7 +104,7 @@ def test_tiles_cover_every_visible_pair_once_and_little_else(case, backward):
     visible pairs (causal costs about half of full)."""
     L, S, kw = 4096, 4096, dict(causal=True)
     # the computed area over the visible pairs, at most (the backward has no strips)
-    budget = {"causal": (1.04, 1.07), "causal L<S": (1.03, 1.10), "window": (1.45, 2.5),
+    budget = {"causal": (1.04, 1.07), "causal L<S": (1.03, 1.10), "window": (1.45, 2.5), "window 256": (1.5, 2.0),
               "packed causal": (1.10, 1.17), "padded": (1.0, 1.0)}[case][backward]
     i = np.arange(L)[:, None]
     j = np.arange(S)[None]
@@ -114,9 +114,10 @@ def test_tiles_cover_every_visible_pair_once_and_little_else(case, backward):
         L = 1500
         i = np.arange(L)[:, None]
         vis = j <= i + S - L                             # bottom-right
-    elif case == "window":
-        kw = dict(window=(300, 0))
-        vis = (j <= i) & (j >= i - 300)
+    elif case.startswith("window"):                     # 256: the band's edges on tile edges
+        w = 256 if case == "window 256" else 300
+        kw = dict(window=(w, 0))
+        vis = (j <= i) & (j >= i - w)
     elif case == "packed causal":
         cu = np.array([0, 700, 2000, 2100, 4096])
         kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
