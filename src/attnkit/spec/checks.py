@@ -58,18 +58,17 @@ def check_rows(spec: Spec, rows: Any) -> Any:
     """``rows`` for attention_weights: an int or 1-D ints in [-L, L) -> a NumPy int64
     array of non-negative row indices (for torch inputs, Python ints given as such stay
     a list of Python ints: torch.compile keeps them constants)."""
-    if spec.torch and _python_ints(rows):
-        vals = [rows] if isinstance(rows, int) else list(rows)
-        if any(not -spec.L <= r < spec.L for r in vals):
-            raise ValueError(f"rows: expected indices in [-{spec.L}, {spec.L}) (L={spec.L}), got {vals[:16]}")
-        return [r % spec.L for r in vals]
-    r = np.asarray(rows.detach().cpu() if is_torch(rows) else as_array("rows", rows, False, required=True))
-    if r.ndim > 1 or (r.size and r.dtype.kind not in "iu"):
-        raise TypeError(f"rows: expected an int or a 1-D sequence of ints, got {r.dtype} of shape {r.shape}")
-    r = np.atleast_1d(r)
-    if r.size and (int(r.min()) < -spec.L or int(r.max()) >= spec.L):   # Python ints: no wrap-around
-        raise ValueError(f"rows: expected indices in [-{spec.L}, {spec.L}) (L={spec.L}), got {r.tolist()[:16]}")
-    return r.astype(np.int64) % spec.L
+    constant = spec.torch and _python_ints(rows)
+    if constant:
+        vals: list[int] = [rows] if isinstance(rows, int) else list(rows)
+    else:
+        r = np.asarray(rows.detach().cpu() if is_torch(rows) else as_array("rows", rows, False, required=True))
+        if r.ndim > 1 or (r.size and r.dtype.kind not in "iu"):
+            raise TypeError(f"rows: expected an int or a 1-D sequence of ints, got {r.dtype} of shape {r.shape}")
+        vals = np.atleast_1d(r).tolist()                 # Python ints: no wrap-around in the bounds check
+    if vals and (min(vals) < -spec.L or max(vals) >= spec.L):
+        raise ValueError(f"rows: expected indices in [-{spec.L}, {spec.L}) (L={spec.L}), got {vals[:16]}")
+    return [v % spec.L for v in vals] if constant else np.asarray(vals, dtype=np.int64) % spec.L
 
 
 def check_merge(outs: Any, lses: Any) -> tuple[list[Any], list[Any]]:
