@@ -172,6 +172,11 @@ _P_STRIP = "if u.g * u.nk > 1 or r1 - r0 <= SUB_M or not self.partial(u, r0, r1,
 _P_QKEY = 'key = ("keys", u.seg, u.g * u.nk > 1, c0, c1)'
 _P_STR = "return self.stream and u.g * (r1 - r0) <= DECODE_ROWS"
 _P_DENSE = "return k, v, np.zeros((1, 1), dtype=np.int64), 0, k.shape[-2]"
+_FWD_STEP = "step = call.BLOCK_M if u.g * u.nk == 1 else None"
+_FWD_EXP = ("call.kern.exp_from_lse(s.reshape(nk * n_rows, -1), np.ascontiguousarray(lse_h[:, rows])"
+            ".reshape(-1))")
+R_PIECES = ("how attention_weights cuts the requested rows into tasks (row chunks of BLOCK_M or whole runs): "
+            "each piece writes its own rows of w — parallelism and scratch size only")
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("spec/checks.py",
      "if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):",
@@ -553,6 +558,22 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("flash/plan.py", _P_DENSE, "drop `-`"): "k here is (1, Hkv, S, D): k.shape[2] is k.shape[-2]",
     ("flash/plan.py", 'key = ("bounds", u.seg, u.nk * u.g, r0, r1)', "`*` -> `/`"):
         "g is one value per call, so nk / g tells the same units apart as nk · g",
+    ("flash/forward.py", _FWD_SORT, "`0` -> `1` @56"): R_SORT,
+    ("flash/forward.py", _FWD_SORT, "`0` -> `1` @74"): R_SORT,
+    ("flash/forward.py", _FWD_SORT, "`0` -> `1` @93"): R_SORT,
+    ("flash/forward.py", _FWD_EXP, "`1` -> `2` @55"): R_NEG,
+    ("flash/forward.py", _FWD_EXP, "`1` -> `2` @105"): R_NEG,
+    ("flash/forward.py", _FWD_STEP, "negate the condition"): R_PIECES,
+    ("flash/forward.py", _FWD_STEP, "`*` -> `/`"): R_PIECES,
+    ("flash/forward.py", _FWD_STEP, "`==` -> `!=`"): R_PIECES,
+    ("flash/forward.py", _FWD_STEP, "`1` -> `0`"): R_PIECES,
+    ("flash/forward.py", _FWD_STEP, "`1` -> `2`"): R_PIECES,
+    ("flash/forward.py", "for c in range(a, z, step or max(z - a, 1)):", "`-` -> `+`"):
+        "without a step the range is one piece [a, z) whatever step larger than z − a it takes",
+    ("flash/forward.py", "for c in range(a, z, step or max(z - a, 1)):", "`1` -> `2`"):
+        "without a step the range is one piece [a, z) whatever step larger than z − a it takes",
+    ("flash/forward.py", "rows = np.asarray(rows, dtype=np.int64).ravel()", "remove the statement"):
+        "rows arrive as a 1-D int64 array (check_rows; through the torch op, rows.cpu().numpy())",
 }
 
 
