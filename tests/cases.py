@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 
 from attnkit import reference
@@ -83,3 +85,15 @@ def assert_grads_close(got, want, tol):
         if b is not None:
             assert a.shape == b.shape and a.dtype == b.dtype
             assert max_error(a, b) <= tol
+
+
+def peak_bytes(fn):
+    """(fn's result, the peak of NumPy/Python allocations during the call above what was
+    allocated before it), by tracemalloc."""
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        result = fn()
+        return result, tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()

@@ -2,8 +2,6 @@
 precision by the 2× rule of DESIGN.md §6), PyTorch autograd as a peer, weights from
 lse, determinism across thread counts, tile skipping, and linear memory."""
 
-import tracemalloc
-
 import numpy as np
 import pytest
 
@@ -13,7 +11,7 @@ from attnkit.flash import plan
 from attnkit.spec import geometry as geo
 from attnkit.spec import validate
 from attnkit.testing import error_budget, make_qkv, max_error
-from cases import assert_grads_close, both, random_case
+from cases import assert_grads_close, both, peak_bytes, random_case
 
 F = dict(backend="flash")
 
@@ -255,17 +253,8 @@ def test_forward_and_backward_never_allocate_an_L_by_S_array():
     q, k, v = make_qkv((1, L, 16), (1, S, 16), dtype="float32", seed=0)
     spec = validate(q, k, v, causal=True)
     flash.rung_forward(validate(q[:, :64], k[:, :64], v[:, :64]))  # compile / warm up outside the trace
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        out, lse, _ = flash.rung_forward(spec)
-        fwd_peak = tracemalloc.get_traced_memory()[1] - base
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
-        flash.rung_backward(spec, out, out, lse)
-        bwd_peak = tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
+    (out, lse, _), fwd_peak = peak_bytes(lambda: flash.rung_forward(spec))
+    _, bwd_peak = peak_bytes(lambda: flash.rung_backward(spec, out, out, lse))
     assert fwd_peak < L * S // 8                         # a boolean L × S mask alone is 8× this
     assert bwd_peak < L * S // 2
 
@@ -346,13 +335,7 @@ def test_alibi_and_sinks_keep_memory_linear():
     q, k, v = make_qkv((1, n, 16), (1, n, 16), dtype="float32", seed=1)
     spec = validate(q, k, v, causal=True, alibi_slopes=np.array([0.01]), sinks=np.array([0.5]))
     flash.rung_forward(validate(q[:, :64], k[:, :64], v[:, :64], alibi_slopes=np.array([0.01])))   # warm up
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        flash.rung_forward(spec)
-        peak = tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
+    _, peak = peak_bytes(lambda: flash.rung_forward(spec))
     assert peak < n * n // 8                              # a boolean L × S mask alone is 8× this
 
 

@@ -1,8 +1,6 @@
 """The flash rung's plan: operands taken in place when they can be, and decoding units
 that read each kv head once for its whole GQA group."""
 
-import tracemalloc
-
 import numpy as np
 import pytest
 
@@ -10,6 +8,7 @@ import attnkit
 from attnkit import flash
 from attnkit.flash import plan
 from attnkit.spec import validate
+from cases import peak_bytes
 
 
 def test_tile_ready_takes_c_ordered_tiles_in_place():
@@ -143,11 +142,5 @@ def test_few_rows_against_many_keys_use_one_tiles_worth_of_scratch():
     (r0, r1), = call.row_blocks(u)
     assert call.key_block(u, r0, r1) > call.BLOCK_N                   # wider than a full-height tile
     assert call.tile_buffer(u, r0, r1).size <= call.BLOCK_M * call.BLOCK_N
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        flash.rung_forward(spec)
-        peak = tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
+    _, peak = peak_bytes(lambda: flash.rung_forward(spec))
     assert peak < 4 * call.BLOCK_M * call.BLOCK_N * 8                 # float64: a few tiles at most
