@@ -177,6 +177,12 @@ _FWD_EXP = ("call.kern.exp_from_lse(s.reshape(nk * n_rows, -1), np.ascontiguousa
             ".reshape(-1))")
 R_PIECES = ("how attention_weights cuts the requested rows into tasks (row chunks of BLOCK_M or whole runs): "
             "each piece writes its own rows of w — parallelism and scratch size only")
+R_ROWB = ("a stacked unit holds at most BLOCK_M rows (G·Lq <= BLOCK_M), so cutting it into BLOCK_M blocks "
+          "gives the same one block")
+R_QKEY = ("part of a plan cache key: when any unit of a sequence is stacked, every unit of it holds at most "
+          "BLOCK_M rows, so stacked and single units of one sequence have the same row blocks anyway")
+R_DENSE = "a dense sequence is one page of S keys: the kernel reads only table[0, 0]"
+R_PIECE1 = "without a step the range is one piece [a, z) whatever step larger than z − a it takes"
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("spec/checks.py",
      "if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):",
@@ -499,15 +505,9 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("flash/plan.py", _P_DEC, "`and` -> `or` @61"): R_STACK,
     ("flash/plan.py", _P_DEC, "`is not` -> `is`"): R_STACK,
     ("flash/plan.py", "nk = Hkv", "remove the statement"): R_STACK,
-    ("flash/plan.py", _P_ROWB, "`1` -> `2` @29"):
-        "a stacked unit holds at most BLOCK_M rows (G·Lq <= BLOCK_M), so cutting it into BLOCK_M blocks gives "
-        "the same one block",
-    ("flash/plan.py", _P_ROWB, "`or` -> `and`"):
-        "a stacked unit holds at most BLOCK_M rows (G·Lq <= BLOCK_M), so cutting it into BLOCK_M blocks gives "
-        "the same one block",
-    ("flash/plan.py", _P_ROWB, "`1` -> `2` @17"):
-        "a stacked unit holds at most BLOCK_M rows (G·Lq <= BLOCK_M), so cutting it into BLOCK_M blocks gives "
-        "the same one block",
+    ("flash/plan.py", _P_ROWB, "`1` -> `2` @29"): R_ROWB,
+    ("flash/plan.py", _P_ROWB, "`or` -> `and`"): R_ROWB,
+    ("flash/plan.py", _P_ROWB, "`1` -> `2` @17"): R_ROWB,
     ("flash/plan.py", "rows = u.nk * u.g * (r1 - r0)", "`-` -> `+`"): R_KEYW,
     ("flash/plan.py", _P_KW1, "drop `not`"): R_KEYW,
     ("flash/plan.py", _P_KW1, "negate the condition"): R_KEYW,
@@ -530,18 +530,10 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("flash/plan.py", _P_STRIP, "`-` -> `+`"): R_STRIPS,
     ("flash/plan.py", _P_STRIP, "`<=` -> `<`"): R_STRIPS,
     ("flash/plan.py", _P_STRIP, "`or` -> `and` @50"): R_STRIPS,
-    ("flash/plan.py", _P_QKEY, "`*` -> `/`"):
-        "part of a plan cache key: when any unit of a sequence is stacked, every unit of it holds at most "
-        "BLOCK_M rows, so stacked and single units of one sequence have the same row blocks anyway",
-    ("flash/plan.py", _P_QKEY, "`>` -> `>=`"):
-        "part of a plan cache key: when any unit of a sequence is stacked, every unit of it holds at most "
-        "BLOCK_M rows, so stacked and single units of one sequence have the same row blocks anyway",
-    ("flash/plan.py", _P_QKEY, "`1` -> `0`"):
-        "part of a plan cache key: when any unit of a sequence is stacked, every unit of it holds at most "
-        "BLOCK_M rows, so stacked and single units of one sequence have the same row blocks anyway",
-    ("flash/plan.py", _P_QKEY, "`1` -> `2`"):
-        "part of a plan cache key: when any unit of a sequence is stacked, every unit of it holds at most "
-        "BLOCK_M rows, so stacked and single units of one sequence have the same row blocks anyway",
+    ("flash/plan.py", _P_QKEY, "`*` -> `/`"): R_QKEY,
+    ("flash/plan.py", _P_QKEY, "`>` -> `>=`"): R_QKEY,
+    ("flash/plan.py", _P_QKEY, "`1` -> `0`"): R_QKEY,
+    ("flash/plan.py", _P_QKEY, "`1` -> `2`"): R_QKEY,
     ("flash/plan.py", "g = g.transpose(1, 0, 2, 3).reshape(u.nk, (p1 - p0) * P, -1)", "`1` -> `2`"): R_NEG,
     ("flash/plan.py", "return np.asarray(arr[u.b][u.heads, r0:r1]).reshape(-1)", "`1` -> `2`"): R_NEG,
     ("flash/plan.py", "self.kern.dropout_tile(p.reshape(u.nk * u.g, r1 - r0, -1), self.flat_heads(u), r0 + r, "
@@ -551,10 +543,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("flash/plan.py", _P_STR, "`*` -> `/`"): R_STREAM,
     ("flash/plan.py", _P_STR, "`-` -> `+`"): R_STREAM,
     ("flash/plan.py", _P_STR, "`<=` -> `<`"): R_STREAM,
-    ("flash/plan.py", _P_DENSE, "`1` -> `2` @31"):
-        "a dense sequence is one page of S keys: the kernel reads only table[0, 0]",
-    ("flash/plan.py", _P_DENSE, "`1` -> `2` @34"):
-        "a dense sequence is one page of S keys: the kernel reads only table[0, 0]",
+    ("flash/plan.py", _P_DENSE, "`1` -> `2` @31"): R_DENSE,
+    ("flash/plan.py", _P_DENSE, "`1` -> `2` @34"): R_DENSE,
     ("flash/plan.py", _P_DENSE, "drop `-`"): "k here is (1, Hkv, S, D): k.shape[2] is k.shape[-2]",
     ("flash/plan.py", 'key = ("bounds", u.seg, u.nk * u.g, r0, r1)', "`*` -> `/`"):
         "g is one value per call, so nk / g tells the same units apart as nk · g",
@@ -568,10 +558,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("flash/forward.py", _FWD_STEP, "`==` -> `!=`"): R_PIECES,
     ("flash/forward.py", _FWD_STEP, "`1` -> `0`"): R_PIECES,
     ("flash/forward.py", _FWD_STEP, "`1` -> `2`"): R_PIECES,
-    ("flash/forward.py", "for c in range(a, z, step or max(z - a, 1)):", "`-` -> `+`"):
-        "without a step the range is one piece [a, z) whatever step larger than z − a it takes",
-    ("flash/forward.py", "for c in range(a, z, step or max(z - a, 1)):", "`1` -> `2`"):
-        "without a step the range is one piece [a, z) whatever step larger than z − a it takes",
+    ("flash/forward.py", "for c in range(a, z, step or max(z - a, 1)):", "`-` -> `+`"): R_PIECE1,
+    ("flash/forward.py", "for c in range(a, z, step or max(z - a, 1)):", "`1` -> `2`"): R_PIECE1,
     ("flash/forward.py", "rows = np.asarray(rows, dtype=np.int64).ravel()", "remove the statement"):
         "rows arrive as a 1-D int64 array (check_rows; through the torch op, rows.cpu().numpy())",
 }
