@@ -103,14 +103,19 @@ def test_equals_each_sequence_alone(paged, page_size, L, L_new, kw, backend):
     assert np.array_equal(k, before_k, equal_nan=True) and np.array_equal(v, before_v, equal_nan=True)
 
 
-def test_float32_by_the_twice_the_reference_rule_and_bits_across_threads():
+@pytest.mark.parametrize("paged,page_size", [(True, 16), (True, 256), (False, 3000)],
+                         ids=["pages of 16", "pages of 256", "contiguous"])
+def test_float32_by_the_twice_the_reference_rule_and_bits_across_threads(paged, page_size):
+    """The streaming kernel (float32) in short and long chunks of keys (pages of 256 and
+    more keys take CHUNK_LONG), lengths that end inside chunks."""
     B, H, Hkv, D = 4, 8, 2, 64
-    k, v, table = make_cache(B, Hkv, D, D, 3000, 16, True, dtype="float32")
+    k, v, table = make_cache(B, Hkv, D, D, 3000, page_size, paged, dtype="float32")
     rng = RNG(3)
     lengths = np.array([3000, 1, 2500, 1200])
     for b in range(B):
-        write(k, table, b, range(lengths[b]), rng.standard_normal((Hkv, lengths[b], D)).astype(np.float32), 16)
-        write(v, table, b, range(lengths[b]), rng.standard_normal((Hkv, lengths[b], D)).astype(np.float32), 16)
+        for cache in (k, v):
+            write(cache, table, b, range(lengths[b]), rng.standard_normal((Hkv, lengths[b], D)).astype(np.float32),
+                  page_size)
     q = rng.standard_normal((B, H, 1, D)).astype(np.float32)
     results = []
     for n in (1, 2, 3):
