@@ -220,9 +220,10 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     in chunks of CHUNK (CHUNK_LONG keys where a page holds at least that many: a
     contiguous cache, long pages; measured 1.1–1.3× faster there, slower on 16-key
     pages): every key and value row is read once for all rows of its head
-    (a GQA group's heads share one read), and a page's heads are read together (a
-    small page holds each head's rows in a short run: read one head at a time, the
-    prefetcher would restart every run). Compiled with reassociation (sums run in
+    (a GQA group's heads share one read), and a page's heads are read together, head
+    after head through the chunk's keys in that page (a page is one contiguous block, so
+    the read is sequential; reading one head at a time across pages, the prefetcher
+    would restart at every short run). Compiled with reassociation (sums run in
     vector lanes, in an order fixed at compile time) and indexing the cache element by
     element: a view per key row would cost more than the row."""
     A, R, D = q.shape
@@ -241,19 +242,23 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
             slot += 1
             if slot == P:
                 pi, slot = pi + 1, 0
-        for jj in range(n):
-            p, page, slot = start + jj, pages[jj], slots[jj]
+        j0 = 0
+        while j0 < n:                                      # a run of keys in one page: its heads in order
+            j1 = min(n, j0 + P - slots[j0])
             for a in range(A):
-                for r in range(R):
-                    f = a * R + r
-                    x = f32(0.0)
-                    for d in range(D):
-                        x += q[a, r, d] * kc[page, hk + a, slot, d]
-                    if softcap > f32(0.0):
-                        x = softcap * np.tanh(x)
-                    if use_alibi:
-                        x -= slopes[f] * f32(abs(diag[f] - p))
-                    s[f, jj] = x if lo[f] <= p < hi[f] else -np.inf
+                for jj in range(j0, j1):
+                    p, page, slot = start + jj, pages[jj], slots[jj]
+                    for r in range(R):
+                        f = a * R + r
+                        x = f32(0.0)
+                        for d in range(D):
+                            x += q[a, r, d] * kc[page, hk + a, slot, d]
+                        if softcap > f32(0.0):
+                            x = softcap * np.tanh(x)
+                        if use_alibi:
+                            x -= slopes[f] * f32(abs(diag[f] - p))
+                        s[f, jj] = x if lo[f] <= p < hi[f] else -np.inf
+            j0 = j1
         for f in range(A * R):
             m_new = m_i[f]
             for jj in range(n):
@@ -272,15 +277,19 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
             if al != f32(1.0):
                 for d in range(Dv):
                     acc[f // R, f % R, d] *= al
-        for jj in range(n):
-            p, page, slot = start + jj, pages[jj], slots[jj]
+        j0 = 0
+        while j0 < n:
+            j1 = min(n, j0 + P - slots[j0])
             for a in range(A):
-                for r in range(R):
-                    f = a * R + r
-                    if lo[f] <= p < hi[f]:               # an excluded key's value is never read
-                        w = s[f, jj]
-                        for d in range(Dv):
-                            acc[a, r, d] += w * vc[page, hk + a, slot, d]
+                for jj in range(j0, j1):
+                    p, page, slot = start + jj, pages[jj], slots[jj]
+                    for r in range(R):
+                        f = a * R + r
+                        if lo[f] <= p < hi[f]:           # an excluded key's value is never read
+                            w = s[f, jj]
+                            for d in range(Dv):
+                                acc[a, r, d] += w * vc[page, hk + a, slot, d]
+            j0 = j1
 
 
 def _with_alpha(kernel):
