@@ -97,26 +97,31 @@ def _softmax_tile(s, m_i, l_i, alpha):
 
 @numba.njit(**REDUCE)
 def _softmax_tile_bounded(s, m_i, l_i, alpha, lo, hi, c0):
-    # row i limited to the keys [lo[i], hi[i]); the other columns get weight 0. Every
-    # row runs over the whole tile width with a select (what the vectoriser takes):
-    # loops over [a0, a1) with bounds read per row were left scalar and ran 7–13x
-    # slower than the tile's plain softmax (every causal diagonal tile, every tile of
-    # a short causal sequence). Columns outside the bounds never reach the max or the
-    # sum, so NaN or inf there cannot leak into the row.
+    # row i limited to the keys [lo[i], hi[i]); the other columns get weight 0 and never
+    # reach the max or the sum (NaN or inf there cannot leak into the row). Each row's
+    # visible columns are taken as a view, looped from 0: a loop from a bound read per
+    # row (numba checks such an index for wraparound) was left scalar and ran 4–13×
+    # slower, and a select over the whole tile width did twice the work of a plain row
+    # (measured on 1024 × 256 and 128 × 512 tiles: the view is 1.6–2.4× faster).
     w = s.shape[1]
     for i in range(s.shape[0]):
         a0 = min(max(lo[i] - c0, 0), w)
         a1 = min(max(hi[i] - c0, a0), w)
+        row = s[i, a0:a1]
         m_new = m_i[i]
-        for j in range(w):
-            m_new = _fmax(m_new, s[i, j] if a0 <= j < a1 else f32(-np.inf))
+        for j in range(row.shape[0]):
+            m_new = _fmax(m_new, row[j])
         shift = f32(0.0) if m_new == -np.inf else m_new  # all −inf so far: shift by 0, no NaN
         total = f32(0.0)
-        for j in range(w):
-            e = exp2_f32((s[i, j] - shift) * LOG2E)
-            e = e if a0 <= j < a1 else f32(0.0)
-            s[i, j] = e
+        for j in range(row.shape[0]):
+            e = exp2_f32((row[j] - shift) * LOG2E)
+            row[j] = e
             total += e
+        for j in range(a0):
+            s[i, j] = f32(0.0)
+        tail = s[i, a1:]
+        for j in range(tail.shape[0]):
+            tail[j] = f32(0.0)
         _row_done(i, m_new, shift, total, m_i, l_i, alpha)
 
 
