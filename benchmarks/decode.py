@@ -22,6 +22,7 @@ attn_implementation="attnkit" against "sdpa".
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 
 import numpy as np
@@ -158,7 +159,10 @@ def generate(repeats: int) -> list[str]:
     models, tokens = {}, {}
     for impl in ("sdpa", "attnkit"):
         torch.manual_seed(0)
-        models[impl] = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
+        # a config each: a model reads its implementation from its config at every forward
+        models[impl] = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                                     attn_implementation=impl).eval()
+    assert [m.config._attn_implementation for m in models.values()] == list(models), "one config for both"
 
     def run(impl):
         with torch.no_grad():

@@ -25,6 +25,7 @@ otherwise dominate a 15 ms call.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 
 import numpy as np
@@ -122,7 +123,10 @@ def model_case(torch, name, cfg, cls, ids, mask, repeats):
     built, res = {}, {}
     for impl in ("sdpa", "attnkit"):
         torch.manual_seed(0)
-        built[impl] = cls.from_config(cfg, attn_implementation=impl).eval()
+        # a copy of the config each: from_config records the implementation in the config,
+        # which a model reads at every forward (one shared config ran attnkit twice)
+        built[impl] = cls.from_config(copy.deepcopy(cfg), attn_implementation=impl).eval()
+    assert [m.config._attn_implementation for m in built.values()] == list(built), "one config for both"
 
     def run(impl):
         with torch.no_grad():
