@@ -269,7 +269,7 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     value is never read). A page's heads go head after head through the chunk's keys
     in that page (a page is one contiguous block). Against one pass per key and row
     without prefetching (the kernel before): 1.4–1.5× less compute per key from cache,
-    1.1–1.2× faster on contiguous caches and 1.3–1.4× on pages of 16 keys from memory
+    1.1–1.2× faster on contiguous caches and 1.3–1.45× on pages of 16 keys from memory
     (docs/decisions.md). Compiled with reassociation (sums run in vector lanes, in an
     order fixed at compile time) and indexing the cache element by element: a view
     per key row would cost more than the row."""
