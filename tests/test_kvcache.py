@@ -131,14 +131,17 @@ def test_float32_by_the_twice_the_reference_rule_and_bits_across_threads(paged, 
         assert max_error(got, o) <= error_budget(o, s)
 
 
-@pytest.mark.parametrize("paged,page_size", [(True, 16), (False, 300)], ids=["pages of 16", "contiguous"])
-@pytest.mark.parametrize("H,Hkv,L", [(8, 2, 1), (6, 2, 2), (8, 1, 3), (3, 3, 1)], ids=["g4", "g3x2", "g8x3", "mha"])
+@pytest.mark.parametrize("paged,page_size", [(True, 1), (True, 16), (True, 65), (False, 300)],
+                         ids=["pages of 1", "pages of 16", "pages of 65", "contiguous"])
+@pytest.mark.parametrize("H,Hkv,L,D,Dv", [(8, 2, 1, 32, 24), (6, 2, 2, 17, 5), (8, 1, 3, 8, 16), (3, 3, 1, 64, 64)],
+                         ids=["g4", "g3x2 odd dims", "g8x3", "mha"])
 @pytest.mark.parametrize("kw", CASES, ids=["plain", "causal", "window", "softcap", "alibi", "sinks"])
-def test_float32_streaming_kernel_takes_every_term(paged, page_size, H, Hkv, L, kw):
+def test_float32_streaming_kernel_takes_every_term(paged, page_size, H, Hkv, L, D, Dv, kw):
     """The compiled kernel's row blocks (four rows per key read, and the rest), its
-    edges (rows that see part of a chunk) and every term it applies, against the
-    float64 reference by DESIGN.md §6's rule."""
-    B, D, Dv = 2, 32, 24
+    edges (rows that see part of a chunk, pages that straddle chunks) and every term it
+    applies, against the float64 reference by DESIGN.md §6's rule; 1 and 2 threads
+    give the same bits."""
+    B = 2
     kw = {n: (np.resize(x, H) if n in ("sinks", "alibi_slopes") else x) for n, x in kw.items()}   # one per head
     k, v, table = make_cache(B, Hkv, D, Dv, 300, page_size, paged, dtype="float32")
     rng = RNG(11)
@@ -147,11 +150,16 @@ def test_float32_streaming_kernel_takes_every_term(paged, page_size, H, Hkv, L, 
         write(k, table, b, range(lengths[b]), rng.standard_normal((Hkv, lengths[b], D)).astype(np.float32), page_size)
         write(v, table, b, range(lengths[b]), rng.standard_normal((Hkv, lengths[b], Dv)).astype(np.float32), page_size)
     q = rng.standard_normal((B, H, L, D)).astype(np.float32)
-    got = attnkit.attention_kvcache(q, k, v, lengths, block_table=table, return_lse=True, backend="flash", **kw)
+    runs = []
+    for n in (1, 2):
+        with flash.threads(n):
+            runs.append(attnkit.attention_kvcache(q, k, v, lengths, block_table=table, return_lse=True,
+                                                  backend="flash", **kw))
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))
     same = attnkit.attention_kvcache(q, k, v, lengths, block_table=table, return_lse=True, backend="reference", **kw)
     oracle = attnkit.attention_kvcache(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), lengths,
                                        block_table=table, return_lse=True, backend="reference", **kw)
-    for g, s, o in zip(got, same, oracle):
+    for g, s, o in zip(runs[0], same, oracle):
         assert max_error(g, o) <= error_budget(o, s)
 
 
@@ -161,15 +169,17 @@ def test_float32_streaming_kernel_takes_every_term(paged, page_size, H, Hkv, L, 
     (40, dict(causal=True), [39], [False, False, False, True]),       # the last key: the last row only
     (400, dict(window=(300, 0)), [96], [True, False, False, False]),  # rows that start apart in one chunk
 ], ids=["window", "causal", "wide window"])
-def test_float32_kernel_never_reads_the_value_of_a_key_a_row_excludes(paged, n, kw, nan_keys, nan_rows):
-    """Four query rows over n cached keys, NaN values at keys some rows exclude: the rows
-    that see one are NaN, every other row is finite."""
+@pytest.mark.parametrize("where", ["values", "keys"])
+def test_float32_kernel_never_reads_the_value_of_a_key_a_row_excludes(paged, n, kw, nan_keys, nan_rows, where):
+    """Four query rows over n cached keys, NaN values (or keys) at keys some rows
+    exclude: the rows that see one are NaN, every other row is finite."""
     page_size = 16 if paged else n
     k, v, table = make_cache(1, 1, 8, 8, n, page_size, paged, dtype="float32")
     rng = RNG(5)
     write(k, table, 0, range(n), rng.standard_normal((1, n, 8)).astype(np.float32), page_size)
     write(v, table, 0, range(n), rng.standard_normal((1, n, 8)).astype(np.float32), page_size)
-    write(v, table, 0, nan_keys, np.full((1, len(nan_keys), 8), np.nan, np.float32), page_size)
+    write(v if where == "values" else k, table, 0, nan_keys, np.full((1, len(nan_keys), 8), np.nan, np.float32),
+          page_size)
     q = rng.standard_normal((1, 4, 4, 8)).astype(np.float32)
     out = attnkit.attention_kvcache(q, k, v, np.array([n]), block_table=table, backend="flash", **kw)
     assert np.array_equal(np.isnan(out).all(axis=-1), np.broadcast_to(nan_rows, (1, 4, 4)))
