@@ -1,10 +1,12 @@
 """The backend ladder: which rungs exist, what each supports, and the one choice.
 
 A rung computes attention for a validated :class:`~attnkit.spec.Spec`; every rung
-satisfies :class:`Rung`. Compute rungs: ``reference`` (the definition) and ``flash``
-(tiled, NumPy; torch CPU tensors reach it through the torch op), ``triton`` (GPU
-kernels for torch tensors). Torch tensors always run inside the torch autograd op
-(``attnkit.torch.op``), which carries the chosen compute rung by name.
+satisfies :class:`Rung`. Compute rungs: ``reference`` (the definition), ``flash``
+(tiled, NumPy; torch CPU tensors reach it through the torch op), ``small`` (small
+calls in one pass, NumPy), ``triton`` (GPU kernels for torch tensors). Torch tensors
+always run inside the torch autograd op (``attnkit.torch.op``), which carries the
+chosen compute rung by name (a forward with nothing to differentiate and nothing
+tracing calls the rung directly).
 
 :func:`select` is the only place a rung is chosen — for NumPy arrays and torch
 tensors, CPU and CUDA alike — and ``api`` calls it once per call.
@@ -68,15 +70,16 @@ class CacheRung(Rung, Protocol):
 # name -> (module, what it is); fastest first within each array library
 RUNGS = {
     "flash": ("attnkit.flash", "tiled online softmax on the CPU (NumPy), linear memory, threaded"),
+    "small": ("attnkit.small", "small calls in one vectorised pass over every head (NumPy, CPU)"),
     "reference": ("attnkit.reference", "the definition, materialises L×S; the oracle"),
     "triton": ("attnkit.torch.triton", "GPU kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)"),
 }
 BRIDGE = ("attnkit.torch.op", "torch tensors: one autograd op around the chosen compute rung")
 AUTO = {"numpy": ("flash", "reference"), "torch_cpu": ("flash", "reference"), "torch_cuda": ("triton",)}
-# "auto" runs the reference (vectorised over every head at once) when all score
-# matrices together hold at most this many elements: there the flash rung's
-# per-call planning costs more than the math (flash batches small heads, but a
-# sub-millisecond call is still dominated by its fixed cost).
+AUTO_SMALL = ("small", "reference", "flash")   # NumPy and torch CPU calls under SMALL_TOTAL
+# "auto" runs the small rung (one vectorised pass over every head), else the
+# reference, when all score matrices together hold at most this many elements: there
+# the flash rung's per-call planning and thread hand-offs cost more than the math.
 SMALL_TOTAL = 1 << 16
 
 
@@ -103,6 +106,9 @@ def _import(path: str) -> Any:
     if path == "attnkit.reference":
         from . import reference
         return reference
+    if path == "attnkit.small":
+        from . import small
+        return small
     return importlib.import_module(path)
 
 
@@ -140,7 +146,7 @@ def _candidates(spec: Spec, backend: str) -> tuple[str, ...]:
     else:
         order = AUTO["numpy"]
     if order == AUTO["numpy"] and _small(spec):
-        order = order[::-1]
+        order = AUTO_SMALL
     return order
 
 

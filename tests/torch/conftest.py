@@ -1,6 +1,7 @@
-"""Every torch-op test runs twice: with "auto" choosing the flash rung (the default
-for real sizes) and the reference rung (what "auto" picks for tiny calls) under the
-op — the test shapes are tiny, so without this they would only reach the reference.
+"""Every torch-op test runs three times: with "auto" choosing the flash rung (the
+default for real sizes), the small rung (what "auto" picks for tiny calls) and the
+reference rung (tiny calls the small rung does not take: dropout, packed) under the
+op — the test shapes are tiny, so without this they would only reach the small rung.
 Tests of the choice itself are marked ``real_auto`` and run once, unpatched. (The
 Triton files choose their rung explicitly and run once.)"""
 
@@ -19,8 +20,8 @@ TWICE = ("test_op.py", "test_mha.py", "test_terms.py")
 def pytest_generate_tests(metafunc):
     if (metafunc.definition.path.name in TWICE and "auto_rung" in metafunc.fixturenames
             and metafunc.definition.get_closest_marker("real_auto") is None):
-        metafunc.parametrize("auto_rung", ["flash", "reference"], indirect=True,
-                             ids=["under-flash", "under-reference"])
+        metafunc.parametrize("auto_rung", ["flash", "small", "reference"], indirect=True,
+                             ids=["under-flash", "under-small", "under-reference"])
 
 
 @pytest.fixture(autouse=True)
@@ -29,6 +30,8 @@ def auto_rung(request, monkeypatch):
     rung = getattr(request, "param", None)
     if rung is not None:
         monkeypatch.setattr(backends, "SMALL_TOTAL", 0 if rung == "flash" else 1 << 62)
+        if rung == "reference":
+            monkeypatch.setattr(backends, "AUTO_SMALL", ("reference",))
     return rung
 
 

@@ -398,7 +398,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
     ring = _Ring(group)
     spec, key_keep, seed = _validate(q, k, v, keep, drop, cfg, ring, options)
     spec = spec.replace(seed=seed, keep=None, drop=None)
-    rung = select(spec)                             # one choice for every block of this call
+    # one choice for every block of this call, made for a block (extent set: rungs that
+    # take only whole problems, the small one, are passed over)
+    rung = select(spec.replace(extent=(spec.L, spec.S)))
     out, lse = _RingAttention.apply(spec.q, spec.k, spec.v, spec.sinks, key_keep, spec, cfg, ring, rung)
     if spec.two_d:
         out, lse = out[..., 0, :, :], lse[..., 0, :]

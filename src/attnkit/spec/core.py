@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -117,8 +117,8 @@ class Spec:
                     shapes: Mapping[str, tuple[int, ...]] | None = None, **options: Any) -> Spec:
         """A Spec from arrays already in normal form (q, k, v at least 3-D, masks as
         :func:`~attnkit.spec.validate` leaves them) and validated options; the sizes
-        are read off the arrays. Nothing is checked: for validate itself and for code
-        that rebuilds a Spec from one (the torch op, ring attention)."""
+        are read off the arrays. Nothing is checked: for code that rebuilds a Spec
+        from one (the torch op, ring attention)."""
         H, L, D = (int(n) for n in q.shape[-3:])
         Hkv, S = (int(n) for n in k.shape[-3:-1])
         Dv = D if v is None else int(v.shape[-1])
@@ -135,8 +135,16 @@ class Spec:
                    dtype=dtype_name(q), two_d=two_d, shapes=dict(shapes), **options)
 
     def replace(self, **changes: Any) -> Spec:
-        """A copy with some fields changed (for rungs that run a sub-problem)."""
-        return replace(self, **changes)
+        """A copy with some fields changed (for rungs that run a sub-problem). Like
+        ``dataclasses.replace`` (unknown names are a TypeError) without re-running
+        ``__init__`` over every field: it runs once per torch call."""
+        unknown = changes.keys() - _FIELDS
+        if unknown:
+            raise TypeError(f"Spec.replace: no field(s) {sorted(unknown)}")
+        new = object.__new__(Spec)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
 
     # ---- derived facts -------------------------------------------------------
     @property
@@ -200,3 +208,6 @@ class Spec:
 
         return (reduce_to(dq, self.shapes["q"]), reduce_to(fold(dk), self.shapes["k"]),
                 reduce_to(fold(dv), self.shapes["v"]))
+
+
+_FIELDS = frozenset(f.name for f in fields(Spec))

@@ -94,18 +94,36 @@ def query_range(seg: Segment, b: Band, c0: int, c1: int) -> tuple[int, int]:
     return lo, max(lo, hi)
 
 
-def row_key_bounds(seg: Segment, b: Band, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row :func:`key_range`: int64 arrays (lo, hi) of length r1 − r0; query row
-    r0 + i sees exactly the keys [lo[i], hi[i]) of its sequence (lo <= hi)."""
-    diag = np.arange(r0, r1, dtype=np.int64) + seg.sigma
-    lo = np.full_like(diag, seg.k0)
-    hi = np.full_like(diag, seg.k1)
+def band_bounds(diag: np.ndarray, k0: Any, k1: Any, b: Band) -> tuple[np.ndarray, np.ndarray]:
+    """int64 (lo, hi) of rows with diagonals ``diag`` in sequences of keys [k0, k1)
+    (arrays that broadcast with diag): each row sees exactly the keys [lo, hi), lo <= hi."""
+    lo = np.array(np.broadcast_to(np.asarray(k0, dtype=np.int64), diag.shape))
+    hi = np.array(np.broadcast_to(np.asarray(k1, dtype=np.int64), diag.shape))
     left, right = b
     if left is not None:
         lo = np.maximum(lo, diag - left)
     if right is not None:
         hi = np.minimum(hi, diag + right + 1)
     return lo, np.maximum(lo, hi)
+
+
+def row_key_bounds(seg: Segment, b: Band, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row :func:`key_range`: int64 arrays (lo, hi) of length r1 − r0; query row
+    r0 + i sees exactly the keys [lo[i], hi[i]) of its sequence (lo <= hi)."""
+    return band_bounds(np.arange(r0, r1, dtype=np.int64) + seg.sigma, seg.k0, seg.k1, b)
+
+
+def dense_row_bounds(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) of every query row of a whole, unpacked call, int64 of shape
+    batch + (1, L): row i of batch element b sees exactly the keys [lo, hi) under the
+    band and its sequence's lengths; padding rows (i >= q_lengths[b]) see none."""
+    assert not spec.packed and not spec.block
+    ql = _lengths(spec, spec.q_lengths, spec.L)[..., None, None]
+    kl = _lengths(spec, spec.kv_lengths, spec.S)[..., None, None]
+    i = np.arange(spec.L, dtype=np.int64)
+    sigma = kl - ql if spec.align == "bottom_right" else np.zeros_like(kl)
+    lo, hi = band_bounds(i + sigma, 0, kl, band(spec.causal, spec.window))
+    return lo, np.where(i < ql, hi, lo)
 
 
 def tile_partial(seg: Segment, b: Band, r0: int, r1: int, c0: int, c1: int) -> bool:

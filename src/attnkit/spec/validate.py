@@ -21,6 +21,8 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 INT_KINDS = "iu"
 BACKENDS = ("auto", "reference", "flash", "torch", "triton")
 ALIGNS = ("bottom_right", "top_left")
+_TENSOR_OPTIONS = tuple(n for n in NAMES if BY_NAME[n].schema == "Tensor?" and n != "seed")
+_DEFAULTS = {n: BY_NAME[n].default for n in NAMES}
 
 
 # ---- arrays ------------------------------------------------------------------------
@@ -58,7 +60,7 @@ def as_array(name: str, x: Any, want_torch: bool, required: bool = False) -> Any
 
 
 def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(int(n) for n in x.shape)
+    return tuple(map(int, x.shape))
 
 
 def _as_3d(name: str, x: Any, last: str) -> Any:
@@ -133,11 +135,11 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
     """Check every argument and return a Spec. Raises TypeError / ValueError naming the
     argument, what was expected and what was given. ``need_v=False`` (weights only):
     v must be None."""
-    unknown = sorted(set(options) - set(NAMES))
+    unknown = options.keys() - _DEFAULTS.keys()
     if unknown:
-        raise TypeError(f"{', '.join(unknown)}: unexpected keyword argument(s); the masking "
+        raise TypeError(f"{', '.join(sorted(unknown))}: unexpected keyword argument(s); the masking "
                         f"keywords are {', '.join(NAMES)}")
-    opt = {name: options.get(name, BY_NAME[name].default) for name in NAMES}
+    opt = {**_DEFAULTS, **options}
     want_torch = is_torch(q)
     q = as_array("q", q, want_torch, required=True)
     k = as_array("k", k, want_torch, required=True)
@@ -156,8 +158,7 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
         if d != dt:
             raise TypeError(f"{name}: dtype {d} differs from q's dtype {dt}; cast them to one dtype")
     if want_torch:
-        for name in ("k", "v") + tuple(n for n in NAMES if BY_NAME[n].schema == "Tensor?" and n != "seed"):
-            x = {"k": k, "v": v}.get(name, opt.get(name))
+        for name, x in (("k", k), ("v", v)) + tuple((n, opt[n]) for n in _TENSOR_OPTIONS if opt[n] is not None):
             if x is not None and is_torch(x) and x.device != q.device:
                 raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {x.device}")
 
@@ -181,10 +182,12 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
         raise ValueError(f"k: query heads H={H} must be a multiple of key-value heads Hkv={Hkv} "
                          f"(k shape {shapes['k']})")
     lead = [_shape(q)[:-3], _shape(k)[:-3]] + ([_shape(v)[:-3]] if v is not None else [])
-    try:
-        batch = tuple(int(n) for n in np.broadcast_shapes(*lead))
-    except ValueError:
-        raise ValueError(f"q, k, v: leading batch dims {lead} do not broadcast") from None
+    batch = lead[0]
+    if any(x != batch for x in lead):
+        try:
+            batch = tuple(int(n) for n in np.broadcast_shapes(*lead))
+        except ValueError:
+            raise ValueError(f"q, k, v: leading batch dims {lead} do not broadcast") from None
     if 0 in batch:
         raise ValueError(f"q, k, v: batch dims must be non-empty, got batch shape {batch} "
                          f"(q {shapes['q']}, k {shapes['k']})")
@@ -255,11 +258,11 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
         raise ValueError("seed: dropout > 0 needs a seed (an int >= 0) so that the backward pass and "
                          "every rung drop the same weights")
 
-    return Spec.from_arrays(q, k, v, scale=scale, causal=bool(causal), window=window, align=align,
-                            keep=arrays["keep"], drop=arrays["drop"], bias=arrays["bias"], softcap=softcap,
-                            alibi_slopes=slopes, sinks=sinks, q_lengths=lengths[0], kv_lengths=lengths[1],
-                            cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], dropout=float(p), seed=seed,
-                            two_d=two_d, shapes=shapes)
+    return Spec(q=q, k=k, v=v, batch=batch, H=H, Hkv=Hkv, L=L, S=S, D=D, Dv=Dv, dtype=dt, two_d=two_d,
+                shapes=shapes, scale=scale, causal=bool(causal), window=window, align=align,
+                keep=arrays["keep"], drop=arrays["drop"], bias=arrays["bias"], softcap=softcap,
+                alibi_slopes=slopes, sinks=sinks, q_lengths=lengths[0], kv_lengths=lengths[1],
+                cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], dropout=float(p), seed=seed)
 
 
 def dtype_kind(x: Any) -> str:

@@ -120,7 +120,9 @@ def _np(t: Any) -> Any:
     t = t.detach()
     if t.dtype == torch.bfloat16:
         t = t.float()
-    return t.resolve_conj().resolve_neg().numpy()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t.numpy()
 
 
 def _torch(a: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -128,11 +130,19 @@ def _torch(a: Any, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
 
 
+_VIEWED = tuple(n for n in ("q", "k", "v") + _ARRAY_OPTIONS if n != "seed")
+
+
 def numpy_spec(spec: Spec) -> Spec:
     """The same call on NumPy views (for the NumPy rungs)."""
-    arrays = {name: _np(getattr(spec, name)) for name in ("q", "k", "v") + _ARRAY_OPTIONS if name != "seed"}
-    dtype = "float32" if spec.dtype == "bfloat16" else spec.dtype
-    return spec.replace(dtype=dtype, **arrays)
+    changes: dict[str, Any] = {}
+    for name in _VIEWED:
+        x = getattr(spec, name)
+        if x is not None:
+            changes[name] = _np(x)
+    if spec.dtype == "bfloat16":
+        changes["dtype"] = "float32"
+    return spec.replace(**changes)
 
 
 def acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -145,14 +155,37 @@ def _batch(*xs: torch.Tensor) -> tuple[int, ...]:
 
 
 # ---- the custom ops -----------------------------------------------------------------------
-def _fwd(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    spec, name = from_op_args(args)
-    mod = _rung(name)
+def _forward(mod: Any, spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of compute rung ``mod`` as tensors (a seed already drawn)."""
     if getattr(mod, "arrays", "numpy") == "torch":
         out, lse, _ = mod.rung_forward(spec)
         return out.contiguous(), lse.contiguous()
     out, lse, _ = mod.rung_forward(numpy_spec(spec))
     return _torch(out, spec.q.dtype), _torch(lse, acc_dtype(spec.q))
+
+
+def _fwd(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    spec, name = from_op_args(args)
+    return _forward(_rung(name), spec)
+
+
+def _eager(spec: Spec) -> bool:
+    """Whether a forward may run the NumPy rung directly instead of through the custom
+    op: plain CPU tensors, nothing to differentiate, and nothing watching the call
+    (torch.compile, jit tracing, a torch function or dispatch mode, functorch
+    transforms). The op's dispatch costs about as much as a whole small call (a
+    decoding step); the results are the same tensors, bit for bit."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_function_stack() \
+            or torch._C._len_torch_dispatch_stack():
+        return False
+    grad = torch.is_grad_enabled()
+    for name in _GRAD_NAMES:
+        x = getattr(spec, name)
+        if x is None:
+            continue
+        if type(x) is not torch.Tensor or (grad and x.requires_grad) or torch._C._functorch.is_functorch_wrapped_tensor(x):
+            return False
+    return spec.q.device.type == "cpu"
 
 
 def _fwd_fake(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,6 +234,7 @@ attention_bwd = torch.library.custom_op(
 attention_bwd.register_fake(_bwd_fake)
 
 _GRAD_INPUTS = {0: 0, 1: 1, 2: 2, _OPT_INDEX["bias"]: 3, _OPT_INDEX["sinks"]: 4}
+_GRAD_NAMES = ("q", "k", "v", "bias", "sinks")     # what a gradient can flow to
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -265,6 +299,12 @@ class TorchRung:
         return list(self.mod.not_supported_reasons(spec))
 
     def rung_forward(self, spec: Spec, need_weights: bool = False) -> tuple[Any, Any, Any]:
+        if getattr(self.mod, "arrays", "numpy") != "torch" and _eager(spec):
+            if spec.dropout > 0 and spec.seed is None:      # the draw the op's arguments make
+                spec = spec.replace(seed=int(seed_tensor(spec).item()) % _UINT64)
+            out, lse = _forward(self.mod, spec)
+            w = self.rung_weights(spec, lse, None) if need_weights else None
+            return out, lse, w
         args = to_op_args(spec, self.mod.name)
         out, lse = torch.ops.attnkit.attention_fwd(*args)
         w = self._weights(args, lse.detach(), None) if need_weights else None

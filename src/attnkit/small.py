@@ -1,0 +1,129 @@
+"""The small rung: a small call in one vectorised pass over every head at once.
+
+A decoding step of a small model (B=4, 8 heads, one query, 45 keys) or a short
+prefill holds a few thousand scores: there the flash rung's planning and thread
+hand-offs, and the reference's NumPy reductions over short rows, cost many times the
+arithmetic. ``backend="auto"`` runs this rung when all score matrices together hold
+at most ``backends.SMALL_TOTAL`` elements::
+
+    s = q kᵀ · scale         one product for all heads: a GQA group's query heads are
+                             stacked on their key-value head (no copy of k or v)
+    softcap, bias, ALiBi     on the whole (..., H, L, S) array, in DESIGN.md §2's order
+    keep / drop              −inf where excluded
+    p = exp(s − m) per row   the flash rung's compiled row softmax (causal, window and
+                             lengths as per-row key bounds: no L × S mask); a sink
+                             logit starts each row's max and sum
+    out = p v / l            one product; lse = m + log l; the flash rung's finish
+                             (no key: out 0, lse −inf; the NaN rule)
+
+Values with a NaN or inf take the reference's forward (their exempt product). The
+backward and the weights are the reference's (they materialise L × S too). No
+dropout, packed sequences or blocks of a larger problem: ``auto`` gives those to
+the reference.
+
+>>> import numpy as np
+>>> from attnkit import small
+>>> from attnkit.spec import validate
+>>> q, k, v = np.random.default_rng(0).standard_normal((3, 2, 4, 5))
+>>> out, lse, _ = small.rung_forward(validate(q, k, v, causal=True))
+>>> out.shape, lse.shape
+((2, 4, 5), (2, 4))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import reference
+from .backends import Grads
+from .flash.forward import finish
+from .flash.kernels import for_dtype
+from .nonfinite import all_finite, quiet
+from .spec import Spec
+from .spec import geometry as geo
+
+name = "small"
+
+
+def not_supported_reasons(spec: Spec) -> list[str]:
+    r = reference.not_supported_reasons(spec)
+    if spec.dropout > 0:
+        r.append("no dropout (the reference and flash rungs have it)")
+    if spec.packed:
+        r.append("no packed sequences (cu_seqlens: the reference and flash rungs)")
+    if spec.block:
+        r.append("whole problems only (ring attention's blocks run on the flash rung)")
+    return r
+
+
+def _sink_state(spec: Spec, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's running (max, sum) before its keys, rows in (..., H, L) order: the
+    sink is one more score with value 0 (its exp joins the sum, not the output)."""
+    shape = spec.lse_shape
+    if spec.sinks is None:
+        return np.full(shape, -np.inf, dtype=dtype).ravel(), np.zeros(shape, dtype=dtype).ravel()
+    m = np.array(np.broadcast_to(np.asarray(spec.sinks, dtype=dtype), shape)).ravel()
+    shift = np.where(m == -np.inf, 0.0, m)
+    return m, np.exp(m - shift).astype(dtype)          # a +inf or NaN sink: NaN
+
+
+def forward(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
+    """(out, lse) in the accumulation dtype, shapes (..., H, L, Dv) and (..., H, L)."""
+    acc = spec.acc_dtype
+    q, k, v = (np.asarray(x, dtype=acc) for x in (spec.q, spec.k, spec.v))
+    if not all_finite(v):
+        out, lse, _ = reference.forward(spec)
+        return out, lse
+    H, L, S, Hkv = spec.H, spec.L, spec.S, spec.Hkv
+    qg = q.reshape(q.shape[:-3] + (Hkv, spec.group * L, spec.D))    # head h = kv head h // group
+    s = np.matmul(qg, np.swapaxes(k, -1, -2))            # (..., Hkv, group·L, S)
+    s *= s.dtype.type(spec.scale)
+    heads = s.reshape(spec.score_shape)                  # the same memory as (..., H, L, S)
+    if spec.softcap is not None:
+        heads /= spec.softcap
+        np.tanh(heads, out=heads)
+        heads *= spec.softcap
+    if spec.bias is not None:
+        heads += np.asarray(spec.bias, dtype=acc)
+    if spec.alibi_slopes is not None:
+        heads += geo.alibi_bias(spec, acc)
+    masked = geo.combine(None, None if spec.keep is None else np.asarray(spec.keep),
+                         None if spec.drop is None else np.asarray(spec.drop))
+    if masked is not None:
+        np.copyto(heads, -np.inf, where=masked)
+    rows = s.reshape(-1, S)
+    m, l = _sink_state(spec, rows.dtype)
+    kern = for_dtype(rows.dtype)
+    if spec.has_index_mask or spec.varlen:
+        lo, hi = (np.ascontiguousarray(np.broadcast_to(x, spec.lse_shape)).ravel()
+                  for x in geo.dense_row_bounds(spec))
+        kern.softmax_tile_bounded(rows, m, l, lo, hi, 0)
+    else:
+        kern.softmax_tile(rows, m, l)
+    out = np.matmul(s, v)                                # (..., Hkv, group·L, Dv), unnormalised
+    lse, out = finish(m, l, out)
+    assert out is not None
+    lse = lse.reshape(spec.lse_shape)
+    pad = geo.padding_rows(spec)
+    if pad is not None:                                  # padding rows: lse −inf, sink or not
+        lse[np.broadcast_to(pad, lse.shape)] = -np.inf
+    return out.reshape(spec.out_shape), lse
+
+
+# ---- the rung interface (see backends.py) ---------------------------------------
+def rung_forward(spec: Spec, need_weights: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    with quiet():
+        out, lse = forward(spec)
+    return out.astype(spec.dtype, copy=False), lse, (rung_weights(spec, lse) if need_weights else None)
+
+
+def rung_backward(spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None, need_dbias: bool = True) -> Grads:
+    """The reference's backward (from out and lse)."""
+    return reference.rung_backward(spec, dout, out, lse, dlse, need_dbias)
+
+
+def rung_weights(spec: Spec, lse: Any = None, rows: Any = None) -> np.ndarray:
+    """The reference's weights."""
+    return reference.rung_weights(spec, lse, rows)
