@@ -61,7 +61,7 @@ def attention(q: Any, k: Any, v: Any, *, return_lse: bool = False, return_weight
     return_weights : bool
         Also return the attention weights (exact, recomputed from lse; no gradient).
     backend : str
-        "auto" (by array type and device), "reference", "flash", "torch" or "triton".
+        "auto" (by array type and device), "reference", "flash", "small", "torch" or "triton".
 
     {masking}
 

@@ -19,7 +19,7 @@ from .options import BY_NAME, NAMES
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 INT_KINDS = "iu"
-BACKENDS = ("auto", "reference", "flash", "torch", "triton")
+BACKENDS = ("auto", "reference", "flash", "small", "torch", "triton")
 ALIGNS = ("bottom_right", "top_left")
 _TENSOR_OPTIONS = tuple(n for n in NAMES if BY_NAME[n].schema == "Tensor?" and n != "seed")
 _DEFAULTS = {n: BY_NAME[n].default for n in NAMES}

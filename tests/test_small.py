@@ -1,0 +1,137 @@
+"""The small rung against the reference: every term it takes, low precision by the
+2× rule, the NaN rule, padding rows with sinks, and what it leaves to other rungs."""
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit import backends, reference, small
+from attnkit.flash import kernels
+from attnkit.spec import validate
+from attnkit.testing import error_budget, make_qkv, max_error
+from cases import random_case
+
+
+@pytest.mark.parametrize("seed", range(64))
+def test_float64_matches_reference(seed):
+    q, k, v, kw, _ = random_case(seed, extras=True)
+    spec = validate(q, k, v, **kw)
+    assert not small.not_supported_reasons(spec)
+    o1, l1, w1 = small.rung_forward(spec, True)
+    o0, l0, w0 = reference.rung_forward(spec, True)
+    assert o1.dtype == l1.dtype == np.float64 and o1.shape == o0.shape and l1.shape == l0.shape
+    assert max_error(o1, o0) <= 1e-12
+    assert max_error(l1, l0) <= 1e-12
+    assert max_error(w1, w0) <= 1e-12
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["numba", "numpy"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("seed", range(0, 64, 4))
+def test_low_precision_within_twice_the_reference_error(seed, dtype, compiled, monkeypatch):
+    monkeypatch.setattr(kernels, "USE_COMPILED", compiled)
+    q, k, v, kw, _ = random_case(seed, dtype, extras=True)
+    spec = validate(q, k, v, **kw)
+    oracle = validate(*(x.astype(np.float64) for x in (q, k, v)), **kw)
+    o1, l1, _ = small.rung_forward(spec)
+    o0, l0, _ = reference.rung_forward(spec)
+    oo, lo, _ = reference.rung_forward(oracle)
+    assert o1.dtype == dtype and l1.dtype == np.float32
+    assert max_error(o1, oo) <= error_budget(oo, o0)
+    assert max_error(l1, lo) <= error_budget(lo, l0)
+
+
+def _nan_rows(x):
+    return np.isnan(x).reshape(x.shape[0], -1).any(axis=1)
+
+
+@pytest.mark.parametrize("where", ["k_excluded", "k_visible", "v_excluded", "v_visible", "v_inf_visible"])
+def test_the_nan_rule(where):
+    """A NaN or inf reaches only the rows that see it: a key or value past the causal
+    band or a kv_length is exempt, a visible one makes its rows NaN."""
+    q, k, v = make_qkv((2, 2, 6, 4), (2, 1, 6, 4), seed=3)
+    kw = dict(causal=True, kv_lengths=np.array([6, 4]))
+    arr, bad = (k if where[0] == "k" else v), (np.inf if "inf" in where else np.nan)
+    if where.endswith("excluded"):
+        arr[1, 0, 5] = bad                               # past sequence 1's length
+    else:
+        arr[0, 0, 3] = bad                               # rows 3.. of sequence 0 see key 3
+    spec = validate(q, k, v, **kw)
+    o1, l1, _ = small.rung_forward(spec)
+    o0, l0, _ = reference.rung_forward(spec)
+    assert np.array_equal(np.isnan(o1), np.isnan(o0)) and np.array_equal(np.isnan(l1), np.isnan(l0))
+    fine = ~np.isnan(o0)
+    assert np.abs(o1 - o0)[fine].max() <= 1e-12
+    if where.endswith("excluded"):
+        assert not np.isnan(o1).any()
+    else:
+        assert np.isnan(o1[0, :, 3:]).all() and not np.isnan(o1[0, :, :3]).any() and not np.isnan(o1[1]).any()
+
+
+def test_padding_rows_and_fully_masked_rows():
+    """Padding rows (i >= q_lengths) give out 0 and lse −inf even with a sink; a row with
+    no visible key gives out 0 and lse = its sink (or −inf without one)."""
+    q, k, v = make_qkv((3, 2, 5, 4), (3, 2, 4, 4), seed=5)
+    kw = dict(q_lengths=np.array([5, 2, 0]), kv_lengths=np.array([4, 0, 3]), sinks=np.array([0.5, -1.0]))
+    spec = validate(q, k, v, **kw)
+    o1, l1, _ = small.rung_forward(spec)
+    o0, l0, _ = reference.rung_forward(spec)
+    assert max_error(o1, o0) <= 1e-12 and max_error(l1, l0) <= 1e-12
+    assert np.isneginf(l1[1, :, 2:]).all() and np.isneginf(l1[2]).all() and not o1[1:].any()
+    assert np.array_equal(l1[1, :, :2], np.broadcast_to([[0.5], [-1.0]], (2, 2)))   # no key: the sink alone
+    spec = validate(q, k, v, keep=np.zeros((5, 4), bool))
+    o1, l1, _ = small.rung_forward(spec)
+    assert not o1.any() and np.isneginf(l1).all()
+
+
+def test_gqa_groups_and_broadcast_batches():
+    """Query head h reads kv head h // group; q's batch dims broadcast against k's."""
+    q, k, v = make_qkv((2, 3, 6, 3, 8), (1, 3, 2, 7, 8), seed=7)
+    for kw in ({}, dict(causal=True), dict(window=(2, 1), align="top_left"), dict(softcap=1.5)):
+        spec = validate(q, k, v, **kw)
+        o1, l1, _ = small.rung_forward(spec)
+        o0, l0, _ = reference.rung_forward(spec)
+        assert max_error(o1, o0) <= 1e-12 and max_error(l1, l0) <= 1e-12
+
+
+def test_what_it_leaves_to_other_rungs():
+    q, k, v = make_qkv((2, 5, 4), (2, 5, 4), seed=1)
+    assert small.not_supported_reasons(validate(q, k, v, dropout=0.2, seed=1))
+    assert small.not_supported_reasons(validate(q, k, v, cu_seqlens_q=np.array([0, 2, 5]),
+                                                cu_seqlens_k=np.array([0, 3, 5])))
+    assert small.not_supported_reasons(validate(q, k, v).replace(extent=(9, 9)))
+    assert backends.select(validate(q, k, v)) is small
+    assert backends.select(validate(q, k, v, dropout=0.2, seed=1)) is reference
+    with pytest.raises(ValueError, match="small: no dropout"):
+        attnkit.attention(q, k, v, dropout=0.2, seed=1, backend="small")
+
+
+def test_backward_and_weights_are_the_references():
+    q, k, v = make_qkv((2, 5, 4), (2, 7, 4), seed=2)
+    spec = validate(q, k, v, causal=True)
+    out, lse, _ = small.rung_forward(spec)
+    dout = np.ones_like(out)
+    for a, b in zip(small.rung_backward(spec, dout, out, lse), reference.rung_backward(spec, dout, out, lse)):
+        assert (a is None and b is None) or np.array_equal(a, b)
+    assert np.array_equal(small.rung_weights(spec, lse, [1, 3]), reference.rung_weights(spec, lse, [1, 3]))
+
+
+def test_torch_calls_reach_it_with_and_without_the_op():
+    """A tiny torch call runs the small rung: directly when nothing needs a gradient,
+    through the custom op otherwise — the same bits either way, and gradients."""
+    torch = pytest.importorskip("torch")
+    from attnkit.torch import op
+    q, k, v = (torch.from_numpy(x).float() for x in make_qkv((2, 4, 3, 8), (2, 2, 5, 8), seed=4))
+    spec = validate(q, k, v, causal=True)
+    assert backends.select(spec) is op.bound(small)
+    assert op._eager(spec)
+    with torch.no_grad():
+        plain, lse = attnkit.attention(q, k, v, causal=True, return_lse=True)
+    q.requires_grad_(True)
+    assert not op._eager(validate(q, k, v, causal=True))
+    out, lse2 = attnkit.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out.detach(), plain) and torch.equal(lse2.detach(), lse)
+    out.sum().backward()
+    ref = q.detach().double().requires_grad_(True)
+    attnkit.attention(ref, k.double(), v.double(), causal=True, backend="reference").sum().backward()
+    assert max_error(q.grad, ref.grad) <= 1e-5
