@@ -26,12 +26,13 @@ DECODERS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def registered(monkeypatch):
-    """The registration, with "auto" choosing the flash rung under the op: the models
-    here are tiny, and real sizes run flash (the reference's tiny calls are the
-    torch-op tests' business)."""
-    monkeypatch.setattr(backends, "SMALL_TOTAL", 0)
+@pytest.fixture(autouse=True, params=["flash", "auto"], ids=["under-flash", "under-auto"])
+def registered(request, monkeypatch):
+    """The registration, every test twice: with "auto" choosing the flash rung (what
+    real sizes run) and as it chooses for these tiny models (the small rung; the
+    reference for packed batches)."""
+    if request.param == "flash":
+        monkeypatch.setattr(backends, "SMALL_TOTAL", 0)
     attnkit.hf.register()
 
 

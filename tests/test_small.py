@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import attnkit
-from attnkit import backends, reference, small
+from attnkit import backends, flash, reference, small
 from attnkit.flash import kernels
 from attnkit.spec import validate
 from attnkit.testing import error_budget, make_qkv, max_error
@@ -94,24 +94,34 @@ def test_gqa_groups_and_broadcast_batches():
         assert max_error(o1, o0) <= 1e-12 and max_error(l1, l0) <= 1e-12
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True, kv_lengths=np.array([5, 2])),
+                                dict(sinks=np.array([0.3, -0.2]), window=(1, 2))])
+def test_dropout_draws_what_the_reference_draws(kw):
+    q, k, v = make_qkv((2, 2, 5, 4), (2, 2, 6, 4), seed=8)
+    spec = validate(q, k, v, dropout=0.4, seed=2 ** 63 + 5, **kw)
+    o1, l1, _ = small.rung_forward(spec)
+    o0, l0, _ = reference.rung_forward(spec)
+    assert max_error(o1, o0) <= 1e-12 and max_error(l1, l0) <= 1e-12
+    assert max_error(o1, small.rung_forward(spec.replace(seed=6))[0]) > 1e-3      # the seed matters
+
+
 def test_what_it_leaves_to_other_rungs():
     q, k, v = make_qkv((2, 5, 4), (2, 5, 4), seed=1)
-    assert small.not_supported_reasons(validate(q, k, v, dropout=0.2, seed=1))
-    assert small.not_supported_reasons(validate(q, k, v, cu_seqlens_q=np.array([0, 2, 5]),
-                                                cu_seqlens_k=np.array([0, 3, 5])))
+    packed = dict(cu_seqlens_q=np.array([0, 2, 5]), cu_seqlens_k=np.array([0, 3, 5]))
+    assert small.not_supported_reasons(validate(q, k, v, **packed))
     assert small.not_supported_reasons(validate(q, k, v).replace(extent=(9, 9)))
     assert backends.select(validate(q, k, v)) is small
-    assert backends.select(validate(q, k, v, dropout=0.2, seed=1)) is reference
-    with pytest.raises(ValueError, match="small: no dropout"):
-        attnkit.attention(q, k, v, dropout=0.2, seed=1, backend="small")
+    assert backends.select(validate(q, k, v, **packed)) is flash
+    with pytest.raises(ValueError, match="small: no packed sequences"):
+        attnkit.attention(q, k, v, backend="small", **packed)
 
 
-def test_backward_and_weights_are_the_references():
+def test_backward_is_flashs_and_weights_the_references():
     q, k, v = make_qkv((2, 5, 4), (2, 7, 4), seed=2)
     spec = validate(q, k, v, causal=True)
     out, lse, _ = small.rung_forward(spec)
     dout = np.ones_like(out)
-    for a, b in zip(small.rung_backward(spec, dout, out, lse), reference.rung_backward(spec, dout, out, lse)):
+    for a, b in zip(small.rung_backward(spec, dout, out, lse), flash.rung_backward(spec, dout, out, lse)):
         assert (a is None and b is None) or np.array_equal(a, b)
     assert np.array_equal(small.rung_weights(spec, lse, [1, 3]), reference.rung_weights(spec, lse, [1, 3]))
 

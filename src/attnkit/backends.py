@@ -76,18 +76,23 @@ RUNGS = {
 }
 BRIDGE = ("attnkit.torch.op", "torch tensors: one autograd op around the chosen compute rung")
 AUTO = {"numpy": ("flash", "reference"), "torch_cpu": ("flash", "reference"), "torch_cuda": ("triton",)}
-AUTO_SMALL = ("small", "reference", "flash")   # NumPy and torch CPU calls under SMALL_TOTAL
-# "auto" runs the small rung (one vectorised pass over every head), else the
-# reference, when all score matrices together hold at most this many elements: there
-# the flash rung's per-call planning and thread hand-offs cost more than the math.
-SMALL_TOTAL = 1 << 16
+AUTO_SMALL = ("small", "flash", "reference")   # NumPy and torch CPU calls that are small (below)
+# "auto" runs the small rung (one vectorised pass over every head, on the calling
+# thread) when all score matrices together hold at most
+# SMALL_TOTAL elements and the keys and values at most SMALL_KV: there the flash rung's
+# per-call planning and thread hand-offs (0.7–0.9 ms on 2 cores) cost more than the
+# math. Measured crossovers (float32, 2 cores): about 1M scores for prefill-like
+# calls, about 2M key and value elements (8 MB) for decoding-like ones, which stream
+# the cache and gain from the flash rung's threads beyond that.
+SMALL_TOTAL = 1 << 20
+SMALL_KV = 1 << 21
 
 
 def _small(spec: Spec) -> bool:
     n = 1
     for d in spec.batch:
         n *= d
-    return n * spec.H * spec.L * spec.S <= SMALL_TOTAL
+    return n * spec.H * spec.L * spec.S <= SMALL_TOTAL and n * spec.Hkv * spec.S * (spec.D + spec.Dv) <= SMALL_KV
 
 
 def _import(path: str) -> Any:

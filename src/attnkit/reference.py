@@ -97,7 +97,7 @@ def final_scores(spec: Spec, q: np.ndarray, k: np.ndarray, trace: Trace | None =
     return scores, capped
 
 
-def _dropout_scale(spec: Spec, dtype: Any) -> np.ndarray | None:
+def dropout_scale(spec: Spec, dtype: Any) -> np.ndarray | None:
     """kept / (1 − p) for every score (…, H, L, S), or None without dropout."""
     if spec.dropout == 0:
         return None
@@ -131,7 +131,7 @@ def forward(spec: Spec, trace: Trace | None = None) -> tuple[np.ndarray, np.ndar
     if trace:
         trace("weights", weights)
         trace("lse", lse)
-    z = _dropout_scale(spec, weights.dtype)
+    z = dropout_scale(spec, weights.dtype)
     dropped = weights if z is None else weights * z
     if z is not None and trace:
         trace("dropped", dropped)
@@ -192,7 +192,7 @@ def backward(spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None) -> Gra
     dout, out, lse = (np.asarray(x, dtype=acc) for x in (dout, out, lse))
     weights = from_lse(scores, lse)
     vis = scores != -np.inf
-    z = _dropout_scale(spec, acc)
+    z = dropout_scale(spec, acc)
     dropped = weights if z is None else weights * z
 
     # Step 4 back: out = dropout(weights) v
@@ -262,14 +262,19 @@ def _weights(spec: Spec, lse: Any, rows: Any) -> np.ndarray:
     return weights.astype(spec.dtype)
 
 
-def rung_kvcache(kv: Any) -> tuple[np.ndarray, np.ndarray]:
-    """attention_kvcache by the definition: each sequence's keys gathered from the
-    cache (:func:`attnkit.kvcache.gather`), then the forward above."""
+def gathered(kv: Any) -> Spec:
+    """attention_kvcache's call as a plain one: each sequence's keys gathered from the
+    cache (:func:`attnkit.kvcache.gather`), excluded past its length."""
     from .kvcache import gather
     k, v = gather(kv)
     if k.shape[-2] == 0:                                 # a block table without columns: the Spec's
         k, v = kv.spec.k, kv.spec.v                      # stand-in key (excluded: every length is 0)
-    out, lse, _ = rung_forward(kv.spec.replace(k=np.asarray(k), v=np.asarray(v)))
+    return kv.spec.replace(k=np.asarray(k), v=np.asarray(v))
+
+
+def rung_kvcache(kv: Any) -> tuple[np.ndarray, np.ndarray]:
+    """attention_kvcache by the definition: :func:`gathered`, then the forward above."""
+    out, lse, _ = rung_forward(gathered(kv))
     return out, lse
 
 

@@ -261,10 +261,11 @@ def test_forward_and_backward_never_allocate_an_L_by_S_array():
 
 def test_auto_picks_flash_for_numpy_unless_every_head_is_small():
     from attnkit import backends, small
-    q, k, v = make_qkv((2, 200, 4), (2, 300, 4), seed=0)
+    q, k, v = make_qkv((2, 800, 4), (2, 700, 4), seed=0)
     assert backends.select(validate(q, k, v)) is flash
     assert backends.select(validate(q[:, :3], k[:, :5], v[:, :5])) is small
-    assert backends.select(validate(q[:, :3], k[:, :5], v[:, :5], dropout=0.1, seed=1)) is reference
+    assert backends.select(validate(q[:, :3], k[:, :5], v[:, :5], cu_seqlens_q=np.array([0, 3]),
+                                    cu_seqlens_k=np.array([0, 5]))) is flash
     q, k, v = make_qkv((300, 2, 100, 4), (300, 2, 100, 4), seed=0)   # small heads, but many
     assert backends.select(validate(q, k, v)) is flash
 

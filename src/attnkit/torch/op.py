@@ -183,7 +183,8 @@ def _eager(spec: Spec) -> bool:
         x = getattr(spec, name)
         if x is None:
             continue
-        if type(x) is not torch.Tensor or (grad and x.requires_grad) or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        if type(x) is not torch.Tensor or (grad and x.requires_grad) \
+                or torch._C._functorch.is_functorch_wrapped_tensor(x):
             return False
     return spec.q.device.type == "cpu"
 
@@ -300,8 +301,9 @@ class TorchRung:
 
     def rung_forward(self, spec: Spec, need_weights: bool = False) -> tuple[Any, Any, Any]:
         if getattr(self.mod, "arrays", "numpy") != "torch" and _eager(spec):
-            if spec.dropout > 0 and spec.seed is None:      # the draw the op's arguments make
-                spec = spec.replace(seed=int(seed_tensor(spec).item()) % _UINT64)
+            drawn = seed_tensor(spec) if spec.seed is None else None     # the op's arguments' draw
+            if drawn is not None:
+                spec = spec.replace(seed=int(drawn.item()) % _UINT64)
             out, lse = _forward(self.mod, spec)
             w = self.rung_weights(spec, lse, None) if need_weights else None
             return out, lse, w
