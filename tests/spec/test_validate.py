@@ -2,6 +2,7 @@
 as the user wrote it, before any compute — for every argument of every public
 function, the new masking keywords included."""
 
+import importlib
 import re
 
 import numpy as np
@@ -373,3 +374,58 @@ def test_only_torch_tensors_count_as_torch():
     torch = pytest.importorskip("torch")
     assert is_torch(torch.ones(2)) and is_torch(torch.nn.Parameter(torch.ones(2)))
     assert not is_torch(torch.Size([2, 3]))
+
+
+# ---- the check reused per signature ----------------------------------------------
+def _fields(spec):
+    return {n: getattr(spec, n) for n in spec.__dataclass_fields__ if n not in ("q", "k", "v")}
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_a_repeated_signature_gives_the_same_spec_on_the_new_arrays(lib):
+    """The second call of a signature (shapes, dtypes, keywords) reuses the first one's
+    check: every field is what the full check gives, the arrays are the new ones (2-D
+    inputs in normal form), and the results follow the new arrays."""
+    v_mod = importlib.import_module("attnkit.spec.validate")
+    conv = (lambda x: x) if lib == "numpy" else pytest.importorskip("torch").from_numpy
+    for shapes in (((2, 3, 4), (1, 3, 4), (1, 3, 2)), ((5, 4), (3, 1, 6, 4), (3, 1, 6, 3))):
+        first = [conv(x) for x in make_qkv(shapes[0], shapes[1], shapes[2][-1], seed=1)]
+        second = [conv(x) for x in make_qkv(shapes[0], shapes[1], shapes[2][-1], seed=2)]
+        kw = dict(causal=True, scale=0.3, window=(2, None))
+        validate = v_mod.validate
+        a = validate(*first, **kw)
+        b = validate(*second, **kw)
+        full = v_mod._validate(*second, "auto", True, dict(kw))
+        assert _fields(b) == _fields(full) == _fields(a)
+        for x, y in zip((b.q, b.k, b.v), (full.q, full.k, full.v)):
+            assert x.shape == y.shape and (x == y).all()
+        assert not (attnkit.attention(*first, **kw) == attnkit.attention(*second, **kw)).all()
+
+
+def test_a_seen_signature_still_refuses_bad_keywords_and_checks_array_values():
+    q, k, v = make_qkv((2, 1, 3, 4), (2, 1, 5, 4), seed=0)
+    attnkit.attention(q, k, v, causal=True)
+    with pytest.raises(TypeError, match="causal"):
+        attnkit.attention(q, k, v, causal=1)                      # equal to True, and refused
+    attnkit.attention(q, k, v, kv_lengths=np.array([5, 2]))
+    with pytest.raises(ValueError, match="kv_lengths"):
+        attnkit.attention(q, k, v, kv_lengths=np.array([5, 6]))   # array values are checked every call
+    attnkit.attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))
+    with pytest.raises(TypeError, match="k: dtype float64"):
+        attnkit.attention(q.astype(np.float32), k, v.astype(np.float32))
+    with pytest.raises(ValueError, match="window"):
+        attnkit.attention(q, k, v, window=[1, 2, 3])              # unhashable: checked in full
+
+
+def test_array_keywords_are_checked_and_read_every_call_with_torch_tensors_too():
+    """Tensors hash by identity: a tensor keyword must still be read and checked anew."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(x) for x in make_qkv((2, 1, 3, 4), (2, 1, 5, 4), seed=0))
+    lengths = torch.tensor([5, 2])
+    a = attnkit.attention(q, k, v, kv_lengths=lengths)
+    lengths[1] = 4
+    b = attnkit.attention(q, k, v, kv_lengths=lengths)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[1], b[1])
+    lengths[1] = 6
+    with pytest.raises(ValueError, match="kv_lengths"):
+        attnkit.attention(q, k, v, kv_lengths=lengths)

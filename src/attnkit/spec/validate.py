@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import Any
 
 import numpy as np
@@ -23,12 +24,12 @@ BACKENDS = ("auto", "reference", "flash", "small", "torch", "triton")
 ALIGNS = ("bottom_right", "top_left")
 _TENSOR_OPTIONS = tuple(n for n in NAMES if BY_NAME[n].schema == "Tensor?" and n != "seed")
 _DEFAULTS = {n: BY_NAME[n].default for n in NAMES}
+_ARRAY_NAMES = frozenset(n for n in NAMES if BY_NAME[n].schema == "Tensor?" and n != "seed")
 
 
 # ---- arrays ------------------------------------------------------------------------
 def compiling() -> bool:
     """True while torch.compile traces (values of tensors cannot be read then)."""
-    import sys
     torch = sys.modules.get("torch")
     return bool(torch is not None and torch.compiler.is_compiling())
 
@@ -124,10 +125,44 @@ def check_seed(seed: Any, name: str = "seed") -> int | None:
     return int(seed)
 
 
-# ---- the call ------------------------------------------------------------------------
 def _grad_enabled() -> bool:
     import torch
     return torch.is_grad_enabled()
+
+
+# ---- the call ------------------------------------------------------------------------
+# validate's result depends only on the arrays' types, dtypes, shapes, devices and
+# layouts and on the keywords when no keyword is an array (array values are checked:
+# lengths, offsets): such calls are checked once per signature and the Spec is reused
+# with the new arrays — a decoding step repeats one signature in every layer.
+_SEEN: dict[tuple[Any, ...], Spec] = {}
+_SEEN_MAX = 256
+
+
+def _signature(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict) -> tuple[Any, ...] | None:
+    """The key of a call whose check can be reused, or None (array keywords, other
+    array types, torch.compile tracing)."""
+    arrays = (q, k, v) if need_v else (q, k)
+    kind = type(q)
+    for x in arrays[1:]:
+        if type(x) is not kind:
+            return None
+    torch = sys.modules.get("torch")
+    if kind is np.ndarray:
+        key: tuple[Any, ...] = tuple((x.dtype, x.shape) for x in arrays)
+    elif torch is not None and kind is torch.Tensor and not compiling():
+        key = tuple((x.dtype, x.shape, x.device, x.layout) for x in arrays)
+    else:
+        return None
+    for name, x in options.items():
+        if name in _ARRAY_NAMES and x is not None:
+            return None
+    key += (backend, need_v, tuple(sorted((n, type(x), x) for n, x in options.items())))
+    try:                                                 # a keyword's type too: causal=1 is refused
+        hash(key)
+    except TypeError:                                    # an unhashable keyword: check it in full
+        return None
+    return key
 
 
 def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = True,
@@ -135,6 +170,21 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
     """Check every argument and return a Spec. Raises TypeError / ValueError naming the
     argument, what was expected and what was given. ``need_v=False`` (weights only):
     v must be None."""
+    key = _signature(q, k, v, backend, need_v, options)
+    seen = None if key is None else _SEEN.get(key)
+    if seen is not None:                                 # the arrays in normal form, as below
+        q, k, v = (None if x is None else x[None] if x.ndim == 2 else x for x in (q, k, v if need_v else None))
+        return seen.replace(q=q, k=k, v=v)
+    spec = _validate(q, k, v, backend, need_v, options)
+    if key is not None:
+        if len(_SEEN) >= _SEEN_MAX:
+            _SEEN.clear()
+        _SEEN[key] = spec.replace(q=None, k=None, v=None)
+    return spec
+
+
+def _validate(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict) -> Spec:
+    """:func:`validate` in full."""
     unknown = options.keys() - _DEFAULTS.keys()
     if unknown:
         raise TypeError(f"{', '.join(sorted(unknown))}: unexpected keyword argument(s); the masking "
