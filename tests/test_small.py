@@ -145,3 +145,28 @@ def test_torch_calls_reach_it_with_and_without_the_op():
     ref = q.detach().double().requires_grad_(True)
     attnkit.attention(ref, k.double(), v.double(), causal=True, backend="reference").sum().backward()
     assert max_error(q.grad, ref.grad) <= 1e-5
+
+
+def test_a_dispatch_mode_and_autograd_see_the_op():
+    """Only an unwatched forward with nothing to differentiate skips the custom op: a
+    dispatch mode sees it (and gets the same result), as does a forward whose input
+    requires a gradient."""
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (torch.from_numpy(x).float() for x in make_qkv((2, 3, 4), (2, 5, 4), seed=6))
+    with torch.no_grad():
+        plain = attnkit.attention(q, k, v)
+        with Spy():
+            watched = attnkit.attention(q, k, v)
+    assert "attnkit.attention_fwd.default" in seen and torch.equal(plain, watched)
+    seen.clear()
+    with Spy():
+        attnkit.attention(q, k, v)                       # grad mode on, nothing requires grad
+        assert "attnkit.attention_fwd.default" in seen

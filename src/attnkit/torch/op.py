@@ -179,12 +179,10 @@ def _eager(spec: Spec) -> bool:
             or torch._C._len_torch_dispatch_stack():
         return False
     grad = torch.is_grad_enabled()
-    for name in _GRAD_NAMES:
+    for name in _VIEWED:
         x = getattr(spec, name)
-        if x is None:
-            continue
-        if type(x) is not torch.Tensor or (grad and x.requires_grad) \
-                or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        if x is not None and (type(x) is not torch.Tensor or (grad and x.requires_grad)
+                              or torch._C._functorch.is_functorch_wrapped_tensor(x)):
             return False
     return spec.q.device.type == "cpu"
 
@@ -235,7 +233,6 @@ attention_bwd = torch.library.custom_op(
 attention_bwd.register_fake(_bwd_fake)
 
 _GRAD_INPUTS = {0: 0, 1: 1, 2: 2, _OPT_INDEX["bias"]: 3, _OPT_INDEX["sinks"]: 4}
-_GRAD_NAMES = ("q", "k", "v", "bias", "sinks")     # what a gradient can flow to
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
