@@ -24,7 +24,6 @@ BACKENDS = ("auto", "reference", "flash", "small", "torch", "triton")
 ALIGNS = ("bottom_right", "top_left")
 _TENSOR_OPTIONS = tuple(n for n in NAMES if BY_NAME[n].schema == "Tensor?" and n != "seed")
 _DEFAULTS = {n: BY_NAME[n].default for n in NAMES}
-_ARRAY_NAMES = frozenset(n for n in NAMES if BY_NAME[n].schema == "Tensor?" and n != "seed")
 
 
 # ---- arrays ------------------------------------------------------------------------
@@ -155,7 +154,7 @@ def _signature(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict
     else:
         return None
     for name, x in options.items():
-        if name in _ARRAY_NAMES and x is not None:
+        if name in _TENSOR_OPTIONS and x is not None:
             return None
     key += (backend, need_v, tuple(sorted((n, type(x), x) for n, x in options.items())))
     try:                                                 # a keyword's type too: causal=1 is refused
