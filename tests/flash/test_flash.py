@@ -535,6 +535,18 @@ def test_decoding_with_half_precision_or_strided_caches(layout):
         assert np.array_equal(got, attnkit.attention(q, k, v, causal=True, backend="flash"))
 
 
+@pytest.mark.parametrize("L", [1, 100], ids=["decoding", "tiles"])
+def test_a_transposed_layout_gives_the_bits_of_its_contiguous_copy(L):
+    """q, k, v in a (B, S, H, D) layout seen as (B, H, S, D) (what transformers hands
+    over; read in place by the tiles) give the same bits as the C-ordered arrays."""
+    q, k, v = make_qkv((2, 4, L, 32), (2, 2, 300, 32), dtype="float32", seed=16)
+    t = [np.swapaxes(np.ascontiguousarray(np.swapaxes(x, 1, 2)), 1, 2) for x in (q, k, v)]
+    assert not any(x.flags.c_contiguous for x in t[1:])
+    for kw in ({}, dict(causal=True), dict(kv_lengths=np.array([300, 170]))):
+        assert np.array_equal(attnkit.attention(*t, backend="flash", **kw),
+                              attnkit.attention(q, k, v, backend="flash", **kw))
+
+
 def test_block_sizes_must_be_positive():
     q, k, v = make_qkv((1, 1, 4, 8), (1, 1, 5, 8), seed=15)
     spec = validate(q, k, v)

@@ -75,11 +75,13 @@ class Unit:
 
 
 def tile_ready(x: Any, dtype: Any) -> np.ndarray:
-    """x in dtype with its last two dims C-contiguous (BLAS-friendly); copies only
-    when needed, and never expands broadcast batch dims."""
+    """x in dtype with rows BLAS can read in place (unit stride along the last dim, rows
+    at least a row apart: transformers' (B, S, H, D) → (B, H, S, D) view qualifies);
+    copies only when needed, and never expands broadcast batch dims."""
     x = np.asarray(x)
     it = np.dtype(dtype).itemsize
-    if x.dtype == dtype and x.strides[-1] == it and (x.shape[-2] == 1 or x.strides[-2] == x.shape[-1] * it):
+    if x.dtype == dtype and x.strides[-1] == it and (x.shape[-2] == 1 or (
+            x.strides[-2] >= x.shape[-1] * it and x.strides[-2] % it == 0)):
         return x
     return np.ascontiguousarray(x, dtype=dtype)
 
@@ -310,7 +312,9 @@ class Call:
             k_pages, v_pages, table, P = self.pages
             return k_pages, v_pages, table, u.b[0], P
         assert self.v is not None
-        k, v = self.k[u.b][None], self.v[u.b][None]
+        # C order (a copy of a strided sequence): the kernel's sums take the same order,
+        # so the same bits, whatever the caller's layout
+        k, v = np.ascontiguousarray(self.k[u.b])[None], np.ascontiguousarray(self.v[u.b])[None]
         return k, v, np.zeros((1, 1), dtype=np.int64), 0, k.shape[-2]
 
     def bounds(self, u: Unit, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
