@@ -5,7 +5,9 @@ exp that the compiler vectorises. Compiled on first use and cached on disk
 
 Fast-math without reassociation keeps every sum in its source order; the row max and
 row sum allow it (the order is then fixed at compile time, so the bits stay the same
-run to run and thread to thread).
+run to run and thread to thread). The kernels ask LLVM for 512-bit vectors where the
+machine has them (``_wide``): the row softmax, the causal diagonal and decoding ran
+5–20% faster on an AVX-512 Xeon than with LLVM's default 256-bit ones.
 """
 
 from __future__ import annotations
@@ -43,6 +45,26 @@ def _fmax(typingctx, a, b):
         fn = builder.module.declare_intrinsic("llvm.maxnum", [f], ir.FunctionType(f, [f, f]))
         return builder.call(fn, args, fastmath=("nnan", "nsz"))
     return types.float32(types.float32, types.float32), codegen
+
+
+WIDE_ATTRIBUTES = ('"prefer-vector-width"="512"', '"min-legal-vector-width"="512"')
+
+
+@intrinsic
+def _wide(typingctx):
+    # LLVM vectorises with 256-bit registers on AVX-512 machines unless the function
+    # asks for 512 (clang's -mprefer-vector-width=512); numba has no option for it, so
+    # the kernels below add the attributes to their own LLVM function. llvmlite checks
+    # attribute names against a fixed list, hence set.add; on another llvmlite, or a
+    # machine without AVX-512, the kernels stay as they were (same code, narrower)
+    def codegen(context, builder, signature, args):
+        try:
+            for attr in WIDE_ATTRIBUTES:
+                set.add(builder.function.attributes, attr)
+        except TypeError:
+            pass
+        return context.get_dummy_value()
+    return types.none(), codegen
 
 
 @numba.njit(**ORDERED)
@@ -91,12 +113,14 @@ def _row_done(i, m_new, shift, total, m_i, l_i, alpha):
 
 @numba.njit(**REDUCE)
 def _softmax_tile(s, m_i, l_i, alpha):
+    _wide()
     for i in range(s.shape[0]):
         _softmax_span(s, i, 0, s.shape[1], m_i, l_i, alpha)
 
 
 @numba.njit(**REDUCE)
 def _softmax_tile_bounded(s, m_i, l_i, alpha, lo, hi, c0):
+    _wide()
     # row i limited to the keys [lo[i], hi[i]); the other columns get weight 0 and never
     # reach the max or the sum (NaN or inf there cannot leak into the row). Each row's
     # visible columns are taken as a view, looped from 0: a loop from a bound read per
@@ -127,6 +151,7 @@ def _softmax_tile_bounded(s, m_i, l_i, alpha, lo, hi, c0):
 
 @numba.njit(**ORDERED)
 def rescale_add(o, alpha, pv):
+    _wide()
     n = o.shape[1]
     for i in range(o.shape[0]):                          # (element-wise indexing: no row views)
         a = alpha[i]
@@ -140,6 +165,7 @@ def rescale_add(o, alpha, pv):
 
 @numba.njit(**ORDERED)
 def exp_from_lse(s, lse):
+    _wide()
     n = s.shape[1]
     for i in range(s.shape[0]):
         if lse[i] == -np.inf:                            # fully masked row: weights 0
@@ -154,6 +180,7 @@ def exp_from_lse(s, lse):
 
 @numba.njit(**ORDERED)
 def ds_tile(p, dp, delta):
+    _wide()
     for i in range(p.shape[0]):
         d = delta[i]
         for j in range(p.shape[1]):
@@ -251,6 +278,7 @@ def _walk(table, row, P, start, n, pages, slots):
 
 @numba.njit(**REDUCE)
 def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, diag, m_i, l_i, acc):
+    _wide()
     """Rows q (A, R, D) — already times scale (and / softcap) — of kv heads hk … hk + A − 1
     (R rows each) against keys [c0, c1) of one sequence, key p of kv head hk + a at
     ``kc[table[row, p // P], hk + a, p % P]`` (a contiguous cache is one page per
