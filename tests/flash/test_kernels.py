@@ -52,6 +52,31 @@ def test_nan_scores_make_the_row_nan_and_other_rows_exact(kernels):
     assert abs(l[1] - np.exp(np.float32([0.0, -0.1, -0.2])).sum()) < 1e-6
 
 
+def test_normalize_into_writes_each_row_over_its_sum_into_a_strided_view(kernels):
+    """out ← acc / l into an (F, R, Dv) view of another layout: exact division (the
+    bits of NumPy's), rows with l = 0 get 0 whatever acc holds, an inf result is NaN,
+    a NaN sum leaves NaN; nothing outside the view is written."""
+    kern = kernel_set(kernels)
+    rng = np.random.default_rng(0)
+    F, R, Dv = 3, 4, 5
+    acc = rng.standard_normal((F * R, Dv)).astype(np.float32)
+    l_i = (rng.random(F * R) * 3 + 0.5).astype(np.float32)
+    l_i[[1, 6]] = 0.0
+    acc[1, 2] = acc[6, 0] = np.nan                      # a row without keys: 0, even so
+    acc[4, 3], l_i[9] = np.inf, np.nan
+    with quiet():
+        want = acc / l_i[:, None]
+    want[[1, 6]] = 0.0
+    want[4, 3] = np.nan
+    big = np.full((R, F + 2, Dv), 7.0, np.float32)      # out: (F, R, Dv) seen in an (R, F, Dv) buffer
+    out = big[:, 1:F + 1].transpose(1, 0, 2)
+    with quiet():
+        kern.normalize_into(acc.copy(), l_i, out)
+    assert np.array_equal(out.transpose(1, 0, 2).reshape(-1), want.reshape(F, R, Dv).transpose(1, 0, 2).reshape(-1),
+                          equal_nan=True)
+    assert np.all(big[:, 0] == 7.0) and np.all(big[:, F + 1] == 7.0)
+
+
 def test_exp_from_lse_exempts_excluded_keys_from_a_nan_lse(kernels):
     kern = kernel_set(kernels)
     s = np.array([[0.5, -np.inf], [0.5, -np.inf], [0.5, 0.25]], np.float32)

@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from ..nonfinite import all_finite, exempt_matmul
+from ..nonfinite import exempt_matmul
 from ..spec import geometry as geo
 from . import runtime
+from .kernels import NUMPY
 from .plan import Call, Unit
 
 State = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
@@ -53,9 +54,13 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: 
     m_i, l_i = _init(call, u, r0, r1, with_sink)
     if want_out and call.streams(u, r0, r1):
         return _stream(call, u, q_t, r0, r1, m_i, l_i, lo, hi)
-    acc = np.zeros((nk, g * m, spec.Dv), dtype=call.acc) if want_out else None
-    pv = np.empty_like(acc) if acc is not None else None
-    for a0, a1, c0, c1, partial in call.tiles(u, r0, r1, lo, hi):
+    tiles = call.tiles(u, r0, r1, lo, hi)
+    acc = pv = None
+    if want_out:                                         # one tile covering every row: its
+        one = len(tiles) == 1 and tiles[0][0] == r0 and tiles[0][1] == r1   # product is acc
+        acc = (np.empty if one else np.zeros)((nk, g * m, spec.Dv), dtype=call.acc)
+        pv = acc if one else np.empty_like(acc)
+    for a0, a1, c0, c1, partial in tiles:
         rows = slice(a0 - r0, a1 - r0)                   # a strip of a single head's rows, or all
         whole = a0 == r0 and a1 == r1
         q_s = q_t if whole else q_t[:, rows]
@@ -83,7 +88,9 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: 
                 np.matmul(s, v_t, out=pv_s)
             else:
                 pv_s[...] = exempt_matmul(s, v_t, vis)
-            if whole:
+            if pv is acc:                                # acc was 0: alpha · 0 + pv is pv (a
+                pass                                     # NaN alpha also makes l, so out, NaN)
+            elif whole:
                 kern.rescale_add(acc.reshape(nk * n_rows, -1), alpha, pv.reshape(nk * n_rows, -1))
             else:                                        # nk = 1 here: acc[0, rows] is a 2-D view
                 kern.rescale_add(acc_s[0], alpha, pv_s[0])
@@ -112,24 +119,22 @@ def _stream(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, m_i: np.ndar
     return m_i, l_i, acc
 
 
-def finish(m_i: np.ndarray, l_i: np.ndarray, acc: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-    """(lse, out) from the running state: l_i = 0 (no key, no sink) gives lse −inf, out
-    0; a NaN sum stays NaN; an infinite output element (an inf value a row sees) is NaN."""
+def finish_lse(m_i: np.ndarray, l_i: np.ndarray) -> np.ndarray:
+    """lse from the running state: l_i = 0 (no key, no sink) gives −inf; a NaN sum
+    stays NaN."""
     empty = l_i == 0
     lse = np.log(l_i, out=np.full_like(l_i, -np.inf), where=~empty)
     lse += m_i
+    return lse
+
+
+def finish(m_i: np.ndarray, l_i: np.ndarray, acc: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(lse, out) from the running state, out normalised in place (``normalize_into``:
+    rows without a key or sink 0, an infinite element NaN)."""
     if acc is not None:
         flat = acc.reshape(l_i.shape[0], -1)
-        if empty.any():
-            np.divide(flat, l_i[:, None], out=flat, where=~empty[:, None])
-            flat[empty] = 0.0
-        else:                                            # the common case: one pass
-            flat /= l_i[:, None]
-        # |out| ≤ max |v| over visible keys: ±inf can only come from an inf value a
-        # row sees, which the NaN rule makes NaN (paths that take the plain product)
-        if not all_finite(flat):
-            np.copyto(flat, np.nan, where=np.isinf(flat))
-    return lse, acc
+        NUMPY.normalize_into(flat, l_i, flat)
+    return finish_lse(m_i, l_i), acc
 
 
 def merge_parts(parts: list[State]) -> State:
@@ -153,6 +158,18 @@ def _store(call: Call, lse: np.ndarray, out: np.ndarray | None, u: Unit, r0: int
     lse[u.b][u.heads, r0:r1] = lse_i.reshape(u.nk * u.g, r1 - r0)
     if out is not None and o_i is not None:
         out[u.b][u.heads, r0:r1] = o_i.reshape(u.nk * u.g, r1 - r0, -1)
+
+
+def _finish_store(call: Call, lse: np.ndarray, out: np.ndarray | None, u: Unit, r0: int, r1: int,
+                  state: State) -> np.ndarray:
+    """finish + _store in one pass over the unit's output (normalised straight into
+    ``out``): lse_i."""
+    m_i, l_i, acc = state
+    lse_i = finish_lse(m_i, l_i)
+    lse[u.b][u.heads, r0:r1] = lse_i.reshape(u.nk * u.g, r1 - r0)
+    if out is not None and acc is not None:
+        call.kern.normalize_into(acc.reshape(l_i.shape[0], -1), l_i, out[u.b][u.heads, r0:r1])
+    return lse_i
 
 
 def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None]:
@@ -179,8 +196,7 @@ def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray 
         if n > 1:
             parts[n_b][i] = state
             return
-        lse_i, o_i = finish(*state)
-        _store(call, lse, out, u, r0, r1, lse_i, o_i)
+        lse_i = _finish_store(call, lse, out, u, r0, r1, state)
         if weights is not None:
             weights_rows(call, u, q_t, r0, r1, lse_i, weights, r0, buf)
 
@@ -189,8 +205,7 @@ def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray 
     runtime.run(tasks, task)
     for n_b, states in parts.items():                    # split-KV: merge the parts in order
         u, r0, r1 = blocks[n_b]
-        lse_i, o_i = finish(*merge_parts(states))
-        _store(call, lse, out, u, r0, r1, lse_i, o_i)
+        _finish_store(call, lse, out, u, r0, r1, merge_parts(states))
     if weights is not None and parts:
         runtime.run([blocks[n_b] for n_b in parts],
                     lambda b: weights_rows(call, b[0], call.q_tile(*b), b[1], b[2],

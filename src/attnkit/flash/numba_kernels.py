@@ -163,6 +163,24 @@ def rescale_add(o, alpha, pv):
                 o[i, j] = o[i, j] * a + pv[i, j]
 
 
+@numba.njit(nogil=True, cache=True, error_model="numpy")   # exact division, as NumPy's
+def normalize_into(acc, l_i, out):
+    # out (F, R, Dv), any strides: row i = f·R + r of acc
+    _wide()
+    F, R, Dv = out.shape
+    for f in range(F):
+        for r in range(R):
+            i = f * R + r
+            li = l_i[i]
+            if li == f32(0.0):
+                for d in range(Dv):
+                    out[f, r, d] = f32(0.0)
+            else:
+                for d in range(Dv):
+                    x = acc[i, d] / li
+                    out[f, r, d] = f32(np.nan) if np.isinf(x) else x
+
+
 @numba.njit(**ORDERED)
 def exp_from_lse(s, lse):
     _wide()
@@ -429,5 +447,6 @@ def _with_alpha(kernel):
 
 KERNELS = SimpleNamespace(name="numba", softmax_tile=_with_alpha(_softmax_tile),
                           softmax_tile_bounded=_with_alpha(_softmax_tile_bounded), rescale_add=rescale_add,
+                          normalize_into=normalize_into,
                           exp_from_lse=exp_from_lse, ds_tile=ds_tile, alibi_tile=alibi_tile,
                           dropout_tile=dropout_tile, decode_part=decode_part)
