@@ -173,6 +173,11 @@ def test_excluded_keys_get_exactly_zero_gradient_even_when_non_finite():
 def test_helpers():
     assert all_finite(np.ones(3), None) and not all_finite(np.array([1.0, np.inf]))
     assert all_finite(np.full(4, np.finfo(np.float16).max, np.float16))   # a sum that overflows is not a NaN
+    x = np.zeros((2, 5, 3, 4), np.float32)
+    x[1, 4, 2, 3] = np.nan
+    for view in (np.swapaxes(x, 1, 2), x[:, ::-1], x[..., 3:], np.broadcast_to(x[1:], x.shape)):
+        assert not all_finite(view)                      # permuted, reversed, sliced, broadcast views
+    assert all_finite(np.swapaxes(x, 1, 2)[:1]) and all_finite(x[..., :3])
     a = np.array([[0.5, 0.0], [0.25, 0.75]])
     b = np.array([[1.0, 2.0], [np.inf, 3.0]])
     vis = np.array([[True, False], [True, True]])

@@ -35,7 +35,9 @@ def all_finite(*xs: Any) -> bool:
         if x is None:
             continue
         a = np.asarray(x)
-        with np.errstate(all="ignore"):
+        if not a.flags.c_contiguous and a.ndim > 1:      # a permuted C array (transformers'
+            a = a.transpose(np.argsort([-st for st in a.strides], kind="stable"))   # (B, S, H, D)
+        with np.errstate(all="ignore"):                  # views): the same elements in memory order
             if a.dtype in (np.float32, np.float64) and a.flags.c_contiguous and a.size:
                 flat = a.reshape(-1)
                 total = np.dot(flat, flat)                   # Σx² by BLAS (fast): NaN or inf
