@@ -98,12 +98,15 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
         nk, g = u.nk, u.g
         cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         dq_c = dq[chunk][u.b]
+        slot = slice(u.h0, u.h0 + nk * g, g)             # a GQA group's sum goes to its first head
         for c0, c1 in blocks[chunk * len(blocks) // n:(chunk + 1) * len(blocks) // n]:
             bn = c1 - c0
             k_t, v_t = call.kv(u, c0, c1)
             assert v_t is not None
-            dk_j = np.zeros((nk, bn, spec.D), dtype=acc)
-            dv_j = np.zeros((nk, bn, spec.Dv), dtype=acc)
+            # this task's own (still zero) slices of dk and dv: the first query tile's
+            # products go straight in, the others add
+            dk_j, dv_j = dk[u.b][slot, c0:c1], dv[u.b][slot, c0:c1]
+            first = True
             for r0, r1, partial in call.query_tiles(u, c0, c1):
                 if r0 not in cache:
                     cache[r0] = (call.q_tile(u, r0, r1), _rows3(call, dout, u, r0, r1))
@@ -119,7 +122,10 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
                     pz = p.copy()
                     call.dropout(pz, u, r0, r1, c0)
                 pzT = pz.transpose(0, 2, 1)
-                dv_j += pzT @ do_t if vis is None else exempt_matmul(pzT, do_t, vis.transpose(0, 2, 1))
+                if vis is None and first:
+                    np.matmul(pzT, do_t, out=dv_j)
+                else:
+                    dv_j += pzT @ do_t if vis is None else exempt_matmul(pzT, do_t, vis.transpose(0, 2, 1))
                 ds = np.matmul(do_t, v_t.transpose(0, 2, 1))   # dp = dout vᵀ
                 call.dropout(ds, u, r0, r1, c0)
                 kern.ds_tile(p.reshape(nk * R, bn), ds.reshape(nk * R, bn), call.rows(delta, u, r0, r1))
@@ -132,12 +138,13 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
                     np.subtract(1.0, tanh_t, out=tanh_t)
                     ds *= tanh_t
                 dsT = ds.transpose(0, 2, 1)
-                dk_j += dsT @ q_t if vis is None else exempt_matmul(dsT, q_t, vis.transpose(0, 2, 1))
+                if vis is None and first:
+                    np.matmul(dsT, q_t, out=dk_j)
+                else:
+                    dk_j += dsT @ q_t if vis is None else exempt_matmul(dsT, q_t, vis.transpose(0, 2, 1))
+                first = False
                 dq_t = ds @ k_t if vis is None else exempt_matmul(ds, k_t, vis)
                 dq_c[u.heads, r0:r1] += dq_t.reshape(nk * g, r1 - r0, spec.D)   # q_t carries qs; fixed below
-            slot = slice(u.h0, u.h0 + nk * g, g)         # a GQA group's sum goes to its first head
-            dk[u.b][slot, c0:c1] = dk_j
-            dv[u.b][slot, c0:c1] = dv_j
 
     def task(t: tuple[int, int]) -> None:
         gi, chunk = t
