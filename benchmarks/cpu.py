@@ -44,6 +44,10 @@ from attnkit.spec import flops, validate
 from attnkit.testing import error_budget, max_error
 
 GAP_S = 0.5  # seconds of idle time before each timed run
+# each timed run right after an untimed one of the same provider: after the idle gap the
+# shared virtual machines here take milliseconds to bring the second core back, which
+# timed alone made a 36 ms causal call as slow as a 57 ms full one (Intel host, 2026-12-03)
+SETTLE = True
 
 TARGETS = {  # (D, pass, causal) -> minimum attnkit / torch throughput ratio (the issue's)
     (64, "fwd", False): 0.8,
@@ -188,8 +192,9 @@ def time_all(D, L, H, passes, repeats, have_torch, validated):
     if runs:
         runs[CEILING] = blas_ceiling(min(L, CEILING_N))
     # interleaved, so load changes hit all alike, in a new order each round (no run
-    # always follows the same one, e.g. the seed's memory sweep); the seed is not warmed up
-    times = interleaved(runs, repeats, GAP_S, warmup=[key for key in runs if key[2] != "seed"])
+    # always follows the same one, e.g. the seed's memory sweep); the seed is not warmed
+    # up before the rounds (its settling run is its warm-up)
+    times = interleaved(runs, repeats, GAP_S, warmup=[key for key in runs if key[2] != "seed"], settle=SETTLE)
     return times
 
 

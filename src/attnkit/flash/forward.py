@@ -153,17 +153,10 @@ def merge_parts(parts: list[State]) -> State:
     return m, l_i, acc
 
 
-def _store(call: Call, lse: np.ndarray, out: np.ndarray | None, u: Unit, r0: int, r1: int,
-           lse_i: np.ndarray, o_i: np.ndarray | None) -> None:
-    lse[u.b][u.heads, r0:r1] = lse_i.reshape(u.nk * u.g, r1 - r0)
-    if out is not None and o_i is not None:
-        out[u.b][u.heads, r0:r1] = o_i.reshape(u.nk * u.g, r1 - r0, -1)
-
-
 def _finish_store(call: Call, lse: np.ndarray, out: np.ndarray | None, u: Unit, r0: int, r1: int,
                   state: State) -> np.ndarray:
-    """finish + _store in one pass over the unit's output (normalised straight into
-    ``out``): lse_i."""
+    """The unit's rows of lse and out from its running state, out normalised straight
+    into place (one pass): lse_i."""
     m_i, l_i, acc = state
     lse_i = finish_lse(m_i, l_i)
     lse[u.b][u.heads, r0:r1] = lse_i.reshape(u.nk * u.g, r1 - r0)
