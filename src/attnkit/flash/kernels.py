@@ -120,8 +120,23 @@ def compiled_kernels() -> Any:
         except ImportError:
             _compiled.append(None)
         else:
-            _compiled.append(numba_kernels.KERNELS)
+            _compiled.append(_probed(numba_kernels))
     return _compiled[0]
+
+
+def _probed(nk: Any) -> Any:
+    """The kernels once one of them compiles (or loads from numba's cache): should a
+    numba or llvmlite refuse the 512-bit vector attributes, the kernels compile
+    without them; should it refuse to compile at all, the NumPy kernels run."""
+    one = np.ones((1, 1), dtype=np.float32)
+    for attrs in (nk.WIDE_ATTRIBUTES, ()):
+        nk.WIDE_ATTRIBUTES = attrs
+        try:
+            nk.rescale_add(one.copy(), one[0], one)
+            return nk.KERNELS
+        except Exception:                   # noqa: BLE001 — any compile error: try without
+            continue
+    return None
 
 
 def for_dtype(dtype: Any) -> Any:

@@ -59,7 +59,7 @@ def _wide(typingctx):
     # machine without AVX-512, the kernels stay as they were (same code, narrower)
     def codegen(context, builder, signature, args):
         try:
-            for attr in WIDE_ATTRIBUTES:
+            for attr in WIDE_ATTRIBUTES:                 # read at compile time (kernels._probed)
                 set.add(builder.function.attributes, attr)
         except TypeError:
             pass
@@ -296,7 +296,6 @@ def _walk(table, row, P, start, n, pages, slots):
 
 @numba.njit(**REDUCE)
 def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, diag, m_i, l_i, acc):
-    _wide()
     """Rows q (A, R, D) — already times scale (and / softcap) — of kv heads hk … hk + A − 1
     (R rows each) against keys [c0, c1) of one sequence, key p of kv head hk + a at
     ``kc[table[row, p // P], hk + a, p % P]`` (a contiguous cache is one page per
@@ -319,6 +318,7 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     (docs/decisions.md). Compiled with reassociation (sums run in vector lanes, in an
     order fixed at compile time) and indexing the cache element by element: a view
     per key row would cost more than the row."""
+    _wide()
     A, R, D = q.shape
     Dv = acc.shape[2]
     chunk = CHUNK_LONG if P >= CHUNK_LONG else CHUNK

@@ -137,6 +137,12 @@ class Call:
                        and not self.masked and spec.bias is None and not self.drop_thr)
         self.units = self._units(backward)
         self._plans: dict[Any, Any] = {}
+        if pages is None and self.stream and self.v is not None and any(
+                self.streams(u, r0, r1) for u in self.units for r0, r1 in self.row_blocks(u)):
+            # the streaming kernel reads C order (once per call): its sums then take the
+            # same order, so the same bits, whatever the caller's layout
+            self.k, self.v = (broadcast_to(np.ascontiguousarray(tile_ready(x, self.acc)),
+                                           spec.batch + tuple(np.shape(x)[-3:])) for x in (spec.k, spec.v))
 
     # ---- the plan -----------------------------------------------------------------
     def _units(self, backward: bool) -> list[Unit]:
@@ -312,9 +318,7 @@ class Call:
             k_pages, v_pages, table, P = self.pages
             return k_pages, v_pages, table, u.b[0], P
         assert self.v is not None
-        # C order (a copy of a strided sequence): the kernel's sums take the same order,
-        # so the same bits, whatever the caller's layout
-        k, v = np.ascontiguousarray(self.k[u.b])[None], np.ascontiguousarray(self.v[u.b])[None]
+        k, v = self.k[u.b][None], self.v[u.b][None]
         return k, v, np.zeros((1, 1), dtype=np.int64), 0, k.shape[-2]
 
     def bounds(self, u: Unit, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
