@@ -154,3 +154,31 @@ def test_few_rows_against_many_keys_use_one_tiles_worth_of_scratch():
     assert call.tile_buffer(u, r0, r1).size <= call.BLOCK_M * call.BLOCK_N
     _, peak = peak_bytes(lambda: flash.rung_forward(spec))
     assert peak < 4 * call.BLOCK_M * call.BLOCK_N * 8                 # float64: a few tiles at most
+
+
+def test_decoding_copies_a_strided_cache_once_and_a_broadcast_one_never(monkeypatch):
+    """The streaming decode kernel reads each sequence in C order: keys and values of
+    a (B, S, Hkv, D) layout seen as (B, Hkv, S, D) are copied once per call (not once
+    per kv head or split-KV part), a cache broadcast over the batch is read in place;
+    both give the bits of the C-ordered cache."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 8, 1, 32), dtype=np.float32)
+    k = rng.standard_normal((2, 4, 6000, 32), dtype=np.float32)
+    v = rng.standard_normal((2, 4, 6000, 32), dtype=np.float32)
+    strided = [np.swapaxes(np.ascontiguousarray(np.swapaxes(x, 1, 2)), 1, 2) for x in (k, v)]
+    one = [np.broadcast_to(x[:1], x.shape) for x in (k, v)]
+    want = {"strided": attnkit.attention(q, k, v, backend="flash"),
+            "broadcast": attnkit.attention(q, *(np.ascontiguousarray(x) for x in one), backend="flash")}
+    copy, copied = np.ascontiguousarray, []
+
+    def counting(x, *a, **kw):
+        x = np.asarray(x)
+        if not x.flags.c_contiguous:
+            copied.append(x.nbytes)
+        return copy(x, *a, **kw)
+
+    monkeypatch.setattr(np, "ascontiguousarray", counting)
+    for name, (kk, vv) in {"strided": strided, "broadcast": one}.items():
+        copied.clear()
+        assert np.array_equal(attnkit.attention(q, kk, vv, backend="flash"), want[name])
+        assert sum(copied) <= {"strided": k.nbytes + v.nbytes, "broadcast": 0}[name], (name, copied)

@@ -86,6 +86,13 @@ def tile_ready(x: Any, dtype: Any) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=dtype)
 
 
+def _c_sequences(x: np.ndarray) -> np.ndarray:
+    """x, or its C-ordered copy where one batch element's last three dims are not C
+    ordered (batch dims of stride 0 are kept when they are)."""
+    one = x[(0,) * (x.ndim - 3)] if x.ndim > 3 else x
+    return x if one.flags.c_contiguous else np.ascontiguousarray(x)
+
+
 class Call:
     """Operands, settings and the tile plan shared by every task of one call."""
 
@@ -139,10 +146,11 @@ class Call:
         self._plans: dict[Any, Any] = {}
         if pages is None and self.stream and self.v is not None and any(
                 self.streams(u, r0, r1) for u in self.units for r0, r1 in self.row_blocks(u)):
-            # the streaming kernel reads C order (once per call): its sums then take the
-            # same order, so the same bits, whatever the caller's layout
-            self.k, self.v = (broadcast_to(np.ascontiguousarray(tile_ready(x, self.acc)),
-                                           spec.batch + tuple(np.shape(x)[-3:])) for x in (spec.k, spec.v))
+            # the streaming kernel reads each sequence's (Hkv, S, D) in C order (copied once
+            # per call; broadcast batch dims stay broadcast): its sums then take the same
+            # order, so the same bits, whatever the caller's layout
+            self.k, self.v = (broadcast_to(_c_sequences(tile_ready(x, self.acc)), spec.batch + tuple(np.shape(x)[-3:]))
+                              for x in (spec.k, spec.v))
 
     # ---- the plan -----------------------------------------------------------------
     def _units(self, backward: bool) -> list[Unit]:
