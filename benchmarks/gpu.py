@@ -234,8 +234,23 @@ def grid(args):
         return [("float32", 64, 64, c) for c in (False, True)]
     if args.quick:
         return [("bfloat16", 128, L, c) for L in (4096, 8192) for c in (False, True)]
-    return [(dt, D, L, c) for dt in ("bfloat16", "float16") for D in (64, 128)
-            for L in (1024, 2048, 4096, 8192, 16384) for c in (False, True)]
+    lengths = (1024, 2048, 4096, 8192, 16384)
+    # in the order of what matters most when the budget runs out: D = 128 (the targets'
+    # shape) first, then D = 64, the float32 path (tf32 off) at one length, float16 D = 64
+    return ([(dt, 128, L, c) for dt in ("bfloat16", "float16") for L in lengths for c in (False, True)]
+            + [("bfloat16", 64, L, c) for L in lengths for c in (False, True)]
+            + [("float32", D, 4096, c) for D in (64, 128) for c in (False, True)]
+            + [("float16", 64, L, c) for L in lengths for c in (False, True)])
+
+
+def gemm_rate(torch, device, n=8192):
+    """TFLOP/s of one n×n×n bf16 matrix product (torch.matmul, cuBLAS): the ceiling the
+    attention forward is compared with (its FLOPs are all matrix products)."""
+    if device != "cuda":
+        return None
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    ms = timer(torch, device, lambda: a @ b, min_time=0.5)
+    return 2 * n ** 3 / ms / 1e9
 
 
 def run_benchmark(args):
@@ -256,11 +271,14 @@ def run_benchmark(args):
                python=platform.python_version())
     print("# " + ", ".join(f"{k} {v}" for k, v in env.items()))
     t0 = time.perf_counter()
+    gemm = None if args.decode_only else gemm_rate(torch, device)
+    if gemm:
+        print(f"# bf16 GEMM 8192^3 (cuBLAS): {gemm:.1f} TFLOP/s")
     rows, failed, skipped = [], [], []
 
     # 1. correctness, once per (dtype, D, causal) of the grid
     seen = set()
-    for dt, D, _, causal in [] if args.decode_only else grid(args):
+    for dt, D, _, causal in [] if args.decode_only or args.skip_checks else grid(args):
         if (dt, D, causal) in seen:
             continue
         seen.add((dt, D, causal))
@@ -327,6 +345,8 @@ def run_benchmark(args):
                 tf = measured.get((mode, name))
                 line += f" {name} {'n/a' if tf is None else f'{tf:7.1f}'}"
             ours = measured.get((mode, "attnkit"))
+            if mode == "fwd" and ours and gemm:
+                line += f" | {ours / gemm:.2f} of bf16 GEMM"
             for row in rows:
                 if row.get("kind") == "time" and row.get("mode") == mode and row["impl"].startswith("attnkit") \
                         and (row["dtype"], row["D"], row["L"], row["causal"]) == (dt, D, L, causal):
@@ -334,6 +354,8 @@ def run_benchmark(args):
                         p = measured.get((mode, peer))
                         if row.get("tflops") and p:
                             row[f"ratio_vs_{peer}"] = row["tflops"] / p
+                    if row.get("tflops") and gemm:
+                        row["ratio_vs_gemm"] = row["tflops"] / gemm
             for peer in PEERS:
                 p = measured.get((mode, peer))
                 if ours and p:
@@ -344,7 +366,7 @@ def run_benchmark(args):
             torch.cuda.empty_cache()
 
     fields = ["kind", "impl", "mode", "what", "dtype", "D", "L", "S", "B", "H", "causal", "ms", "tflops",
-              "ratio_vs_flash", "ratio_vs_efficient", "ratio_vs_cudnn", "max_error", "budget", "status",
+              "ratio_vs_flash", "ratio_vs_efficient", "ratio_vs_cudnn", "ratio_vs_gemm", "max_error", "budget", "status",
               "Hkv", "page", "gbps", "ratio_vs_sdpa"]
     fields += list(env)
     with open(args.out, "w", newline="") as fh:
@@ -519,6 +541,8 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=280.0, help="stop starting new timings after this")
     ap.add_argument("--compile-only", metavar="CAPS", help="e.g. 8.0,9.0: compile for these targets, no GPU")
     ap.add_argument("--sweep", action="store_true", help="time tuning candidates (GPU)")
+    ap.add_argument("--skip-checks", action="store_true",
+                    help="time without the correctness checks (only after a run whose checks passed)")
     ap.add_argument("--decode-only", action="store_true", help="only the KV-cache decoding check and timing")
     args = ap.parse_args(argv)
     if args.dry_run:
