@@ -41,6 +41,17 @@ def test_other_dtypes_pass_their_check(dtype):
     assert set(r["times"]["fwd+bwd"]) == {"attnkit"}
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_half_precision_backward_check_counts_the_stored_output(causal):
+    """Every provider's backward reads its output as stored (bfloat16): the budget's
+    reference does too. Before it did, attnkit's correct gradients (and torch's on the
+    GPU) failed at D=128 by 1.12x, and `attnkit bench --backward` refused to time."""
+    pytest.importorskip("torch")
+    provs, makers = bench._providers("bfloat16", "cpu", causal, True, "auto", False)
+    checks = bench._check(provs, makers, "bfloat16", causal, True, 16, 128, 97, 113)
+    assert checks["attnkit"]["ok"], checks
+
+
 def test_a_wrong_result_fails_the_check_and_is_not_timed(monkeypatch):
     real = bench.api.attention
 

@@ -136,12 +136,13 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
                          f"{what} its capacity of {int(capacity[b])} keys")
     if block_table is not None:
         bt = host_ints(block_table).astype(np.int64)
-        used = -(-total // P)                            # pages each sequence touches
-        for b in range(B):
-            pages = bt[b, :used[b]]
-            if pages.size and (pages.min() < 0 or pages.max() >= N):
-                page = int(pages.max() if pages.max() >= N else pages.min())
-                raise ValueError(f"block_table: sequence {b} points at page {page} outside [0, num_pages={N})")
+        used = np.arange(bt.shape[1]) < -(-total // P)[:, None]     # the pages each sequence touches
+        bad = used & ((bt < 0) | (bt >= N))
+        if bad.any():
+            b = int(np.flatnonzero(bad.any(axis=1))[0])
+            pages = bt[b][used[b]]
+            page = int(pages.max() if pages.max() >= N else pages.min())
+            raise ValueError(f"block_table: sequence {b} points at page {page} outside [0, num_pages={N})")
     S_cap = int(capacity.max()) if B else 0
     dummy_k = _zeros_view(q, (B, Hkv, max(S_cap, 1), D))
     dummy_v = _zeros_view(q, (B, Hkv, max(S_cap, 1), Dv))

@@ -61,7 +61,7 @@ def _frontend(src, target, options):
 
 def compile_only(capability, dtype, D, Dv=None, *, group=2, causal=True, window=False, masks=True,
                  softcap=True, terms=True, varlen="lengths", bias_dtype="float32", careful=(False, True),
-                 frontend_only=False) -> dict:
+                 frontend_only=False, usage=False) -> dict:
     """Compile the kernels for a CUDA target without a GPU (Triton's bundled ptxas)
     with the tuning table's configuration and every feature asked for (``terms``:
     ALiBi, sinks and dropout; ``varlen``: None, "lengths" or "packed"); the three
@@ -70,7 +70,9 @@ def compile_only(capability, dtype, D, Dv=None, *, group=2, causal=True, window=
     Returns {kind: shared memory bytes}: catches compile errors and shared-memory
     overruns of table entries on machines without a GPU (``benchmarks/gpu.py
     --compile-only`` sweeps targets). ``frontend_only``: only the first stage (Python
-    to Triton IR), {kind: None}."""
+    to Triton IR), {kind: None}. ``usage``: {kind: (shared memory bytes, registers,
+    spilled bytes stored)} by :func:`ptxas_usage` (registers and spills ``None`` where
+    that ptxas cannot run)."""
     Dv = D if Dv is None else Dv
     cap = tuple(capability)
     k = kernels(False)
@@ -91,11 +93,11 @@ def compile_only(capability, dtype, D, Dv=None, *, group=2, causal=True, window=
                 if kind == "backward_dq":
                     consts["WRITE_DS"] = masks
             kernels_.append((kind + ("/careful" if variant else ""), kern, cfg, consts))
-    return _compile(kernels_, cap, dtype, bias_dtype, frontend_only)
+    return _compile(kernels_, cap, dtype, bias_dtype, frontend_only, usage)
 
 
 def compile_decode_only(capability, dtype, D, Dv=None, *, group=4, rows=None, causal=True, window=True,
-                        softcap=True, terms=True, frontend_only=False) -> dict:
+                        softcap=True, terms=True, frontend_only=False, usage=False) -> dict:
     """The KV-cache decode kernels (``decode.py``) for a CUDA target, as
     :func:`compile_only`: the split kernel for a contiguous ("decode") and a paged
     ("decode/paged") cache with the band, softcap, ALiBi and dropout asked for, and the combine
@@ -117,12 +119,41 @@ def compile_decode_only(capability, dtype, D, Dv=None, *, group=4, rows=None, ca
         kernels_.append(("decode/paged" if paged else "decode", k._decode_split, cfg, consts))
     _, consts = combine_constexprs(ccfg, group=group, Dv=Dv, rows=rows, sinks=terms, interpret=False)
     kernels_.append(("decode_combine", k._decode_combine, ccfg, consts))
-    return _compile(kernels_, cap, dtype, "float32", frontend_only)
+    return _compile(kernels_, cap, dtype, "float32", frontend_only, usage)
 
 
-def _compile(kernels_, cap, dtype, bias_dtype, frontend_only) -> dict:
+def ptxas_usage(ptx: str, arch: int):
+    """(registers, spilled bytes stored) per thread of a kernel's PTX, by ``ptxas -v``
+    with the ptxas Triton compiles with for ``arch`` (e.g. 90); (None, None) where it
+    cannot run. Spills are local-memory traffic in the inner loop: a table entry that
+    spills kilobytes runs many times slower (the float32 backward's old tiles did)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "kernel.ptx")
+        with open(src, "w") as fh:
+            fh.write(ptx)
+        gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+        try:
+            r = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", src, "-o",
+                                os.path.join(d, "kernel.cubin")], capture_output=True, text=True, timeout=600)
+        except (OSError, RuntimeError, subprocess.SubprocessError):
+            return None, None
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+    if r.returncode or regs is None:
+        return None, None
+    return int(regs.group(1)), int(spill.group(1)) if spill else 0
+
+
+def _compile(kernels_, cap, dtype, bias_dtype, frontend_only, usage=False) -> dict:
     """{name: shared memory bytes (None: frontend only)} of (name, kernel, config,
-    constexprs) compiled for CUDA capability ``cap``."""
+    constexprs) compiled for CUDA capability ``cap``; with ``usage``, {name: (shared,
+    registers, spilled bytes stored)}."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     target = GPUTarget("cuda", cap[0] * 10 + cap[1], 32)
@@ -135,5 +166,8 @@ def _compile(kernels_, cap, dtype, bias_dtype, frontend_only) -> dict:
             _frontend(src, target, options)
             shared[name] = None
         else:
-            shared[name] = triton.compile(src, target=target, options=options).metadata.shared
+            compiled = triton.compile(src, target=target, options=options)
+            shared[name] = compiled.metadata.shared
+            if usage:
+                shared[name] = (shared[name],) + ptxas_usage(compiled.asm["ptx"], target.arch)
     return shared

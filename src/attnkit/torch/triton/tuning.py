@@ -39,9 +39,11 @@ the table's entry::
     32
     >>> triton_tuning.override = None
 
-The GPU entries are starting points from the FlashAttention-2 Triton designs, not
-measured on this project's hardware yet; ``benchmarks/gpu.py --sweep`` times a few
-candidates through ``override`` and prints the best per head dim and kind.
+The half-precision GPU entries are starting points from the FlashAttention-2 Triton
+designs, measured once on an H200 (README.md) but not swept there; the float32
+entries were chosen so that ptxas spills no registers for sm_90 (``aot.ptxas_usage``),
+not timed. ``benchmarks/gpu.py --sweep`` times a few candidates through ``override``
+and prints the best per head dim and kind.
 """
 
 from __future__ import annotations
@@ -117,13 +119,19 @@ def _launch(D, dtype, capability, kind):
         return _entry(64, 64, 4, 1)
     big_smem = capability in ((8, 0), (9, 0), (10, 0))   # A100, H100/H200, B200: >= 164 KB
     hopper = capability in ((9, 0), (10, 0))              # 227 KB: room for a 4th stage
-    if dtype == "float32" and (D > 64 or not big_smem):
-        # 4-byte operands without tensor-core speed: a correctness path, so small
-        # tiles that fit ~100 KB of shared memory even at D = 256
-        small = D > 128
-        return {"forward": _entry(32 if small else 64, 16 if small else 32, 4, 1),
-                "backward_dkdv": _entry(16, 16 if small else 32, 4, 1),
-                "backward_dq": _entry(16 if small else 32, 16 if small else 32, 4, 1)}[kind]
+    if dtype == "float32":
+        # 4-byte operands without tensor cores (tf32 off): 8 warps and tiles small
+        # enough that ptxas spills no registers for sm_90 under Triton 3.6 with every
+        # feature on (at most 52 bytes), all under ~70 KB of shared memory. The half
+        # types' tiles, used here before, spilled 4–92 KB per thread: the H200 ran
+        # the float32 backward at 0.7 TFLOP/s against the forward's 10.6.
+        if D <= 64:
+            return {"forward": _entry(64, 32, 8, 1), "backward_dkdv": _entry(32, 32, 8, 1),
+                    "backward_dq": _entry(32, 32, 8, 1)}[kind]
+        if D <= 128:
+            return {"forward": _entry(32, 16, 8, 1), "backward_dkdv": _entry(32, 16, 8, 1),
+                    "backward_dq": _entry(32, 16, 8, 1)}[kind]
+        return _entry(16, 16, 8, 1)
     if kind == "forward":
         if D <= 64:
             cfg = _entry(128, 64, 4, 4 if hopper else (3 if big_smem else 2))
@@ -145,9 +153,6 @@ def _launch(D, dtype, capability, kind):
             cfg = _entry(128 if big_smem else 64, 32, 8, 2)
         else:
             cfg = _entry(64, 16, 4, 1)
-    if dtype == "float32":                  # D <= 64 on A100 / H100 / B200
-        cfg["BLOCK_N" if kind != "backward_dkdv" else "BLOCK_M"] = 32
-        cfg["num_stages"] = min(cfg["num_stages"], 2)
     return cfg
 
 
