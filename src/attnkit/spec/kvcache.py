@@ -137,9 +137,9 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
     if block_table is not None:
         bt = host_ints(block_table).astype(np.int64)
         used = np.arange(bt.shape[1]) < -(-total // P)[:, None]     # the pages each sequence touches
-        bad = used & ((bt < 0) | (bt >= N))
-        if bad.any():
-            b = int(np.flatnonzero(bad.any(axis=1))[0])
+        outside = used & ((bt < 0) | (bt >= N))
+        if outside.any():
+            b = int(np.flatnonzero(outside.any(axis=1))[0])
             pages = bt[b][used[b]]
             page = int(pages.max() if pages.max() >= N else pages.min())
             raise ValueError(f"block_table: sequence {b} points at page {page} outside [0, num_pages={N})")
