@@ -121,10 +121,11 @@ def _launch(D, dtype, capability, kind):
     hopper = capability in ((9, 0), (10, 0))              # 227 KB: room for a 4th stage
     if dtype == "float32":
         # 4-byte operands without tensor cores (tf32 off): 8 warps and tiles small
-        # enough that ptxas spills no registers for sm_90 under Triton 3.6 with every
-        # feature on (at most 52 bytes), all under ~70 KB of shared memory. The half
-        # types' tiles, used here before, spilled 4–92 KB per thread: the H200 ran
-        # the float32 backward at 0.7 TFLOP/s against the forward's 10.6.
+        # enough that ptxas (sm_90, Triton 3.6, every feature on) spills at most 56
+        # bytes per thread in the plain kernels (the careful variants, run only on
+        # non-finite inputs: up to 2.7 KB in dK/dV), all under ~85 KB of shared
+        # memory. The half types' tiles, used here before, spilled 4–66 KB: the
+        # H200 ran the float32 backward at 0.7 TFLOP/s against the forward's 10.6.
         if D <= 64:
             return {"forward": _entry(64, 32, 8, 1), "backward_dkdv": _entry(32, 32, 8, 1),
                     "backward_dq": _entry(32, 32, 8, 1)}[kind]
