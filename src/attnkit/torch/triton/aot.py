@@ -132,7 +132,10 @@ def ptxas_usage(ptx: str, arch: int):
     import subprocess
     import tempfile
 
-    from triton.backends.nvidia.compiler import get_ptxas
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError:                                   # a Triton without the NVIDIA backend
+        return None, None
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "kernel.ptx")
         with open(src, "w") as fh:
