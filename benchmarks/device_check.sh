@@ -39,21 +39,25 @@ tests)
 bench)
   # compile every part's kernels first, one process per part in parallel (Triton's
   # on-disk cache), so that the checks and the timing below find them compiled
+  # (a part that fails or times out is compiled again by the benchmark itself, slowly)
   start=$(date +%s) pids=() names=() failed=""
-  for what in $(python3 benchmarks/gpu.py --warm list); do
+  parts=$(python3 benchmarks/gpu.py $extra --warm list) || failed=" (the list itself)"
+  for what in $parts; do
     timeout 150 python3 -W ignore benchmarks/gpu.py $extra --warm "$what" > "$out/warm_$what.log" 2>&1 &
     pids+=($!) names+=("$what")
   done
   for i in "${!pids[@]}"; do
-    wait "${pids[$i]}" || failed="$failed ${names[$i]}"
-    { echo "== warm ${names[$i]}"; cat "$out/warm_${names[$i]}.log"; } >> "$out/warm.txt"
+    wait "${pids[$i]}"
+    rc=$?
+    [ "$rc" -eq 0 ] || failed="$failed ${names[$i]} (exit $rc$([ "$rc" -eq 124 ] && echo ', timed out'))"
+    { echo "== warm ${names[$i]}: exit $rc"; cat "$out/warm_${names[$i]}.log"; } >> "$out/warm.txt"
     rm -f "$out/warm_${names[$i]}.log"
   done
   echo "warm-up: $(( $(date +%s) - start )) s; failed:${failed:- none}" | tee "$out/gpu.txt"
   timeout 320 python3 -W ignore benchmarks/gpu.py $extra --budget-s 270 --out "$out/gpu.csv" 2>&1 | tee -a "$out/gpu.txt"
   bench=$?
   echo "benchmark exit: $bench" | tee -a "$out/gpu.txt"
-  exit "$bench" ;;
+  exit $(( bench != 0 || ${#failed} != 0 )) ;;
 *)
   echo "usage: bash benchmarks/device_check.sh tests|bench" >&2; exit 2 ;;
 esac

@@ -307,6 +307,21 @@ def test_a_block_table_entry_outside_the_pages_is_named(bad):
     assert not k.any()
 
 
+def test_a_block_table_is_checked_per_sequence_up_to_its_used_pages():
+    """Entries past the pages a sequence uses are never read, so any value there is
+    accepted; the first sequence with a bad used entry is the one named, with that
+    entry."""
+    k, v = np.zeros((4, 1, 8, 4)), np.zeros((4, 1, 8, 4))
+    q = np.zeros((3, 1, 1, 4))
+    table = np.array([[0, 99], [1, -5], [2, 3]])          # sequences 0 and 1 use one page each
+    attnkit.attention_kvcache(q, k, v, np.array([8, 3, 16]), block_table=table)
+    with pytest.raises(ValueError, match=r"^block_table: sequence 1 points at page -5 outside \[0, num_pages=4\)"):
+        attnkit.attention_kvcache(q, k, v, np.array([8, 9, 16]), block_table=table)
+    table[2, 1] = 7                                       # a later sequence's bad page is not the one named
+    with pytest.raises(ValueError, match=r"^block_table: sequence 1 points at page -5"):
+        attnkit.attention_kvcache(q, k, v, np.array([8, 9, 16]), block_table=table)
+
+
 @pytest.mark.parametrize("backend", ["flash", "reference"])
 def test_tiny_caches_one_slot_and_no_pages(backend):
     """A contiguous cache of one slot attends its one key; a block table with no

@@ -270,7 +270,7 @@ def test_compiles_for_hopper_without_a_gpu():
         assert len(kinds) == 7 and "backward_dq/careful" in kinds
 
 
-def test_float32_table_entries_spill_no_registers_on_hopper():
+def test_float32_table_entries_barely_spill_on_hopper():
     """The float32 tiles compiled for sm_90 keep their loop state in registers. The
     table's earlier float32 entries (the half types' tiles) spilled 3–58 KB per thread
     here and ran the backward on an H200 at 0.7 TFLOP/s against the forward's 10.6;

@@ -140,7 +140,7 @@ def ptxas_usage(ptx: str, arch: int):
         src = os.path.join(d, "kernel.ptx")
         with open(src, "w") as fh:
             fh.write(ptx)
-        gpu = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"   # Triton's target names (sm_90a, sm_100a)
         try:
             r = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", src, "-o",
                                 os.path.join(d, "kernel.cubin")], capture_output=True, text=True, timeout=600)

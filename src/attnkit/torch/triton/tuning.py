@@ -41,9 +41,9 @@ the table's entry::
 
 The half-precision GPU entries are starting points from the FlashAttention-2 Triton
 designs, measured once on an H200 (README.md) but not swept there; the float32
-entries were chosen so that ptxas spills no registers for sm_90 (``aot.ptxas_usage``),
-not timed. ``benchmarks/gpu.py --sweep`` times a few candidates through ``override``
-and prints the best per head dim and kind.
+entries were chosen so that ptxas spills next to no registers for sm_90
+(``aot.ptxas_usage``), not yet run on a GPU. ``benchmarks/gpu.py --sweep`` times a
+few candidates through ``override`` and prints the best per head dim and kind.
 """
 
 from __future__ import annotations
