@@ -105,7 +105,7 @@ def forward(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
     z = reference.dropout_scale(spec, rows.dtype)
     if z is not None:                                    # the same Philox draws as every rung
         heads *= z
-    lse, out = finish(m, l, np.matmul(s, v))            # p v: (..., Hkv, group·L, Dv), normalised there
+    lse, out = finish(m, l, np.matmul(s, v), kern)      # p v: (..., Hkv, group·L, Dv), normalised there
     assert out is not None
     lse = lse.reshape(spec.lse_shape)
     pad = geo.padding_rows(spec)
