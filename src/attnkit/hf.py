@@ -170,18 +170,17 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         if kwargs.get("sliding_window") is not None and causal:
             opts["window"] = (int(kwargs["sliding_window"]) - 1, 0)
     elif attention_mask.dim() == 2:                       # the padding mask of a plain layer
-        pad = attention_mask.bool()
-        T = pad.shape[-1]
+        T = attention_mask.shape[-1]
         if T < S:                                         # a static cache: slots past T are empty
             key, value, S = key[..., :T, :], value[..., :T, :], T
         opts.update(causal=causal and L > 1, align="bottom_right")
-        right_padded = bool((pad.int().diff(dim=-1) <= 0).all())      # ones, then zeros
-        if pad.all():
-            pass
-        elif right_padded and L == S:
-            opts.update(kv_lengths=pad.sum(-1), align="top_left")
-        else:
-            opts["keep"] = pad[:, None, None, :]
+        # no padding (every decoding step of an unpadded batch): one check, nothing more
+        if not bool(attention_mask.all()):
+            pad = attention_mask.bool()
+            if L == S and bool((pad.int().diff(dim=-1) <= 0).all()):   # right-padded: ones, then zeros
+                opts.update(kv_lengths=pad.sum(-1), align="top_left")
+            else:
+                opts["keep"] = pad[:, None, None, :]
     elif attention_mask.dtype.is_floating_point:
         opts["bias"] = attention_mask if opts.get("bias") is None else opts["bias"] + attention_mask
     else:
