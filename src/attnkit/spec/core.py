@@ -21,10 +21,18 @@ from typing import Any
 
 import numpy as np
 
+_NUMPY_NAMES: dict[Any, str] = {}     # str() of a NumPy dtype costs ~2.5 µs, a lookup ~0.1
+
 
 def dtype_name(x: Any) -> str:
     """'float32' for a NumPy float32 array and for a torch.float32 tensor alike."""
-    return str(x.dtype).removeprefix("torch.")
+    d = x.dtype
+    if isinstance(d, np.dtype):
+        name = _NUMPY_NAMES.get(d)
+        if name is None:
+            name = _NUMPY_NAMES[d] = str(d)
+        return name
+    return str(d).removeprefix("torch.")
 
 
 def is_torch(x: Any) -> bool:
