@@ -55,7 +55,8 @@ def test_nan_scores_make_the_row_nan_and_other_rows_exact(kernels):
 def test_normalize_into_writes_each_row_over_its_sum_into_a_strided_view(kernels):
     """out ← acc / l into an (F, R, Dv) view of another layout: exact division (the
     bits of NumPy's), rows with l = 0 get 0 whatever acc holds, an inf result is NaN,
-    a NaN sum leaves NaN; nothing outside the view is written."""
+    a NaN sum leaves NaN; nothing outside the view is written. ``normalize`` gives the
+    same in place."""
     kern = kernel_set(kernels)
     rng = np.random.default_rng(0)
     F, R, Dv = 3, 4, 5
@@ -75,6 +76,10 @@ def test_normalize_into_writes_each_row_over_its_sum_into_a_strided_view(kernels
     assert np.array_equal(out.transpose(1, 0, 2).reshape(-1), want.reshape(F, R, Dv).transpose(1, 0, 2).reshape(-1),
                           equal_nan=True)
     assert np.all(big[:, 0] == 7.0) and np.all(big[:, F + 1] == 7.0)
+    inplace = acc.copy()                                 # normalize: the same, in place
+    with quiet():
+        kern.normalize(inplace, l_i)
+    assert np.array_equal(inplace, want, equal_nan=True)
 
 
 def test_exp_from_lse_exempts_excluded_keys_from_a_nan_lse(kernels):

@@ -131,10 +131,9 @@ def finish_lse(m_i: np.ndarray, l_i: np.ndarray) -> np.ndarray:
 def finish(m_i: np.ndarray, l_i: np.ndarray, acc: np.ndarray | None, kern: Any = NUMPY
            ) -> tuple[np.ndarray, np.ndarray | None]:
     """(lse, out) from the running state, out normalised in place by ``kern``'s
-    ``normalize_into`` (rows without a key or sink 0, an infinite element NaN)."""
+    ``normalize`` (rows without a key or sink 0, an infinite element NaN)."""
     if acc is not None:
-        flat = acc.reshape(l_i.shape[0], -1)
-        kern.normalize_into(flat, l_i, flat.reshape(flat.shape[0], 1, -1))
+        kern.normalize(acc.reshape(l_i.shape[0], -1), l_i)
     return finish_lse(m_i, l_i), acc
 
 

@@ -12,6 +12,7 @@ installed). Both compute the same thing; the tests run both.
 - ``normalize_into(acc, l, out)``: out ← acc / l row by row (acc (rows, Dv), out an
   (F, R, Dv) view of any strides with F·R = rows): rows with l = 0 (no key, no sink) get 0, and an
   infinite result (an inf value a row sees) NaN; acc is scratch afterwards.
+- ``normalize(acc, l)``: the same in place (acc ← acc / l).
 - ``exp_from_lse(s, lse)``: s ← exp(s − lse); keys with s = −inf and rows with
   lse = −inf give 0 (a NaN lse leaves NaN on the other keys).
 - ``ds_tile(p, dp, delta)``: dp ← p ∘ (dp − delta).
@@ -56,7 +57,7 @@ def _np_rescale_add(o: np.ndarray, alpha: np.ndarray, pv: np.ndarray) -> None:
     o += pv
 
 
-def _np_normalize_into(acc: np.ndarray, l_i: np.ndarray, out: np.ndarray) -> None:
+def _np_normalize(acc: np.ndarray, l_i: np.ndarray) -> None:
     empty = l_i == 0
     if empty.any():
         np.divide(acc, l_i[:, None], out=acc, where=~empty[:, None])
@@ -67,8 +68,11 @@ def _np_normalize_into(acc: np.ndarray, l_i: np.ndarray, out: np.ndarray) -> Non
     # sees, which the NaN rule makes NaN (paths that take the plain product)
     if not all_finite(acc):
         np.copyto(acc, np.nan, where=np.isinf(acc))
-    if out is not acc:
-        out[...] = acc.reshape(out.shape)
+
+
+def _np_normalize_into(acc: np.ndarray, l_i: np.ndarray, out: np.ndarray) -> None:
+    _np_normalize(acc, l_i)
+    out[...] = acc.reshape(out.shape)
 
 
 def _np_exp_from_lse(s: np.ndarray, lse: np.ndarray) -> None:
@@ -102,7 +106,7 @@ def _np_dropout_tile(p: np.ndarray, heads: np.ndarray, r0: int, c0: int, seed: i
 
 NUMPY = SimpleNamespace(name="numpy", softmax_tile=_np_softmax_tile,
                         softmax_tile_bounded=_np_softmax_tile_bounded, rescale_add=_np_rescale_add,
-                        normalize_into=_np_normalize_into,
+                        normalize_into=_np_normalize_into, normalize=_np_normalize,
                         exp_from_lse=_np_exp_from_lse, ds_tile=_np_ds_tile, alibi_tile=_np_alibi_tile,
                         dropout_tile=_np_dropout_tile)
 

@@ -163,22 +163,38 @@ def rescale_add(o, alpha, pv):
                 o[i, j] = o[i, j] * a + pv[i, j]
 
 
-@numba.njit(nogil=True, cache=True, error_model="numpy")   # exact division, as NumPy's
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")   # exact division, as NumPy's
+def _normalized(x, li):
+    # one element of a row with sum li: 0 without a key or sink (li = 0), an infinite
+    # quotient (an inf value the row sees) NaN
+    if li == f32(0.0):
+        return f32(0.0)
+    y = x / li
+    return f32(np.nan) if np.isinf(y) else y
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def normalize_into(acc, l_i, out):
-    # out (F, R, Dv), any strides: row i = f·R + r of acc
+    # out (F, R, Dv), any strides: row i = f·R + r of acc. Never out = acc: the compiler
+    # then cannot rule out an overlap and takes its scalar loop (10× slower); in place
+    # is normalize's
     _wide()
     F, R, Dv = out.shape
     for f in range(F):
         for r in range(R):
             i = f * R + r
             li = l_i[i]
-            if li == f32(0.0):
-                for d in range(Dv):
-                    out[f, r, d] = f32(0.0)
-            else:
-                for d in range(Dv):
-                    x = acc[i, d] / li
-                    out[f, r, d] = f32(np.nan) if np.isinf(x) else x
+            for d in range(Dv):
+                out[f, r, d] = _normalized(acc[i, d], li)
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def normalize(acc, l_i):
+    _wide()
+    for i in range(acc.shape[0]):
+        li = l_i[i]
+        for d in range(acc.shape[1]):
+            acc[i, d] = _normalized(acc[i, d], li)
 
 
 @numba.njit(**ORDERED)
@@ -450,6 +466,6 @@ def _with_alpha(kernel):
 
 KERNELS = SimpleNamespace(name="numba", softmax_tile=_with_alpha(_softmax_tile),
                           softmax_tile_bounded=_with_alpha(_softmax_tile_bounded), rescale_add=rescale_add,
-                          normalize_into=normalize_into,
+                          normalize_into=normalize_into, normalize=normalize,
                           exp_from_lse=exp_from_lse, ds_tile=ds_tile, alibi_tile=alibi_tile,
                           dropout_tile=dropout_tile, decode_part=decode_part)
