@@ -282,7 +282,7 @@ def _prefetch(typingctx, arr, i, j, k, m):
     # from the array's strides; a prefetch never faults and changes no value. A chunk's
     # rows prefetched into L1 (locality 3) pushed out the scores, q and the output rows
     # there: on a Zen 4 host, decoding from memory ran 1.2–1.4× faster on one thread
-    # and 1.2–1.5× on two with L2 (docs/decisions.md)
+    # and 1.05–1.6× on two with L2 (docs/decisions.md)
     def codegen(context, builder, signature, args):
         aty = signature.args[0]
         ary = context.make_array(aty)(context, builder, args[0])
