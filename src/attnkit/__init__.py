@@ -5,6 +5,8 @@
 array([[6.7, 3.3]])
 """
 
+import os as _os
+
 from ._version import __version__
 from .api import (
                   attention,
@@ -16,6 +18,10 @@ from .api import (
 )
 from .explain import explain
 from .kvcache import PagedCache
+
+# the process that imported attnkit: a fork child (another pid) never joins libgomp's
+# OpenMP team, whose threads stayed in the parent (flash.runtime)
+_PID = _os.getpid()
 
 __all__ = ["PagedCache", "__version__", "attention", "attention_backward", "attention_kvcache",
            "attention_weights", "explain", "merge", "scaled_dot_product_attention"]

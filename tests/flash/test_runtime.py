@@ -16,6 +16,23 @@ from attnkit.spec import validate
 from attnkit.testing import make_qkv, max_error
 
 
+def use_pool(monkeypatch):
+    """Tasks on attnkit's own pool even where torch's OpenMP team is available."""
+    monkeypatch.setattr(runtime, "_omp", [None])
+
+
+@pytest.fixture(params=["pool", "team"])
+def executor(request, monkeypatch):
+    """Each of the two ways tasks run beside the caller: the pool, torch's OpenMP team."""
+    if request.param == "pool":
+        use_pool(monkeypatch)
+    else:
+        pytest.importorskip("torch")
+        if runtime._omp_team() is None:
+            pytest.skip("torch's OpenMP runtime is not GNU libgomp here")
+    return request.param
+
+
 def blas_threads():
     threadpoolctl = pytest.importorskip("threadpoolctl")
     return [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
@@ -132,7 +149,7 @@ def test_without_threadpoolctl_runs_serially_with_the_same_results(monkeypatch):
     assert max_error(got[0], want[0]) <= 1e-12 and max_error(got[1], want[1]) <= 1e-12
 
 
-def test_a_task_error_is_raised_after_every_worker_left():
+def test_a_task_error_is_raised_after_every_worker_left(executor):
     inside = []
 
     def fn(t):
@@ -288,6 +305,7 @@ def test_workers_take_tasks_and_their_number_follows_the_threads_setting(monkeyp
     only if n threads take them."""
     if runtime.blas_controller() is None:
         pytest.skip("without threadpoolctl the tiles run on the calling thread")
+    use_pool(monkeypatch)
     monkeypatch.setattr(runtime, "_pool", runtime._Pool())       # a fresh pool: no workers yet
     for n, setting in ((2, flash.threads), (3, None)):
         barrier = threading.Barrier(n, timeout=20)
@@ -319,6 +337,7 @@ def test_a_nested_call_on_a_worker_runs_inline(monkeypatch):
     and makes no job of its own (it would wait on workers that may all be busy)."""
     if runtime.blas_controller() is None:
         pytest.skip("without threadpoolctl the tiles run on the calling thread")
+    use_pool(monkeypatch)
     main = threading.get_ident()
     jobs, nested = [], []
     real_job = runtime._Job
@@ -530,6 +549,7 @@ def _error_path_run(monkeypatch, caller_raises, interrupt):
     lands in the caller's wait. Returns (the error raised or None, tasks run)."""
     if runtime.blas_controller() is None:
         pytest.skip("without threadpoolctl the tiles run on the calling thread")
+    use_pool(monkeypatch)
     main = threading.get_ident()
     barrier, release = threading.Barrier(2, timeout=20), threading.Event()
     ran = []
@@ -590,6 +610,7 @@ def test_a_worker_that_cannot_start_fails_the_call(monkeypatch):
     """The pool failing to start a thread is raised from the call, not swallowed."""
     if runtime.blas_controller() is None:
         pytest.skip("without threadpoolctl the tiles run on the calling thread")
+    use_pool(monkeypatch)
 
     def grow(n):
         raise RuntimeError("can't start new thread")
@@ -643,3 +664,111 @@ def test_without_threadpoolctl_the_controller_is_none(monkeypatch):
     assert runtime.blas_controller() is None and runtime._blas.controller is None
     with runtime.blas_single_threaded():
         assert runtime._blas.thread is None
+
+
+# ---- torch's OpenMP team -------------------------------------------------------------------
+def team_or_skip():
+    pytest.importorskip("torch")
+    if runtime.blas_controller() is None or runtime._omp_team() is None:
+        pytest.skip("torch's OpenMP runtime is not GNU libgomp here (or no threadpoolctl)")
+
+
+def test_tasks_run_on_torch_openmp_team_beside_the_caller(monkeypatch):
+    """Where torch's OpenMP runtime is libgomp, n tasks that each wait for all n to be
+    running complete on the caller and n − 1 of libgomp's threads; the pool starts no
+    worker, and the parallel region is closed afterwards."""
+    team_or_skip()
+    monkeypatch.setattr(runtime, "_pool", runtime._Pool())
+    main = threading.get_ident()
+    for n in (2, 3):
+        barrier = threading.Barrier(n, timeout=20)
+        seen = []
+
+        def fn(t, seen=seen, barrier=barrier):
+            seen.append(threading.get_ident())
+            barrier.wait()
+
+        with flash.threads(n):
+            runtime.run(list(range(n)), fn)
+        assert len(set(seen)) == n and main in seen
+        assert not runtime._pool.workers
+        assert runtime._omp_team().omp_get_level() == 0
+
+
+def test_a_nested_call_on_a_team_thread_runs_inline():
+    team_or_skip()
+    main = threading.get_ident()
+    barrier = threading.Barrier(2, timeout=20)
+    nested, levels = [], []
+
+    def outer(t):
+        barrier.wait()
+        if threading.get_ident() != main:
+            levels.append(runtime._omp_team().omp_get_level())
+            runtime.run(list(range(6)), lambda i: nested.append(threading.get_ident()))
+
+    with flash.threads(2):
+        runtime.run([0, 1], outer)
+    assert levels == [1] and len(nested) == 6 and len(set(nested)) == 1 and nested[0] != main
+
+
+TEAM_FORK = r"""
+import multiprocessing as mp, os, sys
+import numpy as np
+import torch
+x = torch.randn(1 << 21)
+float((x * 2).sum())                                   # torch's OpenMP team ran in the parent
+
+def work(_):
+    import attnkit
+    from attnkit import flash
+    from attnkit.flash import runtime
+    from attnkit.testing import make_qkv
+    q, k, v = make_qkv((2, 4, 300, 16), (2, 2, 300, 16), dtype="float32", seed=1)
+    with flash.threads(2):
+        out = attnkit.attention(q, k, v, causal=True, backend="flash")
+    return float(out.sum()), runtime._omp_team() is None
+
+if sys.argv[1] == "imported":                          # attnkit imported and on the team before the fork
+    import attnkit
+    from attnkit.flash import runtime
+    want, off = work(0)
+    assert not off, "the parent should run on torch's team"
+else:                                                  # imported only in the children
+    want = None
+with mp.get_context("fork").Pool(2) as pool:
+    got = pool.map(work, range(4))
+assert all(off for _, off in got), got
+assert want is None or all(g == want for g, _ in got), (got, want)
+if sys.argv[1] == "imported":
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if work(0) == (want, True) else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("when", ["imported", "in the children"])
+def test_fork_children_never_join_the_team(when):
+    """After torch's OpenMP team ran in the parent, fork children (multiprocessing's fork
+    pool, a bare os.fork) compute on attnkit's own pool: libgomp's threads stayed in
+    the parent, and its next parallel region there would wait for them forever."""
+    team_or_skip()
+    r = subprocess.run([sys.executable, "-c", TEAM_FORK, when.split()[0]], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_interrupt_storm_on_the_team_leaves_it_closed():
+    """The interrupt storm with torch loaded: the calls run on the team, and afterwards
+    the bits, BLAS's thread count and libgomp's level (no region left open) are intact."""
+    team_or_skip()
+    script = STORM.replace("import attnkit\n", "import torch\nimport attnkit\nfrom attnkit.flash import runtime\n", 1)
+    script = script.replace('print("ok", hits, calls)', 'assert runtime._omp_team() is not None\n'
+                            'assert runtime._omp_team().omp_get_level() == 0\nprint("ok", hits, calls)')
+    assert script.count("runtime") == 3                      # both replacements made
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), (r.stdout, r.stderr[-3000:])
+    assert int(r.stdout.split()[1]) > 20

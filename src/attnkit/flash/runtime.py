@@ -9,6 +9,16 @@ context, else the process default of :func:`set_threads`, else the number of usa
 cores. Results never depend on it: every output element is reduced by one task in a
 fixed order.
 
+torch's OpenMP team: where torch is loaded with GNU libgomp, the tasks run on the
+calling thread's libgomp team instead of the pool (the calling thread plus n − 1 of
+libgomp's threads, which take tasks from the same counter). After each of torch's ops
+those threads spin for milliseconds (libgomp's default wait policy) before they sleep,
+so a call between two ops of a model shared its cores with a spinning thread: a Llama
+layer's attention took twice as long inside the model as alone. On the team, the
+spinning thread takes the call's tasks at once. A fork child never uses the team (its
+threads stayed in the parent, and libgomp would wait for them forever): not in a
+process other than the one that imported attnkit, nor in a multiprocessing child.
+
 BLAS: while any call's tasks run, NumPy's BLAS is held to one thread per worker (a
 tile's matmul is small; OpenBLAS's own threads on top of ours are many times slower).
 threadpoolctl's limit is process-wide, so overlapping calls share it: one dedicated
@@ -29,10 +39,12 @@ from __future__ import annotations
 import _thread
 import contextlib
 import contextvars
+import ctypes
 import itertools
 import numbers
 import os
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -161,6 +173,7 @@ class _Job:
         self.cancel = False
         self.wake = _thread.allocate_lock()
         self.wake.acquire()
+        self.callback: Any = None           # the ctypes callback of libgomp's threads, kept alive
 
     def work(self) -> None:
         """Run tasks until none is left or the job is cancelled."""
@@ -219,9 +232,10 @@ _pool = _Pool()
 
 def run(tasks: Sequence[Any], fn: Callable[[Any], None]) -> None:
     """fn(task) for every task: on the calling thread and up to get_threads() − 1 pool
-    workers, with BLAS held to one thread; or on the calling thread alone (BLAS
-    threading as it likes) without threadpoolctl. Re-raises the first error (or
-    KeyboardInterrupt) after every worker has left the job."""
+    workers (or libgomp threads: torch's OpenMP team), with BLAS held to one thread;
+    or on the calling thread alone (BLAS threading as it likes) without threadpoolctl.
+    Re-raises the first error (or KeyboardInterrupt) after every worker has left the
+    job."""
     n = min(get_threads(), len(tasks))
     if blas_controller() is None or n <= 1 or getattr(_local, "worker", False):
         with blas_single_threaded(), quiet():
@@ -230,21 +244,80 @@ def run(tasks: Sequence[Any], fn: Callable[[Any], None]) -> None:
         return
     with blas_single_threaded():
         job = _Job(fn, tasks)
+        team = _omp_team()
+        level = team.omp_get_level() if team is not None else 0
         try:
-            _pool.grow(n - 1)
-            for _ in range(n - 1):
-                _pool.jobs.put(job)
+            if team is not None:             # libgomp's threads join the job (_team_member)
+                job.callback = _CALLBACK(lambda _: _team_member(job))
+                team.GOMP_parallel_start(job.callback, None, n)
+            else:
+                _pool.grow(n - 1)
+                for _ in range(n - 1):
+                    _pool.jobs.put(job)
             job.work()
         except BaseException as e:          # noqa: BLE001 — re-raised below
             job.errors.append(e)
             job.cancel = True
         finally:
             job.cancel = True                # every task is claimed or abandoned by now
+            if team is not None and team.omp_get_level() > level:
+                team.GOMP_parallel_end()     # waits for the team in C: an interrupt meanwhile is raised after
+            job.callback = None
             late = _wait_until(lambda: not job.inside, job.wake, lambda: setattr(job, "cancel", True))
         if late is not None:
             job.errors.append(late)
         if job.errors:
             raise job.errors[0]
+
+
+# ---- torch's OpenMP team -------------------------------------------------------------------
+_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_omp: list[Any] = [_UNSET]                  # libgomp (ctypes) once torch is loaded, or None
+
+
+def _team_member(job: _Job) -> None:
+    """A libgomp thread's part of a job (nested calls inside its tasks run inline)."""
+    _local.worker = True
+    try:
+        job.join(threading.get_ident())
+    finally:
+        _local.worker = False
+
+
+def _omp_team() -> Any:
+    """libgomp (ctypes) when the tasks may run on torch's OpenMP team, else None: torch
+    loaded with GNU libgomp as its OpenMP runtime, threadpoolctl present, and this the
+    process that imported attnkit (not a fork child) and not a multiprocessing child."""
+    from .. import _PID
+    if os.getpid() != _PID:
+        return None
+    if _omp[0] is _UNSET:
+        if "torch" not in sys.modules:
+            return None                     # looked for again on the next call
+        _omp[0] = _find_libgomp()
+    return _omp[0]
+
+
+def _find_libgomp() -> Any:
+    import multiprocessing
+    if multiprocessing.parent_process() is not None or blas_controller() is None:
+        return None
+    from threadpoolctl import ThreadpoolController
+    gomp = [c for c in ThreadpoolController().lib_controllers
+            if c.internal_api == "openmp" and c.prefix == "libgomp"]
+    if not gomp:
+        return None
+    try:
+        lib = ctypes.CDLL(gomp[0].filepath)
+        lib.GOMP_parallel_start.argtypes = [_CALLBACK, ctypes.c_void_p, ctypes.c_uint]
+        lib.GOMP_parallel_start.restype = None
+        lib.GOMP_parallel_end.argtypes = []
+        lib.GOMP_parallel_end.restype = None
+        lib.omp_get_level.argtypes = []
+        lib.omp_get_level.restype = ctypes.c_int
+    except (OSError, AttributeError):       # not the GNU runtime's symbols after all
+        return None
+    return lib
 
 
 # ---- BLAS held to one thread -------------------------------------------------------------
