@@ -772,3 +772,29 @@ def test_interrupt_storm_on_the_team_leaves_it_closed():
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("ok"), (r.stdout, r.stderr[-3000:])
     assert int(r.stdout.split()[1]) > 20
+
+
+def test_the_team_is_off_in_another_process_and_without_gnu_libgomp(monkeypatch):
+    """No team in a process other than the one that imported attnkit (a fork child),
+    nor where threadpoolctl finds no GNU libgomp or fails to look."""
+    team_or_skip()
+    monkeypatch.setattr(attnkit, "_PID", -1)
+    assert runtime._omp_team() is None
+    monkeypatch.undo()
+    assert runtime._omp_team() is not None
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+
+    class Intel:
+        internal_api, prefix, filepath = "openmp", "libiomp", "/nowhere/libiomp5.so"
+
+    class Found:
+        lib_controllers = [Intel()]
+
+    monkeypatch.setattr(threadpoolctl, "ThreadpoolController", Found)
+    assert runtime._find_libgomp() is None
+
+    def broken():
+        raise OSError("cannot read /proc/self/maps")
+
+    monkeypatch.setattr(threadpoolctl, "ThreadpoolController", broken)
+    assert runtime._find_libgomp() is None

@@ -303,12 +303,16 @@ def _find_libgomp() -> Any:
     if multiprocessing.parent_process() is not None or blas_controller() is None:
         return None
     from threadpoolctl import ThreadpoolController
-    gomp = [c for c in ThreadpoolController().lib_controllers
-            if c.internal_api == "openmp" and c.prefix == "libgomp"]
-    if not gomp:
-        return None
     try:
-        lib = ctypes.CDLL(gomp[0].filepath)
+        paths = [c.filepath for c in ThreadpoolController().lib_controllers
+                 if c.internal_api == "openmp" and c.prefix == "libgomp"]
+    except Exception:                       # noqa: BLE001 — no team then, the pool works
+        return None
+    if not paths:
+        return None
+    paths.sort(key=lambda p: "torch" not in p)   # torch's own copy first, where there are two
+    try:
+        lib = ctypes.CDLL(paths[0])
         lib.GOMP_parallel_start.argtypes = [_CALLBACK, ctypes.c_void_p, ctypes.c_uint]
         lib.GOMP_parallel_start.restype = None
         lib.GOMP_parallel_end.argtypes = []
