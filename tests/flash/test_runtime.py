@@ -28,7 +28,7 @@ def executor(request, monkeypatch):
         use_pool(monkeypatch)
     else:
         pytest.importorskip("torch")
-        if runtime._omp_team() is None:
+        if runtime._omp_team(2) is None:
             pytest.skip("torch's OpenMP runtime is not GNU libgomp here")
     return request.param
 
@@ -208,8 +208,11 @@ def blas():
     return [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
 
 before = blas()
-q, k, v = make_qkv((1, 4, 200, 16), (1, 4, 200, 16), dtype="float32", seed=2)
+q, k, v = make_qkv((2, 4, 300, 16), (2, 2, 300, 16), dtype="float32", seed=2)
 want = attnkit.attention(q, k, v, causal=True, backend="flash")
+from attnkit.flash.plan import Call
+from attnkit.spec import validate
+assert len(Call(validate(q, k, v, causal=True), None, None).units) >= 2   # several tasks: workers take part
 stop = False
 armed = False
 
@@ -669,18 +672,19 @@ def test_without_threadpoolctl_the_controller_is_none(monkeypatch):
 # ---- torch's OpenMP team -------------------------------------------------------------------
 def team_or_skip():
     pytest.importorskip("torch")
-    if runtime.blas_controller() is None or runtime._omp_team() is None:
+    if runtime.blas_controller() is None or runtime._omp_team(2) is None:
         pytest.skip("torch's OpenMP runtime is not GNU libgomp here (or no threadpoolctl)")
 
 
 def test_tasks_run_on_torch_openmp_team_beside_the_caller(monkeypatch):
-    """Where torch's OpenMP runtime is libgomp, n tasks that each wait for all n to be
-    running complete on the caller and n − 1 of libgomp's threads; the pool starts no
-    worker, and the parallel region is closed afterwards."""
+    """Where torch's OpenMP runtime is libgomp, n tasks (n up to torch's thread count)
+    that each wait for all n to be running complete on the caller and n − 1 of
+    libgomp's threads; the pool starts no worker, and the parallel region is closed
+    afterwards."""
     team_or_skip()
     monkeypatch.setattr(runtime, "_pool", runtime._Pool())
     main = threading.get_ident()
-    for n in (2, 3):
+    for n in range(2, sys.modules["torch"].get_num_threads() + 1):
         barrier = threading.Barrier(n, timeout=20)
         seen = []
 
@@ -692,7 +696,7 @@ def test_tasks_run_on_torch_openmp_team_beside_the_caller(monkeypatch):
             runtime.run(list(range(n)), fn)
         assert len(set(seen)) == n and main in seen
         assert not runtime._pool.workers
-        assert runtime._omp_team().omp_get_level() == 0
+        assert runtime._omp[0].omp_get_level() == 0
 
 
 def test_a_nested_call_on_a_team_thread_runs_inline():
@@ -704,7 +708,7 @@ def test_a_nested_call_on_a_team_thread_runs_inline():
     def outer(t):
         barrier.wait()
         if threading.get_ident() != main:
-            levels.append(runtime._omp_team().omp_get_level())
+            levels.append(runtime._omp[0].omp_get_level())
             runtime.run(list(range(6)), lambda i: nested.append(threading.get_ident()))
 
     with flash.threads(2):
@@ -727,8 +731,18 @@ def work(_):
     q, k, v = make_qkv((2, 4, 300, 16), (2, 2, 300, 16), dtype="float32", seed=1)
     with flash.threads(2):
         out = attnkit.attention(q, k, v, causal=True, backend="flash")
-    return float(out.sum()), runtime._omp_team() is None
+    return float(out.sum()), runtime._omp_team(2) is None
 
+if sys.argv[1] == "late":                              # a bare fork; the child gives torch one thread, then
+    pid = os.fork()                                    # imports attnkit (torch's own ops work there)
+    if pid == 0:
+        torch.set_num_threads(1)
+        float((x * 2).sum())
+        os._exit(0 if work(0)[1] else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    print("ok")
+    sys.exit(0)
 if sys.argv[1] == "imported":                          # attnkit imported and on the team before the fork
     import attnkit
     from attnkit.flash import runtime
@@ -750,11 +764,13 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("when", ["imported", "in the children"])
+@pytest.mark.parametrize("when", ["imported", "in the children", "late"])
 def test_fork_children_never_join_the_team(when):
     """After torch's OpenMP team ran in the parent, fork children (multiprocessing's fork
-    pool, a bare os.fork) compute on attnkit's own pool: libgomp's threads stayed in
-    the parent, and its next parallel region there would wait for them forever."""
+    pool, a bare os.fork; attnkit imported before the fork, in multiprocessing's
+    children, or in a bare child that gave torch one thread) compute on attnkit's own
+    pool: libgomp's threads stayed in the parent, and its next parallel region there
+    would wait for them forever."""
     team_or_skip()
     r = subprocess.run([sys.executable, "-c", TEAM_FORK, when.split()[0]], capture_output=True, text=True,
                        timeout=120)
@@ -765,10 +781,12 @@ def test_interrupt_storm_on_the_team_leaves_it_closed():
     """The interrupt storm with torch loaded: the calls run on the team, and afterwards
     the bits, BLAS's thread count and libgomp's level (no region left open) are intact."""
     team_or_skip()
-    script = STORM.replace("import attnkit\n", "import torch\nimport attnkit\nfrom attnkit.flash import runtime\n", 1)
-    script = script.replace('print("ok", hits, calls)', 'assert runtime._omp_team() is not None\n'
-                            'assert runtime._omp_team().omp_get_level() == 0\nprint("ok", hits, calls)')
-    assert script.count("runtime") == 3                      # both replacements made
+    script = STORM.replace("import attnkit\n", "import torch\nimport attnkit\nfrom attnkit.flash import runtime\n"
+                           "member, joined = runtime._team_member, []\n"
+                           "runtime._team_member = lambda job: (joined.append(1), member(job))\n", 1)
+    script = script.replace('print("ok", hits, calls)', 'assert len(joined) > 20, len(joined)\n'
+                            'assert runtime._omp_team(2).omp_get_level() == 0\nprint("ok", hits, calls)')
+    assert script.count("runtime") == 4                      # both replacements made
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("ok"), (r.stdout, r.stderr[-3000:])
     assert int(r.stdout.split()[1]) > 20
@@ -779,9 +797,9 @@ def test_the_team_is_off_in_another_process_and_without_gnu_libgomp(monkeypatch)
     nor where threadpoolctl finds no GNU libgomp or fails to look."""
     team_or_skip()
     monkeypatch.setattr(attnkit, "_PID", -1)
-    assert runtime._omp_team() is None
+    assert runtime._omp_team(2) is None
     monkeypatch.undo()
-    assert runtime._omp_team() is not None
+    assert runtime._omp_team(2) is not None
     threadpoolctl = pytest.importorskip("threadpoolctl")
 
     class Intel:
@@ -791,10 +809,85 @@ def test_the_team_is_off_in_another_process_and_without_gnu_libgomp(monkeypatch)
         lib_controllers = [Intel()]
 
     monkeypatch.setattr(threadpoolctl, "ThreadpoolController", Found)
-    assert runtime._find_libgomp() is None
+    assert runtime._find_libgomp(sys.modules['torch']) is None
 
     def broken():
         raise OSError("cannot read /proc/self/maps")
 
     monkeypatch.setattr(threadpoolctl, "ThreadpoolController", broken)
-    assert runtime._find_libgomp() is None
+    assert runtime._find_libgomp(sys.modules['torch']) is None
+
+
+def test_the_team_is_never_larger_than_torchs(monkeypatch):
+    """More threads than torch runs take the pool (libgomp ends the process when it
+    cannot start a thread); as many take the team."""
+    team_or_skip()
+    torch = pytest.importorskip("torch")
+    n = torch.get_num_threads()
+    assert runtime._omp_team(n) is not None and runtime._omp_team(n + 1) is None
+    monkeypatch.setattr(runtime, "_pool", runtime._Pool())
+    joined = []
+    monkeypatch.setattr(runtime, "_team_member", lambda job: joined.append(1))
+    with flash.threads(n + 1):
+        runtime.run(list(range(n + 1)), lambda t: time.sleep(0.01))
+    assert not joined and len(runtime._pool.workers) == n
+
+
+def test_an_interrupt_while_the_region_is_open_is_raised_after_it_closed(monkeypatch):
+    """Ctrl-C landing right after the region opened (before the caller's share starts)
+    cancels the job and is raised once the region is closed: libgomp's level is back
+    to 0, SIGINT has its handler back, and the next call runs on the team again."""
+    team_or_skip()
+    import _thread
+    import signal
+    lib = runtime._omp[0]
+    before = signal.getsignal(signal.SIGINT)
+
+    class Interrupted:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def GOMP_parallel_start(self, *args):
+            lib.GOMP_parallel_start(*args)
+            _thread.interrupt_main()                             # raised at the next bytecode boundary
+
+    monkeypatch.setattr(runtime, "_omp", [Interrupted()])
+    ran = []
+    with flash.threads(2), pytest.raises(KeyboardInterrupt):
+        runtime.run(list(range(40)), lambda t: (time.sleep(0.005), ran.append(t)))
+    assert lib.omp_get_level() == 0 and len(ran) < 40
+    assert signal.getsignal(signal.SIGINT) is before
+    monkeypatch.setattr(runtime, "_omp", [lib])
+    seen = []
+    barrier = threading.Barrier(2, timeout=20)
+    with flash.threads(2):
+        runtime.run([0, 1], lambda t: (seen.append(threading.get_ident()), barrier.wait()))
+    assert len(set(seen)) == 2 and lib.omp_get_level() == 0
+
+
+def test_torchs_own_libgomp_is_preferred(monkeypatch):
+    """With two GNU libgomp copies loaded, the one in torch's directory is the team."""
+    team_or_skip()
+    torch = pytest.importorskip("torch")
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    import os
+
+    class Gomp:
+        internal_api, prefix = "openmp", "libgomp"
+
+        def __init__(self, path):
+            self.filepath = path
+
+    class Found:
+        lib_controllers = [Gomp("/usr/lib/x86_64-linux-gnu/libgomp.so.1"),
+                           Gomp(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"))]
+
+    class Lib:
+        def __init__(self, path):
+            self.path = path
+            for name in ("GOMP_parallel_start", "GOMP_parallel_end", "omp_get_level"):
+                setattr(self, name, type("Fn", (), {})())
+
+    monkeypatch.setattr(threadpoolctl, "ThreadpoolController", Found)
+    monkeypatch.setattr(runtime.ctypes, "CDLL", Lib)
+    assert runtime._find_libgomp(torch).path == Found.lib_controllers[1].filepath

@@ -17,7 +17,10 @@ so a call between two ops of a model shared its cores with a spinning thread: a 
 layer's attention took twice as long inside the model as alone. On the team, the
 spinning thread takes the call's tasks at once. A fork child never uses the team (its
 threads stayed in the parent, and libgomp would wait for them forever): not in a
-process other than the one that imported attnkit, nor in a multiprocessing child.
+process other than the one that imported attnkit, nor in a multiprocessing child; and
+a call never asks for more threads than torch runs (more take the pool: libgomp ends
+the process when it cannot start a thread). While the region is open, Ctrl-C cancels
+the job and is raised once the region is closed (see :func:`_on_team`).
 
 BLAS: while any call's tasks run, NumPy's BLAS is held to one thread per worker (a
 tile's matmul is small; OpenBLAS's own threads on top of ours are many times slower).
@@ -44,6 +47,7 @@ import itertools
 import numbers
 import os
 import queue
+import signal
 import sys
 import threading
 import weakref
@@ -244,28 +248,23 @@ def run(tasks: Sequence[Any], fn: Callable[[Any], None]) -> None:
         return
     with blas_single_threaded():
         job = _Job(fn, tasks)
-        team = _omp_team()
-        level = team.omp_get_level() if team is not None else 0
-        try:
-            if team is not None:             # libgomp's threads join the job (_team_member)
-                job.callback = _CALLBACK(lambda _: _team_member(job))
-                team.GOMP_parallel_start(job.callback, None, n)
-            else:
+        team = _omp_team(n)
+        if team is not None:
+            _on_team(team, job, n)
+        else:
+            try:
                 _pool.grow(n - 1)
                 for _ in range(n - 1):
                     _pool.jobs.put(job)
-            job.work()
-        except BaseException as e:          # noqa: BLE001 — re-raised below
-            job.errors.append(e)
-            job.cancel = True
-        finally:
-            job.cancel = True                # every task is claimed or abandoned by now
-            if team is not None and team.omp_get_level() > level:
-                team.GOMP_parallel_end()     # waits for the team in C: an interrupt meanwhile is raised after
-            job.callback = None
-            late = _wait_until(lambda: not job.inside, job.wake, lambda: setattr(job, "cancel", True))
-        if late is not None:
-            job.errors.append(late)
+                job.work()
+            except BaseException as e:      # noqa: BLE001 — re-raised below
+                job.errors.append(e)
+                job.cancel = True
+            finally:
+                job.cancel = True            # every task is claimed or abandoned by now
+                late = _wait_until(lambda: not job.inside, job.wake, lambda: setattr(job, "cancel", True))
+            if late is not None:
+                job.errors.append(late)
         if job.errors:
             raise job.errors[0]
 
@@ -284,23 +283,73 @@ def _team_member(job: _Job) -> None:
         _local.worker = False
 
 
-def _omp_team() -> Any:
-    """libgomp (ctypes) when the tasks may run on torch's OpenMP team, else None: torch
-    loaded with GNU libgomp as its OpenMP runtime, threadpoolctl present, and this the
-    process that imported attnkit (not a fork child) and not a multiprocessing child."""
+def _omp_team(n: int) -> Any:
+    """libgomp (ctypes) when n threads may run the tasks on torch's OpenMP team, else
+    None: torch loaded with GNU libgomp as its OpenMP runtime, threadpoolctl present,
+    this the process that imported attnkit (not a fork child) and not a
+    multiprocessing child, and n at most torch's own thread count — a team torch also
+    runs (libgomp ends the process when it cannot start a thread; and a fork child
+    that gave torch one thread keeps its hands off the parent's team)."""
     from .. import _PID
     if os.getpid() != _PID:
         return None
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None                         # looked for again on the next call
     if _omp[0] is _UNSET:
-        if "torch" not in sys.modules:
-            return None                     # looked for again on the next call
-        _omp[0] = _find_libgomp()
+        _omp[0] = _find_libgomp(torch)
+    if _omp[0] is None or n > torch.get_num_threads():
+        return None
     return _omp[0]
 
 
-def _find_libgomp() -> Any:
+def _on_team(team: Any, job: _Job, n: int) -> None:
+    """The job on the calling thread and n − 1 of libgomp's threads: a parallel region
+    opened and closed around the caller's share. Task errors stay in ``job.errors``.
+    No KeyboardInterrupt may be raised while the region is open (one raised before it
+    is closed would leave it open for good: every later region of the thread, torch's
+    included, single-threaded), so SIGINT's handler only cancels the job meanwhile, and
+    the signal goes to the original handler once the region is closed."""
+    held = _hold_interrupts(job)
+    try:
+        job.callback = _CALLBACK(lambda _: _team_member(job))
+        team.GOMP_parallel_start(job.callback, None, n)
+        try:
+            job.work()
+        finally:
+            job.cancel = True
+            team.GOMP_parallel_end()         # waits in C for the team's threads to leave
+    finally:
+        job.callback = None
+        if held is not None:
+            handler, got = held
+            signal.signal(signal.SIGINT, handler)
+            if got:
+                handler(*got[0])             # the default handler raises KeyboardInterrupt
+
+
+def _hold_interrupts(job: _Job) -> tuple[Any, list[tuple[Any, Any]]] | None:
+    """On the main thread with a Python SIGINT handler: install one that cancels the
+    job and keeps the signal; returns (the original handler, the signals kept)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None                          # interrupts only reach the main thread
+    handler = signal.getsignal(signal.SIGINT)
+    if not callable(handler):
+        return None                          # SIG_DFL, SIG_IGN or a C handler: no KeyboardInterrupt
+    got: list[tuple[Any, Any]] = []
+
+    def hold(signum: Any, frame: Any) -> None:
+        got.append((signum, frame))
+        job.cancel = True
+
+    signal.signal(signal.SIGINT, hold)
+    return handler, got
+
+
+def _find_libgomp(torch: Any) -> Any:
     import multiprocessing
-    if multiprocessing.parent_process() is not None or blas_controller() is None:
+    if (multiprocessing.parent_process() is not None or blas_controller() is None
+            or not hasattr(torch, "get_num_threads")):
         return None
     from threadpoolctl import ThreadpoolController
     try:
@@ -310,14 +359,15 @@ def _find_libgomp() -> Any:
         return None
     if not paths:
         return None
-    paths.sort(key=lambda p: "torch" not in p)   # torch's own copy first, where there are two
+    home = os.path.dirname(getattr(torch, "__file__", None) or "") + os.sep
+    paths.sort(key=lambda p: not p.startswith(home))   # torch's own copy first, where there are two
     try:
         lib = ctypes.CDLL(paths[0])
         lib.GOMP_parallel_start.argtypes = [_CALLBACK, ctypes.c_void_p, ctypes.c_uint]
         lib.GOMP_parallel_start.restype = None
         lib.GOMP_parallel_end.argtypes = []
         lib.GOMP_parallel_end.restype = None
-        lib.omp_get_level.argtypes = []
+        lib.omp_get_level.argtypes = []      # for the tests: 0 outside any region
         lib.omp_get_level.restype = ctypes.c_int
     except (OSError, AttributeError):       # not the GNU runtime's symbols after all
         return None
