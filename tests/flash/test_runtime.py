@@ -891,3 +891,72 @@ def test_torchs_own_libgomp_is_preferred(monkeypatch):
     monkeypatch.setattr(threadpoolctl, "ThreadpoolController", Found)
     monkeypatch.setattr(runtime.ctypes, "CDLL", Lib)
     assert runtime._find_libgomp(torch).path == Found.lib_controllers[1].filepath
+
+
+def test_an_interrupt_to_a_handler_that_returns_lets_every_task_run(monkeypatch):
+    """With a SIGINT handler of the user's that does not raise, an interrupt while the
+    region is open cancels nothing (every task runs: no partial result comes back
+    as if whole) and reaches that handler once, at once (inside the region)."""
+    team_or_skip()
+    import _thread
+    import signal
+    lib = runtime._omp[0]
+    calls = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(lib.omp_get_level()))
+    try:
+        ran = []
+
+        def fn(t):
+            if t == 2:
+                _thread.interrupt_main()
+            time.sleep(0.003)
+            ran.append(t)
+
+        with flash.threads(2):
+            runtime.run(list(range(30)), fn)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert sorted(ran) == list(range(30)) and calls == [1] and lib.omp_get_level() == 0
+
+
+def test_any_exception_right_after_the_region_opened_still_closes_it(monkeypatch):
+    """An exception from another signal's handler (a timeout) landing right after the
+    region opened: the team finishes its task in hand, the region is closed, SIGINT
+    has its handler back, and the exception is raised."""
+    team_or_skip()
+    import signal
+    lib = runtime._omp[0]
+    before = signal.getsignal(signal.SIGINT)
+
+    class TimedOut:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def GOMP_parallel_start(self, *args):
+            lib.GOMP_parallel_start(*args)
+            raise TimeoutError("alarm")
+
+    monkeypatch.setattr(runtime, "_omp", [TimedOut()])
+    with flash.threads(2), pytest.raises(TimeoutError, match="alarm"):
+        runtime.run(list(range(20)), lambda t: time.sleep(0.005))
+    assert lib.omp_get_level() == 0 and signal.getsignal(signal.SIGINT) is before
+
+
+def test_every_interrupt_reaches_a_handler_that_returns(monkeypatch):
+    """Two Ctrl-C during one call reach the user's handler twice, each at once."""
+    team_or_skip()
+    import _thread
+    import signal
+    calls = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+    try:
+        def fn(t):
+            if t in (1, 5):
+                _thread.interrupt_main()
+            time.sleep(0.003)
+
+        with flash.threads(2):
+            runtime.run(list(range(12)), fn)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert calls == [signal.SIGINT, signal.SIGINT]

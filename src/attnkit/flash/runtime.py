@@ -20,7 +20,7 @@ threads stayed in the parent, and libgomp would wait for them forever): not in a
 process other than the one that imported attnkit, nor in a multiprocessing child; and
 a call never asks for more threads than torch runs (more take the pool: libgomp ends
 the process when it cannot start a thread). While the region is open, Ctrl-C cancels
-the job and is raised once the region is closed (see :func:`_on_team`).
+the job and is raised once the region is closed (:func:`_on_team`).
 
 BLAS: while any call's tasks run, NumPy's BLAS is held to one thread per worker (a
 tile's matmul is small; OpenBLAS's own threads on top of ours are many times slower).
@@ -305,45 +305,51 @@ def _omp_team(n: int) -> Any:
 
 def _on_team(team: Any, job: _Job, n: int) -> None:
     """The job on the calling thread and n − 1 of libgomp's threads: a parallel region
-    opened and closed around the caller's share. Task errors stay in ``job.errors``.
-    No KeyboardInterrupt may be raised while the region is open (one raised before it
-    is closed would leave it open for good: every later region of the thread, torch's
-    included, single-threaded), so SIGINT's handler only cancels the job meanwhile, and
-    the signal goes to the original handler once the region is closed."""
-    held = _hold_interrupts(job)
+    opened and closed around the caller's share; task errors go to ``job.errors``.
+
+    The region must be closed whatever happens: left open, every later region of the
+    thread (torch's included) runs single-threaded and the team's threads wait at its
+    barrier for good. Python may raise a signal handler's exception at almost any
+    bytecode boundary, so the close is retried through any exception, which is kept
+    with the call's errors. On the main thread, SIGINT's handler meanwhile is
+    :func:`_holder`'s: the original handler runs at once, and what it raises
+    (KeyboardInterrupt) cancels the job and is raised when the region is closed."""
+    level = team.omp_get_level()
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main else None
+    hold = _holder(job, handler) if callable(handler) else None
     try:
+        if hold is not None:
+            signal.signal(signal.SIGINT, hold)
         job.callback = _CALLBACK(lambda _: _team_member(job))
         team.GOMP_parallel_start(job.callback, None, n)
-        try:
-            job.work()
-        finally:
-            job.cancel = True
-            team.GOMP_parallel_end()         # waits in C for the team's threads to leave
+        job.work()
     finally:
-        job.callback = None
-        if held is not None:
-            handler, got = held
-            signal.signal(signal.SIGINT, handler)
-            if got:
-                handler(*got[0])             # the default handler raises KeyboardInterrupt
+        job.cancel = True                    # every task is claimed or abandoned by now
+        while True:
+            try:
+                while team.omp_get_level() > level:
+                    team.GOMP_parallel_end()     # waits in C for the team's threads to leave
+                job.callback = None              # only once no thread of the team can call it
+                if hold is not None and signal.getsignal(signal.SIGINT) is hold:
+                    signal.signal(signal.SIGINT, handler)
+                break
+            except BaseException as e:           # noqa: BLE001 — raised by run with the others
+                job.errors.append(e)
 
 
-def _hold_interrupts(job: _Job) -> tuple[Any, list[tuple[Any, Any]]] | None:
-    """On the main thread with a Python SIGINT handler: install one that cancels the
-    job and keeps the signal; returns (the original handler, the signals kept)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None                          # interrupts only reach the main thread
-    handler = signal.getsignal(signal.SIGINT)
-    if not callable(handler):
-        return None                          # SIG_DFL, SIG_IGN or a C handler: no KeyboardInterrupt
-    got: list[tuple[Any, Any]] = []
-
+def _holder(job: _Job, handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], None]:
+    """SIGINT's handler while a job's region is open: ``handler`` (the original) runs
+    at once; an exception it raises cancels the job and joins its errors, raised once
+    the region is closed. A handler that returns cancels nothing (every task runs)."""
     def hold(signum: Any, frame: Any) -> None:
-        got.append((signum, frame))
-        job.cancel = True
+        try:
+            handler(signum, frame)
+        except BaseException as e:           # noqa: BLE001 — raised by run once the region is closed
+            job.errors.append(e)
+            job.cancel = True
 
-    signal.signal(signal.SIGINT, hold)
-    return handler, got
+    return hold
 
 
 def _find_libgomp(torch: Any) -> Any:
