@@ -833,6 +833,23 @@ def test_the_team_is_never_larger_than_torchs(monkeypatch):
     assert not joined and len(runtime._pool.workers) == n
 
 
+def after_the_region_opens(monkeypatch, then):
+    """runtime's libgomp, calling ``then()`` right after each region opens; returns the
+    real one."""
+    lib = runtime._omp[0]
+
+    class Opened:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def GOMP_parallel_start(self, *args):
+            lib.GOMP_parallel_start(*args)
+            then()
+
+    monkeypatch.setattr(runtime, "_omp", [Opened()])
+    return lib
+
+
 def test_an_interrupt_while_the_region_is_open_is_raised_after_it_closed(monkeypatch):
     """Ctrl-C landing right after the region opened (before the caller's share starts)
     cancels the job and is raised once the region is closed: libgomp's level is back
@@ -840,18 +857,8 @@ def test_an_interrupt_while_the_region_is_open_is_raised_after_it_closed(monkeyp
     team_or_skip()
     import _thread
     import signal
-    lib = runtime._omp[0]
     before = signal.getsignal(signal.SIGINT)
-
-    class Interrupted:
-        def __getattr__(self, name):
-            return getattr(lib, name)
-
-        def GOMP_parallel_start(self, *args):
-            lib.GOMP_parallel_start(*args)
-            _thread.interrupt_main()                             # raised at the next bytecode boundary
-
-    monkeypatch.setattr(runtime, "_omp", [Interrupted()])
+    lib = after_the_region_opens(monkeypatch, _thread.interrupt_main)   # raised at the next bytecode boundary
     ran = []
     with flash.threads(2), pytest.raises(KeyboardInterrupt):
         runtime.run(list(range(40)), lambda t: (time.sleep(0.005), ran.append(t)))
@@ -925,18 +932,12 @@ def test_any_exception_right_after_the_region_opened_still_closes_it(monkeypatch
     has its handler back, and the exception is raised."""
     team_or_skip()
     import signal
-    lib = runtime._omp[0]
     before = signal.getsignal(signal.SIGINT)
 
-    class TimedOut:
-        def __getattr__(self, name):
-            return getattr(lib, name)
+    def alarm():
+        raise TimeoutError("alarm")
 
-        def GOMP_parallel_start(self, *args):
-            lib.GOMP_parallel_start(*args)
-            raise TimeoutError("alarm")
-
-    monkeypatch.setattr(runtime, "_omp", [TimedOut()])
+    lib = after_the_region_opens(monkeypatch, alarm)
     with flash.threads(2), pytest.raises(TimeoutError, match="alarm"):
         runtime.run(list(range(20)), lambda t: time.sleep(0.005))
     assert lib.omp_get_level() == 0 and signal.getsignal(signal.SIGINT) is before
