@@ -373,7 +373,7 @@ def _find_libgomp(torch: Any) -> Any:
         lib.GOMP_parallel_start.restype = None
         lib.GOMP_parallel_end.argtypes = []
         lib.GOMP_parallel_end.restype = None
-        lib.omp_get_level.argtypes = []      # for the tests: 0 outside any region
+        lib.omp_get_level.argtypes = []      # nesting depth of regions: 0 outside any
         lib.omp_get_level.restype = ctypes.c_int
     except (OSError, AttributeError):       # not the GNU runtime's symbols after all
         return None
