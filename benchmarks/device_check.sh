@@ -10,6 +10,14 @@
 #     warm.txt       the parallel warm-up's output (compiling each part's kernels)
 #     gpu.txt/.csv   benchmarks/gpu.py: checks first, the bf16 GEMM ceiling, KV-cache
 #                    decoding, then the timing grid (D = 128 first) until its budget
+#   bash benchmarks/device_check.sh focus   (at most ~470 s; after a run of the two above)
+#     gpu_tests.txt  the float32 GPU tests (the float32 tiles) while the kernels below compile
+#     sweep.txt      benchmarks/gpu.py --sweep-decode: the decode kernel's candidates, the
+#                    public call's host time
+#     gpu.txt/.csv   benchmarks/gpu.py --dtypes float32: float32 checks and timing, decoding
+#   bash benchmarks/device_check.sh decode   (at most ~170 s: after a change to decoding)
+#     gpu_tests.txt  the KV-cache GPU tests while the benchmark's decode kernels compile
+#     gpu.txt/.csv   benchmarks/gpu.py --decode-only
 # Measured on an H200 (2026-12-04, Triton 3.6): the 62 GPU tests need more than 170 s
 # with 8 workers (Triton compiles each kernel variant in 10–30 s); the benchmark's
 # checks take ~50 s per (dtype, D, causal) for the same reason, and its timing grid
@@ -58,6 +66,46 @@ bench)
   bench=$?
   echo "benchmark exit: $bench" | tee -a "$out/gpu.txt"
   exit $(( bench != 0 || ${#failed} != 0 )) ;;
+focus)
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+torch.cuda.get_device_name())" 2>&1 | tee "$out/env.txt"
+  start=$(date +%s) pids=()
+  timeout 300 python3 -m pytest -q -n 4 -p no:cacheprovider -rfE --tb=short tests/torch/test_triton.py \
+    tests/torch/test_triton_kvcache.py -k "test_gpu and float32" > "$out/gpu_tests.txt" 2>&1 &
+  tests_pid=$!
+  for i in 0 1 2 3 4 5 6 7; do      # compile the decode candidates, 8 processes
+    timeout 200 python3 -W ignore benchmarks/gpu.py --sweep-decode --shard $i/8 > "$out/warm_s$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for what in $(python3 benchmarks/gpu.py --dtypes float32 --warm list); do
+    timeout 200 python3 -W ignore benchmarks/gpu.py --warm "$what" > "$out/warm_$what.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  tail -n 3 "$out"/warm_*.log > "$out/warm.txt" 2>&1; rm -f "$out"/warm_*.log
+  wait $tests_pid; tests=$?
+  echo "float32 gpu tests exit: $tests at $(( $(date +%s) - start )) s" | tee -a "$out/gpu_tests.txt"
+  timeout 150 python3 -W ignore benchmarks/gpu.py --sweep-decode 2>&1 | tee "$out/sweep.txt"
+  sweep=$?
+  echo "sweep exit: $sweep at $(( $(date +%s) - start )) s" | tee -a "$out/sweep.txt"
+  timeout 150 python3 -W ignore benchmarks/gpu.py --dtypes float32 --budget-s 100 --out "$out/gpu.csv" 2>&1 \
+    | tee "$out/gpu.txt"
+  bench=$?
+  echo "benchmark exit: $bench at $(( $(date +%s) - start )) s" | tee -a "$out/gpu.txt"
+  exit $(( tests != 0 || sweep != 0 || bench != 0 )) ;;
+decode)
+  start=$(date +%s)
+  timeout 100 python3 -m pytest -q -n 14 -p no:cacheprovider -rfE --tb=short tests/torch/test_triton_kvcache.py \
+    -k test_gpu > "$out/gpu_tests.txt" 2>&1 &
+  tests_pid=$!
+  timeout 100 python3 -W ignore benchmarks/gpu.py --warm decode > "$out/warm.txt" 2>&1
+  wait $tests_pid; tests=$?
+  echo "kvcache gpu tests exit: $tests at $(( $(date +%s) - start )) s" | tee -a "$out/gpu_tests.txt"
+  tail -n 4 "$out/gpu_tests.txt"
+  timeout 60 python3 -W ignore benchmarks/gpu.py --decode-only --out "$out/gpu.csv" 2>&1 | tee "$out/gpu.txt"
+  bench=$?
+  echo "benchmark exit: $bench at $(( $(date +%s) - start )) s" | tee -a "$out/gpu.txt"
+  exit $(( tests != 0 || bench != 0 )) ;;
 *)
-  echo "usage: bash benchmarks/device_check.sh tests|bench" >&2; exit 2 ;;
+  echo "usage: bash benchmarks/device_check.sh tests|bench|focus|decode" >&2; exit 2 ;;
 esac

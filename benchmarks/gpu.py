@@ -231,6 +231,12 @@ def timer(torch, device, fn, min_time=0.15, max_reps=50):
 
 
 def grid(args):
+    """(dtype, D, L, causal) to check and time, limited to --dtypes when given."""
+    keep = args.dtypes.split(",") if getattr(args, "dtypes", None) else None
+    return [g for g in _grid(args) if keep is None or g[0] in keep]
+
+
+def _grid(args):
     if args.dry_run:
         return [("float32", 64, 64, c) for c in (False, True)]
     if args.quick:
@@ -578,6 +584,111 @@ def sweep(args):
             print(f"best D={D} {kind}: {best}")
 
 
+# the decode sweep's candidates: (BLOCK_N, num_warps, num_stages) of the split kernel
+# (BLOCK_M is the group's rows, 16 at L = 1) and (DECODE_PROGRAMS, SPLIT_KEYS, MAX_SPLITS)
+DECODE_KERNELS = [(64, 4, 3), (64, 4, 2), (64, 2, 3), (64, 8, 4), (32, 4, 4), (128, 4, 3), (128, 8, 3),
+                  (128, 4, 2), (128, 4, 4), (256, 8, 2)]
+DECODE_SPLITS = [(512, 512, 64), (1024, 256, 128), (2048, 256, 256), (256, 1024, 64)]
+DECODE_SHAPES = [(8, 8192), (1, 32768), (64, 4096), (128, 1024)]
+
+
+def sweep_decode(args):
+    """Time the split kernel's candidates (DECODE_KERNELS × DECODE_SPLITS) on the
+    decoding benchmark's shapes (bf16, D = 128, H = 32 on 8 kv heads, L = 1, full
+    caches, contiguous and paged 64) next to SDPA over the same keys, each candidate's
+    output compared with SDPA's first; then where the public call's host time goes.
+    ``--shard i/n`` only runs the i-th of n slices of the kernels once (compiling them
+    into Triton's cache, for a parallel warm-up)."""
+    import torch
+    import torch.nn.functional as F
+
+    import attnkit
+    from attnkit.spec.kvcache import validate_kvcache
+    from attnkit.torch import triton as rung
+    from attnkit.torch.triton import tuning as triton_tuning
+    dev = "cpu" if args.dry_run else "cuda"
+    D, H, Hkv, dtype = (16, 4, 2, torch.float32) if args.dry_run else (128, 32, 8, torch.bfloat16)
+    shapes = [(2, 64), (1, 128)] if args.dry_run else DECODE_SHAPES
+    page_size = 16 if args.dry_run else 64
+    size = dtype.itemsize
+    kernels = DECODE_KERNELS[:2] if args.dry_run else DECODE_KERNELS
+    if args.shard:
+        i, n = (int(x) for x in args.shard.split("/"))
+        kernels = kernels[i::n]
+    t0 = time.perf_counter()
+    data = {}
+    for B, S in shapes:
+        for page in (None, page_size):
+            k, v, table = decode_cache(torch, B, Hkv, S, D, dtype, dev, page)
+            q = torch.randn(B, H, 1, D, device=dev).to(dtype)
+            lengths = torch.full((B,), S, device=dev)
+            data[B, S, page] = (q, k, v, lengths, table)
+    sdpa, want = {}, {}
+    for (B, S, page), (q, k, v, _, table) in data.items():
+        if page:                                    # the paged cache's keys in sequence order
+            k, v = (c[table.long()].permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D) for c in (k, v))
+        fn = (lambda a=(q, k, v): F.scaled_dot_product_attention(*a, enable_gqa=True))
+        want[B, S, page] = fn()
+        if page is None and not args.shard:
+            sdpa[B, S] = 2 * B * Hkv * S * D * size / 1e9 / timer(torch, dev, fn) * 1e3
+    best = {}
+    defaults = (triton_tuning.DECODE_PROGRAMS, triton_tuning.MAX_SPLITS)
+    for bn, w, st in kernels:
+        for programs, split_keys, max_splits in DECODE_SPLITS:
+            triton_tuning.override = (lambda D_, dt, cap, kd, c=(bn, w, st, split_keys):
+                                      dict(zip(("BLOCK_N", "num_warps", "num_stages", "SPLIT_KEYS"), c))
+                                      if kd == "decode" else None)
+            triton_tuning.DECODE_PROGRAMS, triton_tuning.MAX_SPLITS = programs, max_splits
+            line = f"BLOCK_N={bn:3} warps={w} stages={st} programs={programs:4} split_keys={split_keys:4} " \
+                   f"max_splits={max_splits:3} GB/s:"
+            try:
+                for (B, S, page), (q, k, v, lengths, table) in data.items():
+                    kv = validate_kvcache(q, k, v, lengths, block_table=table, backend="triton")
+                    fn = (lambda kv=kv: rung.rung_kvcache(kv))
+                    err = (fn()[0].float() - want[B, S, page].float()).abs().max().item()
+                    if args.shard:
+                        continue
+                    gbps = 2 * B * Hkv * S * D * size / 1e9 / timer(torch, dev, fn, min_time=0.05) * 1e3
+                    line += f" {B}x{S}{'p' if page else 'c'} {gbps:6.0f}{'' if err < 3e-2 else f' (ERROR {err:.1e})'}"
+                    if err < 3e-2 and gbps > best.get((B, S, page), (0,))[0]:
+                        best[B, S, page] = (gbps, (bn, w, st, programs, split_keys, max_splits))
+            except RuntimeError as e:                # e.g. out of shared memory
+                line += f" failed: {str(e).splitlines()[0][:80]}"
+            finally:
+                triton_tuning.override = None
+                triton_tuning.DECODE_PROGRAMS, triton_tuning.MAX_SPLITS = defaults
+            print(line if not args.shard else f"compiled {line.split(' GB/s')[0]} "
+                  f"at {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.shard:
+        return
+    print("SDPA GB/s: " + " ".join(f"{B}x{S} {g:.0f}" for (B, S), g in sdpa.items()))
+    for key, (gbps, cfg) in best.items():
+        print(f"best {key}: {gbps:.0f} GB/s (x{gbps / sdpa[key[:2]]:.2f} vs sdpa) with "
+              f"(BLOCK_N, warps, stages, programs, split_keys, max_splits) = {cfg}")
+    # where the public call's time goes on the host (ms, each step synchronised)
+    for (B, S, page), (q, k, v, lengths, table) in data.items():
+        if B != shapes[0][0]:
+            continue
+        steps = {"validate_kvcache": lambda: validate_kvcache(q, k, v, lengths, block_table=table, backend="triton"),
+                 "rung (kernels)": lambda kv=validate_kvcache(q, k, v, lengths, block_table=table, backend="triton"):
+                 rung.rung_kvcache(kv),
+                 "public call": lambda: attnkit.attention_kvcache(q, k, v, lengths, block_table=table,
+                                                                  backend="triton")}
+        shown = []
+        for name, fn in steps.items():
+            sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+            fn()
+            sync()
+            times = []
+            for _ in range(20):
+                t = time.perf_counter()
+                fn()
+                sync()
+                times.append((time.perf_counter() - t) * 1e3)
+            shown.append(f"{name} {statistics.median(times):.3f}")
+        print(f"host+device ms, B={B} S={S} page={page}: " + ", ".join(shown), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu_benchmark.csv", help="CSV path")
@@ -592,6 +703,9 @@ def main(argv=None):
     ap.add_argument("--warm", metavar="WHAT", help='compile one part\'s kernels into Triton\'s cache: '
                     '"dtype,D,causal" or "decode"; "list" prints the parts that cover the grid')
     ap.add_argument("--decode-only", action="store_true", help="only the KV-cache decoding check and timing")
+    ap.add_argument("--dtypes", help="comma-separated: check and time only these dtypes of the grid")
+    ap.add_argument("--sweep-decode", action="store_true", help="time the decode kernel's candidates (GPU)")
+    ap.add_argument("--shard", metavar="I/N", help="with --sweep-decode: only compile the I-th of N slices")
     args = ap.parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -603,6 +717,8 @@ def main(argv=None):
         compile_only([tuple(int(x) for x in c.split(".")) for c in args.compile_only.split(",")])
     elif args.sweep:
         sweep(args)
+    elif args.sweep_decode:
+        sweep_decode(args)
     else:
         run_benchmark(args)
 

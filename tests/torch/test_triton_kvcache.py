@@ -218,6 +218,56 @@ def test_nan_rule():
     assert torch.isnan(out[0, :, 1]).all()
 
 
+EVERY_ROW_CASES = pytest.mark.parametrize("L,kw", [(1, {}), (1, dict(causal=True)), (3, {}), (3, dict(causal=True))],
+                                         ids=["decode", "decode-causal", "chunk", "chunk-causal"])
+
+
+@EVERY_ROW_CASES
+def test_nan_rule_in_tiles_every_row_sees(L, kw, device="cpu"):
+    """Tiles whose every key every row sees run without the per-tile check (decode.py):
+    a NaN or ±inf value there still makes exactly the reference's columns NaN, in every
+    split, contiguous and paged; a causal chunk's diagonal tile keeps the check."""
+    q = queries(2, 4, L, 16, "float32")
+    for k_cache, v_cache, table in (contiguous(2, 2, 112, 16, 16, "float32", seed=9),
+                                    paged(2, 2, 7, 16, 16, 16, "float32", seed=9)):
+        at = (lambda b, j: (b, j)) if table is None else (lambda b, j: (int(table[b, j // 16]), j % 16))
+        for (b, h, j, d), x in {(0, 0, 10, 3): NAN, (0, 1, 70, 5): INF, (1, 0, 40, 7): -INF,
+                                (1, 1, 95, 2): NAN, (1, 1, 110, 4): NAN}.items():
+            page, slot = at(b, j)
+            v_cache[page, h, slot, d] = x           # (1, 1, 95) is the last key of sequence 1 and
+        lengths = torch.tensor([112, 96])           # the diagonal for chunk-causal's last row only;
+        on = [x if x is None else x.to(device) for x in (q, k_cache, v_cache, lengths, table)]   # 110: past
+        got = [x.cpu() for x in decode("triton", *on, **kw)[:2]]                                  # its length
+        want = decode("reference", q, k_cache, v_cache, lengths, table, **kw)[:2]
+        for a, w in zip(got, want):
+            assert torch.equal(torch.isnan(a), torch.isnan(w))
+            fin = torch.isfinite(w)
+            assert torch.equal(fin, torch.isfinite(a)) and max_error(a[fin], w[fin]) < 1e-5
+        out = got[0]
+        assert torch.isnan(out[0, :2, :, 3]).all() and torch.isnan(out[0, 2:, :, 5]).all()
+        assert torch.isnan(out[1, :2, :, 7]).all() and torch.isfinite(out[1, :, :, 4]).all()
+        assert torch.isnan(out[1, 2:, -1, 2]).all()
+        assert torch.isnan(out[1, 2:, :-1, 2]).all() != (L > 1 and "causal" in kw)
+
+
+@pytest.mark.parametrize("L", [1, 2])
+def test_nan_rule_left_window_edge(L):
+    """A window's left edge inside a read tile: a NaN at a key it excludes stays out
+    (the tile is checked), an inf at a key every row sees makes its column NaN."""
+    q = queries(1, 2, L, 16, "float32")
+    k_cache, v_cache, _ = contiguous(1, 1, 112, 16, 16, "float32", seed=10)
+    v_cache[0, 0, 80, 6] = NAN                      # tile [80, 96): the last row's window starts at 81
+    v_cache[0, 0, 100, 9] = INF
+    got = decode("triton", q, k_cache, v_cache, torch.tensor([112]), window=(30, None))[:2]
+    want = decode("reference", q, k_cache, v_cache, torch.tensor([112]), window=(30, None))[:2]
+    for a, w in zip(got, want):
+        assert torch.equal(torch.isnan(a), torch.isnan(w))
+        fin = torch.isfinite(w)
+        assert max_error(a[fin], w[fin]) < 1e-6
+    assert torch.isfinite(got[0][..., -1, 6]).all() and torch.isnan(got[0][..., 9]).all()
+    assert torch.isnan(got[0][..., 0, 6]).all() == (L == 2)   # row 0 of two sees key 80
+
+
 def test_not_supported_reasons_are_the_rungs():
     q = torch.zeros(1, 2, 1, 16, dtype=torch.float64)
     cache = torch.zeros(1, 1, 8, 16, dtype=torch.float64)
@@ -248,6 +298,12 @@ def test_gpu_kvcache(dtype, D, page, L):
     kw = dict(causal=True, softcap=30.0, alibi_slopes=torch.linspace(0.01, 0.1, 32),
               sinks=torch.linspace(-1, 1, 32)) if L == 4 else dict(window=(1000, 0))
     check(queries(4, 32, L, D, dtype), cache, torch.tensor([0, 1, 3000, 4096 - L]), L, device="cuda", **kw)
+
+
+@gpu
+@EVERY_ROW_CASES
+def test_gpu_nan_rule_in_tiles_every_row_sees(L, kw):
+    test_nan_rule_in_tiles_every_row_sees(L, kw, device="cuda")
 
 
 @gpu

@@ -26,11 +26,18 @@ contiguous shares of whole tiles (NUM_SPLITS from the shapes alone, see
 splits and every bit of the result is a function of the inputs.
 
 The NaN rule: scores follow ``_tile_scores`` (NaN or inf in q or k at a visible key
-makes the row NaN; excluded keys' scores are −inf). Values: a tile's non-finite
-entries are set to 0 before the product p·v (0 · NaN must not reach a row that
-excludes the key), and only when the tile has one, the rows that see such a key
-through a visible pair become NaN (``_nan_through``), so finite caches pay an
-elementwise check per tile and no second launch or whole-cache reduction.
+makes the row NaN; excluded keys' scores are −inf). Values: a split's tiles are read
+in three parts, edge tiles, tiles whose every key every row of the block can see, edge
+tiles (only a window or a causal band with L > 1 leaves edge tiles, plus a causal
+sequence's last partial tile). In edge tiles the non-finite entries are set to 0 before
+the product p·v (0 · NaN must not reach a row that excludes the key), and only when
+the tile has one, the rows that see such a key through a visible pair become NaN
+(``_nan_through``). The middle tiles run unchecked: every row sees every key there, so
+a non-finite value reaches its column of every row as NaN (p = 0 or a sum of ±inf) or
+±inf, which the end of the split turns into NaN. Finite caches pay no check there, and
+no second launch or whole-cache reduction anywhere. (An accumulator that overflows
+float32 from finite values becomes NaN there too, where the reference's average stays
+finite: values near float32's limit only.)
 """
 
 from .device import (
@@ -131,28 +138,45 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, slopes_op, part_o_op, par
     per = ((hi - lo + BLOCK_N - 1) // BLOCK_N + NUM_SPLITS - 1) // NUM_SPLITS * BLOCK_N
     start = lo + split * per
     end = tl.minimum(start + per, hi)
+    # the whole tiles whose keys every row of the block can see: [full_lo, full_hi)
+    full_lo = start
+    full_hi = end
+    if HAS_LEFT:
+        full_lo = (tl.maximum(i_hi + offset - LEFT, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    if HAS_RIGHT:
+        full_hi = tl.maximum(i_lo + offset + RIGHT + 1, 0) // BLOCK_N * BLOCK_N
+    mid_lo = tl.minimum(tl.maximum(full_lo, start), end)
+    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(_bound(start, INTERPRET), _bound(end, INTERPRET), BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < Lk                          # keys past the length: never read
-        kT = _cache_tile(K, Table, b, hk, cols, col_ok, offs_d, stride_kp, stride_kh, stride_kn, stride_kd,
-                         stride_tb, stride_tp, PAGE, HEAD_D, False, PAGED)
-        qk = _mm(q, kT, None, INTERPRET, PRECISION)
-        s, _ = _tile_scores(qk, i[:, None], cols[None, :], geo, masks, scal, True, HAS_LEFT, HAS_RIGHT,
-                            False, False, False, HAS_SOFTCAP, HAS_ALIBI)
-        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-        v = _cache_tile(V, Table, b, hk, cols, col_ok, offs_dv, stride_vp, stride_vh, stride_vn, stride_vd,
-                        stride_tb, stride_tp, PAGE, HEAD_DV, True, PAGED)
-        v, bad = _exempt(v, INTERPRET)              # non-finite values as 0: excluded keys never reach a row
-        if HAS_DROPOUT:                             # out = dropout(weights) v; l (and lse) count every weight
-            p = p * _dropout_scale(i[:, None], cols[None, :], rng)
-        acc = _mm_lowp(p, v, acc * alpha[:, None], SPLIT, INTERPRET, PRECISION)
-        if tl.reduce(tl.reduce(bad.to(tl.float32), 1, _max_combine), 0, _max_combine) > 0:
-            acc = _nan_through(acc, s != float("-inf"), bad, INTERPRET, PRECISION)   # visible ones: NaN
+    for part in tl.static_range(3):                 # edge tiles, tiles every row sees, edge tiles
+        part_lo = start if part == 0 else (mid_lo if part == 1 else mid_hi)
+        part_hi = mid_lo if part == 0 else (mid_hi if part == 1 else end)
+        for start_n in range(_bound(part_lo, INTERPRET), _bound(part_hi, INTERPRET), BLOCK_N):
+            cols = start_n + offs_n
+            col_ok = cols < Lk                      # keys past the length: never read
+            kT = _cache_tile(K, Table, b, hk, cols, col_ok, offs_d, stride_kp, stride_kh, stride_kn, stride_kd,
+                             stride_tb, stride_tp, PAGE, HEAD_D, False, PAGED)
+            qk = _mm(q, kT, None, INTERPRET, PRECISION)
+            s, _ = _tile_scores(qk, i[:, None], cols[None, :], geo, masks, scal, True, HAS_LEFT, HAS_RIGHT,
+                                False, False, False, HAS_SOFTCAP, HAS_ALIBI)
+            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+            v = _cache_tile(V, Table, b, hk, cols, col_ok, offs_dv, stride_vp, stride_vh, stride_vn, stride_vd,
+                            stride_tb, stride_tp, PAGE, HEAD_DV, True, PAGED)
+            if part != 1:                           # non-finite values as 0: excluded keys never reach a row
+                v, bad = _exempt(v, INTERPRET)
+            if HAS_DROPOUT:                         # out = dropout(weights) v; l (and lse) count every weight
+                p = p * _dropout_scale(i[:, None], cols[None, :], rng)
+            acc = _mm_lowp(p, v, acc * alpha[:, None], SPLIT, INTERPRET, PRECISION)
+            if part != 1:
+                if tl.reduce(tl.reduce(bad.to(tl.float32), 1, _max_combine), 0, _max_combine) > 0:
+                    acc = _nan_through(acc, s != float("-inf"), bad, INTERPRET, PRECISION)   # visible: NaN
+    # every row saw every key of the middle tiles, which ran unchecked: a non-finite value
+    # there reached its column of every row as NaN, or ±inf (p > 0), made NaN here
+    acc = tl.where(tl.abs(acc) < float("inf"), acc, float("nan"))
 
     part = bh.to(tl.int64) * stride_pb + split * stride_ps + r * stride_pm
     tl.store(PartO + part[:, None] + offs_dv[None, :] * stride_pd, acc,

@@ -52,9 +52,10 @@ KINDS = ("forward", "backward_dkdv", "backward_dq", "backward_preprocess", "deco
 KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "SPLIT", "SPLIT_KEYS")
 # split-KV decoding: a launch aims for this many programs (a fixed number, not the
 # device's SM count, so the split count — and every bit of the result — depends on
-# the shapes only: about four programs per SM of a 108–132 SM A100/H100), with at
-# most MAX_SPLITS parts per (sequence, kv head, row block)
-DECODE_PROGRAMS = 512
+# the shapes only: about two programs per SM of a 108–132 SM A100/H100; 512 and more
+# were slower on an H200, benchmarks/gpu.py --sweep-decode), with at most MAX_SPLITS
+# parts per (sequence, kv head, row block)
+DECODE_PROGRAMS = 256
 MAX_SPLITS = 64
 
 override = None  # user hook: (D, dtype, capability, kind) -> dict | None
@@ -82,17 +83,21 @@ def default_config(D: int, dtype: str, capability, kind: str) -> dict:
 def _decode(D, dtype, capability, kind):
     """The decode kinds' entries: p rounded once like the forward (SPLIT off). Decoding
     reads each key once per GQA group, so its speed is the cache's bandwidth: key tiles
-    of 32–64 rows, pipelined; SPLIT_KEYS keeps a split's share of a long sequence to a
-    few tiles or more."""
+    of 32–128 rows, pipelined; SPLIT_KEYS keeps a split's share of a long sequence to a
+    few tiles or more. Half precision at D <= 128 on the large-shared-memory GPUs: the
+    fastest of benchmarks/gpu.py --sweep-decode's candidates on an H200 (README);
+    the rest are unmeasured."""
     if kind == "decode_combine":
         return dict(_entry(16 if capability is None else 32, 16, 1 if capability is None else 4, 1), SPLIT=False)
     if capability is None:
         return dict(_entry(32, 32, 1, 1), SPLIT=False, SPLIT_KEYS=256)
     big_smem = capability in ((8, 0), (9, 0), (10, 0))
     wide = D > 128 or dtype == "float32"
+    if big_smem and not wide:
+        return dict(_entry(64, 128, 4, 2), SPLIT=False, SPLIT_KEYS=1024)
     block_n = (16 if D > 128 else 32) if dtype == "float32" else (32 if D > 128 else 64)
     block_m = 64 if not wide else (16 if D > 128 and dtype == "float32" else 32)   # fp32 D=256: ~100 KB at 32
-    return dict(_entry(block_m, block_n, 4, 3 if big_smem and not wide else 2), SPLIT=False, SPLIT_KEYS=512)
+    return dict(_entry(block_m, block_n, 4, 2), SPLIT=False, SPLIT_KEYS=512)
 
 
 def decode_splits(programs: int, keys: int, split_keys: int) -> int:
@@ -101,8 +106,8 @@ def decode_splits(programs: int, keys: int, split_keys: int) -> int:
     enough parts to reach DECODE_PROGRAMS programs, at most MAX_SPLITS, and none
     shorter than ``split_keys`` keys. Shapes only: the same on every device.
 
-    >>> decode_splits(programs=8, keys=32768, split_keys=512), decode_splits(4096, 32768, 512)
-    (64, 1)
+    >>> decode_splits(programs=8, keys=32768, split_keys=1024), decode_splits(4096, 32768, 1024)
+    (32, 1)
     """
     by_keys = -(-max(keys, 1) // max(split_keys, 1))
     by_programs = -(-DECODE_PROGRAMS // max(programs, 1))
