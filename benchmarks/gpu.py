@@ -669,11 +669,12 @@ def sweep_decode(args):
     for (B, S, page), (q, k, v, lengths, table) in data.items():
         if B != shapes[0][0]:
             continue
-        steps = {"validate_kvcache": lambda: validate_kvcache(q, k, v, lengths, block_table=table, backend="triton"),
-                 "rung (kernels)": lambda kv=validate_kvcache(q, k, v, lengths, block_table=table, backend="triton"):
-                 rung.rung_kvcache(kv),
-                 "public call": lambda: attnkit.attention_kvcache(q, k, v, lengths, block_table=table,
-                                                                  backend="triton")}
+        args = (q, k, v, lengths)
+        kv = validate_kvcache(*args, block_table=table, backend="triton")
+        steps = {"validate_kvcache": lambda a=args, t=table: validate_kvcache(*a, block_table=t, backend="triton"),
+                 "rung (kernels)": lambda kv=kv: rung.rung_kvcache(kv),
+                 "public call": lambda a=args, t=table: attnkit.attention_kvcache(*a, block_table=t,
+                                                                                  backend="triton")}
         shown = []
         for name, fn in steps.items():
             sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)

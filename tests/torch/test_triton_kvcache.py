@@ -230,10 +230,9 @@ def test_nan_rule_in_tiles_every_row_sees(L, kw, device="cpu"):
     q = queries(2, 4, L, 16, "float32")
     for k_cache, v_cache, table in (contiguous(2, 2, 112, 16, 16, "float32", seed=9),
                                     paged(2, 2, 7, 16, 16, 16, "float32", seed=9)):
-        at = (lambda b, j: (b, j)) if table is None else (lambda b, j: (int(table[b, j // 16]), j % 16))
         for (b, h, j, d), x in {(0, 0, 10, 3): NAN, (0, 1, 70, 5): INF, (1, 0, 40, 7): -INF,
                                 (1, 1, 95, 2): NAN, (1, 1, 110, 4): NAN}.items():
-            page, slot = at(b, j)
+            page, slot = (b, j) if table is None else (int(table[b, j // 16]), j % 16)
             v_cache[page, h, slot, d] = x           # (1, 1, 95) is the last key of sequence 1 and
         lengths = torch.tensor([112, 96])           # the diagonal for chunk-causal's last row only;
         on = [x if x is None else x.to(device) for x in (q, k_cache, v_cache, lengths, table)]   # 110: past
