@@ -40,10 +40,12 @@ the table's entry::
     >>> triton_tuning.override = None
 
 The half-precision GPU entries are starting points from the FlashAttention-2 Triton
-designs, measured once on an H200 (README.md) but not swept there; the float32
-entries were chosen so that ptxas spills next to no registers for sm_90
-(``aot.ptxas_usage``), not yet run on a GPU. ``benchmarks/gpu.py --sweep`` times a
-few candidates through ``override`` and prints the best per head dim and kind.
+designs, measured on an H200 (README.md) but not swept there, except the decode entry
+at D <= 128 (the fastest of ``benchmarks/gpu.py --sweep-decode``'s candidates there);
+the float32 entries were chosen so that ptxas spills next to no registers for sm_90
+(``aot.ptxas_usage``), and checked and timed on an H200 since. ``benchmarks/gpu.py
+--sweep`` times a few candidates through ``override`` and prints the best per head dim
+and kind.
 """
 
 from __future__ import annotations
