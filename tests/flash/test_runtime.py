@@ -450,6 +450,27 @@ def test_after_fork_the_child_starts_over_keeping_the_controller(monkeypatch):
     assert ctl.log == ["restore"] and runtime._blas.controller is ctl
 
 
+def test_decoding_leaves_blas_alone_and_tiles_hold_it(monkeypatch):
+    """A call whose every block runs the compiled streaming kernel (decoding) makes no
+    BLAS call, so it asks the BLAS thread for nothing; a call with tiles (matmuls) holds
+    BLAS to one thread, on one thread and on two. Same results either way."""
+    asked = []
+    request = runtime._blas.request
+    monkeypatch.setattr(runtime._blas, "request", lambda cmd, tok: asked.append(cmd) or request(cmd, tok))
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 8, 1, 64), dtype=np.float32)
+    k, v = (rng.standard_normal((2, 2, 3000, 64), dtype=np.float32) for _ in range(2))
+    lengths = np.array([3000, 1234])
+    want = attnkit.attention_kvcache(q, k, v, lengths, backend="reference")
+    for n in (1, 2):
+        with flash.threads(n):
+            asked.clear()
+            got = attnkit.attention_kvcache(q, k, v, lengths, backend="flash")
+            assert asked == [] and max_error(got, want) < 1e-5
+            attnkit.attention(np.repeat(q, 64, axis=2), k, v, backend="flash")     # 64 rows · 4 heads: tiles
+            assert asked == ["enter", "exit"]
+
+
 def test_the_blas_thread_limits_once_and_restores_when_the_last_call_leaves():
     """On a private BLAS thread with a recording controller: the limit is applied on the
     first enter, kept while any call is in, restored on the last exit; a failed limit

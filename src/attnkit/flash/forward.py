@@ -195,7 +195,9 @@ def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray 
 
     # heaviest tasks first (causal: the last query blocks see the most keys)
     tasks.sort(key=lambda t: -(t[4] - t[3]) * (blocks[t[0]][2] - blocks[t[0]][1]) * blocks[t[0]][0].nk)
-    runtime.run(tasks, task)
+    # decoding: every block on the compiled streaming kernel, no matmul (online_softmax)
+    streams_only = want_out and weights is None and all(call.streams(*b) for b in blocks)
+    runtime.run(tasks, task, blas=not streams_only)
     for n_b, states in parts.items():                    # split-KV: merge the parts in order
         u, r0, r1 = blocks[n_b]
         _finish_store(call, lse, out, u, r0, r1, merge_parts(states))
