@@ -211,7 +211,9 @@ class Spec:
     def to_inputs(self, dq: Any, dk: Any, dv: Any) -> tuple[Any, Any, Any]:
         """Gradients per query head (..., H, L|S, X) summed into their kv head (GQA),
         then over the dims the user's q, k, v were broadcast along: their shapes."""
-        def fold(x: Any) -> Any:  # (..., H, S, X) -> (..., Hkv, S, X)
+        def fold(x: Any) -> Any:  # (..., H, S, X) -> (..., Hkv, S, X); no GQA: x itself (a sum
+            if self.group == 1:   # over a size-1 axis copies the whole gradient, serially)
+                return x
             return x.reshape(x.shape[:-3] + (self.Hkv, self.group) + x.shape[-2:]).sum(axis=-3)
 
         return (reduce_to(dq, self.shapes["q"]), reduce_to(fold(dk), self.shapes["k"]),
