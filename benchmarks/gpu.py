@@ -32,6 +32,8 @@ when reached, so the run stays under 5 minutes; skipped ones are listed.
     python benchmarks/gpu.py --compile-only 8.0,9.0   # no GPU needed: compile + smem
     python benchmarks/gpu.py --warm bfloat16,128,True  # compile one part into Triton's cache
     python benchmarks/gpu.py --sweep                  # try tuning candidates, print best
+    python benchmarks/gpu.py --sweep-decode           # the decode kernel's candidates, best per shape
+    python benchmarks/gpu.py --dtypes float32         # the grid's float32 rows only
     TRITON_INTERPRET=1 python benchmarks/gpu.py --dry-run --out /tmp/dry.csv   # CPU
 
 Standalone: needs torch, triton and numpy; attnkit is imported from ../src.
