@@ -10,7 +10,7 @@
 #     warm.txt       the parallel warm-up's output (compiling each part's kernels)
 #     gpu.txt/.csv   benchmarks/gpu.py: checks first, the bf16 GEMM ceiling, KV-cache
 #                    decoding, then the timing grid (D = 128 first) until its budget
-#   bash benchmarks/device_check.sh focus   (at most ~470 s; after a run of the two above)
+#   bash benchmarks/device_check.sh focus   (161 s on an H200, its time caps 600 s; after the two above)
 #     gpu_tests.txt  the float32 GPU tests (the float32 tiles) while the kernels below compile
 #     sweep.txt      benchmarks/gpu.py --sweep-decode: the decode kernel's candidates, the
 #                    public call's host time

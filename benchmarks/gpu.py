@@ -671,11 +671,11 @@ def sweep_decode(args):
     for (B, S, page), (q, k, v, lengths, table) in data.items():
         if B != shapes[0][0]:
             continue
-        args = (q, k, v, lengths)
-        kv = validate_kvcache(*args, block_table=table, backend="triton")
-        steps = {"validate_kvcache": lambda a=args, t=table: validate_kvcache(*a, block_table=t, backend="triton"),
+        call = (q, k, v, lengths)
+        kv = validate_kvcache(*call, block_table=table, backend="triton")
+        steps = {"validate_kvcache": lambda a=call, t=table: validate_kvcache(*a, block_table=t, backend="triton"),
                  "rung (kernels)": lambda kv=kv: rung.rung_kvcache(kv),
-                 "public call": lambda a=args, t=table: attnkit.attention_kvcache(*a, block_table=t,
+                 "public call": lambda a=call, t=table: attnkit.attention_kvcache(*a, block_table=t,
                                                                                   backend="triton")}
         shown = []
         for name, fn in steps.items():

@@ -329,9 +329,10 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     over whole rows: vectorised, and no call of tanh inside the score loop, whose
     registers it would spill); the values, four keys by four rows per pass over the
     output while the next chunk's key rows are prefetched — where some row's bounds
-    cut the chunk, key by key and only the keys each row sees (an excluded key's
-    value is never read). A page's heads go head after head through the chunk's keys
-    in that page (a page is one contiguous block). Against one pass per key and row
+    cut the chunk, or a score inside them is −inf (an infinite q or k entry), key by
+    key and only the keys each row sees (an excluded key's value is never read). A
+    page's heads go head after head through the chunk's keys in that page (a page is
+    one contiguous block). Against one pass per key and row
     without prefetching (the kernel before): 1.4–1.5× less compute per key from cache,
     1.1–1.2× faster on contiguous caches and 1.3–1.45× on pages of 16 keys from memory
     (docs/decisions.md). Compiled with reassociation (sums run in vector lanes, in an
@@ -394,13 +395,24 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
                 x = s[f, jj] if a0 <= jj < a1 else f32(-np.inf)
                 s[f, jj] = x
                 m_new = _fmax(m_new, x)
+            low = f32(np.inf)                              # the least score inside the bounds
+            for jj in range(a0, a1):
+                low = min(low, s[f, jj])
             shift = f32(0.0) if m_new == -np.inf else m_new
             total = f32(0.0)
-            for jj in range(n):
-                x = s[f, jj]
-                e = f32(0.0) if x == -np.inf else exp2_f32((x - shift) * LOG2E)
-                s[f, jj] = e
-                total += e
+            if low == -np.inf:                             # a −inf score (inf in q or k) excludes its
+                full = False                               # key: its weight marked −1, and the
+                for jj in range(n):                        # key-by-key value pass below skips it
+                    x = s[f, jj]
+                    e = f32(0.0) if x == -np.inf else exp2_f32((x - shift) * LOG2E)
+                    total += e
+                    s[f, jj] = f32(-1.0) if x == -np.inf and a0 <= jj < a1 else e
+            else:
+                for jj in range(n):
+                    x = s[f, jj]
+                    e = f32(0.0) if x == -np.inf else exp2_f32((x - shift) * LOG2E)
+                    s[f, jj] = e
+                    total += e
             al = exp2_f32((m_i[f] - shift) * LOG2E)
             l_i[f] = l_i[f] * al + total
             m_i[f] = m_new
@@ -416,13 +428,13 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
                 h = hk + a
                 for jj in range(j0, min(j1, n_next)):
                     _prefetch_row(kc, n_pages[jj], h, n_slots[jj])
-                if not full:                               # some row's edge in the chunk
-                    for jj in range(j0, j1):
-                        sl = sl0 + jj
+                if not full:                               # some row's edge in the chunk, or a
+                    for jj in range(j0, j1):               # −inf score (weight −1): key by key,
+                        sl = sl0 + jj                      # an excluded key's value never read
                         for r in range(R):
                             f = a * R + r
-                            if lo[f] <= start + jj < hi[f]:      # an excluded key's value is never read
-                                w = s[f, jj]
+                            w = s[f, jj]
+                            if lo[f] <= start + jj < hi[f] and not w < 0:
                                 for d in range(Dv):
                                     acc[a, r, d] += w * vc[page, h, sl, d]
                     continue

@@ -34,10 +34,13 @@ the product p·v (0 · NaN must not reach a row that excludes the key), and only
 the tile has one, the rows that see such a key through a visible pair become NaN
 (``_nan_through``). The middle tiles run unchecked: every row sees every key there, so
 a non-finite value reaches its column of every row as NaN (p = 0 or a sum of ±inf) or
-±inf, which the end of the split turns into NaN. Finite caches pay no check there, and
-no second launch or whole-cache reduction anywhere. (An accumulator that overflows
-float32 from finite values becomes NaN there too, where the reference's average stays
-finite: values near float32's limit only.)
+±inf, which the end of the split turns into NaN. One exception: an infinite q or k
+entry can make a score −inf there, which excludes its key, and then 0 · NaN must not
+reach the rows; middle tiles only flag such a score (elementwise), and a split that
+saw one is computed again from its first tile with every tile checked. Finite caches
+pay no check in the middle tiles, and no second launch or whole-cache reduction
+anywhere. (An accumulator that overflows float32 from finite values becomes NaN there
+too, where the reference's average stays finite: values near float32's limit only.)
 """
 
 from .device import (
@@ -152,9 +155,16 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, slopes_op, part_o_op, par
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for part in tl.static_range(3):                 # edge tiles, tiles every row sees, edge tiles
-        part_lo = start if part == 0 else (mid_lo if part == 1 else mid_hi)
-        part_hi = mid_lo if part == 0 else (mid_hi if part == 1 else end)
+    neg = (r[:, None] < 0) & (offs_n[None, :] < 0)  # a −inf score in a middle tile (all False)
+    for part in tl.static_range(4):                 # edge tiles, tiles every row sees, edge tiles,
+        part_lo = start if part == 0 else (mid_lo if part == 1 else mid_hi)   # and all of them
+        part_hi = mid_lo if part == 0 else (mid_hi if part == 1 else end)     # again, checked, when
+        if part == 3:                               # a middle tile held a −inf score (below)
+            redo = tl.reduce(tl.reduce(neg.to(tl.int32), 1, _max_combine), 0, _max_combine) > 0
+            m_i = tl.where(redo, float("-inf"), m_i)
+            l_i = tl.where(redo, 0.0, l_i)
+            acc = tl.where(redo, 0.0, acc)
+            part_lo = tl.where(redo, start, end)
         for start_n in range(_bound(part_lo, INTERPRET), _bound(part_hi, INTERPRET), BLOCK_N):
             cols = start_n + offs_n
             col_ok = cols < Lk                      # keys past the length: never read
@@ -168,6 +178,8 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, slopes_op, part_o_op, par
                             stride_tb, stride_tp, PAGE, HEAD_DV, True, PAGED)
             if part != 1:                           # non-finite values as 0: excluded keys never reach a row
                 v, bad = _exempt(v, INTERPRET)
+            else:                                   # an infinite q or k can still exclude a key here
+                neg = neg | ((s == float("-inf")) & col_ok[None, :] & row_ok[:, None])
             if HAS_DROPOUT:                         # out = dropout(weights) v; l (and lse) count every weight
                 p = p * _dropout_scale(i[:, None], cols[None, :], rng)
             acc = _mm_lowp(p, v, acc * alpha[:, None], SPLIT, INTERPRET, PRECISION)
