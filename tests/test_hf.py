@@ -217,22 +217,124 @@ def test_encoder_decoders_and_vision_match_sdpa(name):
     assert (outs[0] - outs[1]).abs().max() <= 1e-10
 
 
-def test_packed_batch_equals_the_sequences_unpacked(calls):
-    """Padding-free training: three sequences packed into one row with restarting
-    position_ids give the loss (and gradients) of the same sequences one by one."""
-    lengths = [5, 3, 7]
+def packed_sequences(lengths=(5, 3, 7)):
     g = torch.Generator().manual_seed(4)
     seqs = [torch.randint(1, 97, (n,), generator=g) for n in lengths]
-    packed = torch.cat(seqs)[None]
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    model = decoder("llama", "attnkit")
-    logits_packed = model(input_ids=packed, position_ids=pos).logits[0]
-    assert any(c.get("cu_seqlens_q") is not None for c in calls)
-    start = 0
-    for s in seqs:
-        alone = model(input_ids=s[None]).logits[0]
-        assert (logits_packed[start:start + len(s)] - alone).abs().max() <= 1e-10
-        start += len(s)
+    return seqs, torch.cat(seqs)[None], pos
+
+
+@pytest.mark.parametrize("name, how", [("llama", "position_ids"), ("gemma3", "position_ids"),
+                                       ("llama", "cu_seq_lens"), ("gemma3", "cu_seq_lens"), ("gpt_oss", "cu_seq_lens")])
+def test_packed_batch_equals_the_sequences_unpacked(name, how, calls):
+    """Padding-free training (no cache): three sequences packed into one row with
+    restarting position_ids — or FlashAttention's cu_seq_lens keywords — give the
+    logits of the same sequences one by one, sliding-window layers (window 5, the
+    last sequence 7 long) and sinks included. (gpt_oss builds its masks without
+    position_ids, so only the keywords pack it.)"""
+    seqs, packed, pos = packed_sequences()
+    model = decoder(name, "attnkit")
+    kw = {}
+    if how == "cu_seq_lens":
+        cu = torch.tensor([0, 5, 8, 15])
+        kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    with torch.no_grad():
+        logits_packed = model(input_ids=packed, position_ids=pos, use_cache=False, **kw).logits[0]
+        assert calls and all(c.get("cu_seqlens_q") is not None for c in calls)
+        start = 0
+        for s in seqs:
+            alone = model(input_ids=s[None]).logits[0]
+            assert (logits_packed[start:start + len(s)] - alone).abs().max() <= 1e-10
+            start += len(s)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_restarting_positions_with_a_cache_are_not_packed(name, calls):
+    """With a cache transformers builds no packed mask, and sdpa attends across the
+    restarts: attnkit follows the mask it was given, in every layer alike."""
+    _, packed, pos = packed_sequences()
+    ours = logits(decoder(name, "attnkit"), input_ids=packed, position_ids=pos)
+    assert calls and all(c.get("cu_seqlens_q") is None for c in calls)
+    assert (ours - logits(decoder(name, "sdpa"), input_ids=packed, position_ids=pos)).abs().max() <= 1e-10
+
+
+def test_a_static_cache_without_a_mask_matches_sdpa():
+    """Prefill in two chunks into a StaticCache (its later slots empty) with no
+    attention_mask: the causal diagonal is the tokens so far, not the cache's end."""
+    ids, _ = batch(2)
+    outs = []
+    for impl in ("sdpa", "attnkit"):
+        model = decoder("llama", impl)
+        cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+        with torch.no_grad():
+            first = model(input_ids=ids[:, :6], cache=cache).logits
+            second = model(input_ids=ids[:, 6:], cache=cache).logits
+        outs.append(torch.cat([first, second], 1))
+    assert (outs[0] - outs[1]).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("decoder_mask", [False, True])
+def test_t5_on_a_static_cache_matches_sdpa(decoder_mask):
+    """T5's position bias spans the static cache; the keys past the tokens so far are
+    cut from it with the keys (with and without a decoder mask)."""
+    cfg = transformers.T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                decoder_start_token_id=0)
+    ids, _ = batch(2)                            # (sdpa fails on a padded encoder here)
+    dec = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(2))
+    kw = dict(decoder_attention_mask=torch.ones(2, 5, dtype=torch.long)) if decoder_mask else {}
+    outs = []
+    for impl in ("sdpa", "attnkit"):
+        torch.manual_seed(0)
+        model = transformers.T5ForConditionalGeneration._from_config(cfg, attn_implementation=impl).double().eval()
+        cache = transformers.EncoderDecoderCache(transformers.StaticCache(config=cfg, max_cache_len=16),
+                                                 transformers.StaticCache(config=cfg, max_cache_len=16))
+        with torch.no_grad():
+            outs.append(model(input_ids=ids, decoder_input_ids=dec, cache=cache, use_cache=True, **kw).logits)
+    assert (outs[0] - outs[1]).abs().max() <= 1e-10
+
+
+def test_a_sliding_window_keyword_without_a_sliding_mask_is_ignored():
+    """OLMoE passes sliding_window but builds a plain causal mask; sdpa and eager read
+    the mask, so the window must not depend on whether the batch has padding."""
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+    module = torch.nn.Module()
+    module.is_causal = True
+    plain, _ = attnkit.hf.attention_forward(module, q, k, v, None)
+    windowed, _ = attnkit.hf.attention_forward(module, q, k, v, None, sliding_window=2)
+    padded, _ = attnkit.hf.attention_forward(module, q, k, v, torch.ones(1, 6, dtype=torch.bool), sliding_window=2)
+    assert torch.equal(plain, windowed) and torch.equal(plain, padded)
+
+
+@pytest.mark.parametrize("name", ["xglm", "nllb_moe", "splinter"])
+def test_models_without_attention_backends_get_eager_masks(name):
+    """Models that support neither attention backends nor sdpa (hand-written
+    attention, or layers whose is_causal is not kept) get transformers' eager mask,
+    and so eager's results: causal decoders stay causal, encoders bidirectional."""
+    ids, mask = batch()
+    if name == "xglm":
+        cfg = transformers.XGLMConfig(vocab_size=97, d_model=32, num_layers=2, attention_heads=4, ffn_dim=64,
+                                      max_position_embeddings=64)
+        cls, kw = transformers.XGLMForCausalLM, dict(input_ids=ids, attention_mask=mask)
+    elif name == "nllb_moe":
+        cfg = transformers.NllbMoeConfig(vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=2,
+                                         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                         decoder_ffn_dim=64, num_experts=2, max_position_embeddings=64)
+        dec = torch.randint(3, 97, (3, 6), generator=torch.Generator().manual_seed(2))
+        cls, kw = transformers.NllbMoeForConditionalGeneration, dict(input_ids=ids, attention_mask=mask,
+                                                                      decoder_input_ids=dec)
+    else:
+        cfg = transformers.SplinterConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64, max_position_embeddings=64, question_token_id=5)
+        cls, kw = transformers.SplinterModel, dict(input_ids=ids, attention_mask=mask)
+    outs = []
+    for impl in ("eager", "attnkit"):
+        torch.manual_seed(0)
+        model = cls._from_config(cfg, attn_implementation=impl).eval()      # float32: XGLM's own
+        with torch.no_grad():                                                # attention needs it
+            o = model(**kw)
+        outs.append(o.logits if getattr(o, "logits", None) is not None else o.last_hidden_state)
+    real = mask.bool() if name != "nllb_moe" else torch.ones(outs[0].shape[:2], dtype=torch.bool)
+    assert (outs[0] - outs[1])[real].abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2", "t5"])

@@ -19,12 +19,19 @@ How the model's arguments map:
   no mask (causal aligned bottom-right: the last query sees the last key, which is
   right for prefill, chunked prefill and decoding with a cache); right padding with
   L == S → ``kv_lengths`` (tiles past each sequence's end are skipped); other
-  padding → a (B, 1, 1, S) key-padding ``keep``. Every other mask (sliding windows,
-  static caches while decoding, image-token or prefix patterns) is transformers' own
-  boolean SDPA mask (True = attend) passed as ``keep``; a float mask is ``bias``.
-- Packed sequences (padding-free training): ``cu_seq_lens_q/k`` keywords, or
-  ``position_ids`` that restart within one row, run as packed sequences
-  (``cu_seqlens_q/k``), checked against the mask transformers built.
+  padding → a (B, 1, 1, S) key-padding ``keep``. A static cache's empty slots are
+  cut off (keys, and T5's position bias, up to the tokens so far). Every other mask
+  (sliding windows, image-token or prefix patterns) is transformers' own boolean SDPA
+  mask (True = attend) passed as ``keep``; a float mask is ``bias``. The window of a
+  layer is the one in its mask (a ``sliding_window`` keyword alone, as OLMoE passes
+  it with a plain causal mask, changes nothing — as for sdpa and eager).
+- Models that support neither transformers' attention backends nor SDPA (XGLM,
+  Bloom and MPT compute attention themselves; NLLB-MoE's decoder layers do not keep
+  ``is_causal``) get transformers' eager mask, hence eager's results.
+- Packed sequences (padding-free training): ``cu_seq_lens_q/k`` keywords (with the
+  layer's ``sliding_window``, as FlashAttention reads them), or ``position_ids`` that
+  restart within one row where transformers built the matching packed mask (no
+  cache: it packs only then) run as packed sequences (``cu_seqlens_q/k``).
 - GQA: key and value keep their Hkv heads (no ``repeat_kv`` copy).
 - ``softcap`` (Gemma 2), ``position_bias`` (T5: added to the scores), ``s_aux``
   (gpt-oss: one sink logit per head) and ``sinks`` (per-token sink logits,
@@ -94,15 +101,42 @@ def _packed_offsets(torch: Any, position_ids: Any) -> Any:
     return torch.cat([zero, starts, end])
 
 
-def _is_block_causal(torch: Any, mask: Any, cu: Any, causal: bool) -> bool:
+def _is_block_causal(torch: Any, mask: Any, cu: Any, causal: bool, window: tuple[int, int] | None) -> bool:
     """Whether a (1, 1|H, T, T) boolean mask is exactly packed sequences cu (causal
-    inside each when ``causal``)."""
+    inside each when ``causal``, keys at most ``window[0]`` back when given)."""
     T = int(cu[-1])
     seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=mask.device), torch.diff(cu))
     want = seq[:, None] == seq[None, :]
     if causal:
         want &= torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
+    if window is not None:
+        want &= torch.ones(T, T, dtype=torch.bool, device=mask.device).triu(-window[0])
     return bool((mask == want).all())
+
+
+_TRUSTED: dict[str, bool] = {}
+
+
+def _trusts_layers(config: Any) -> bool:
+    """Whether a model's attention layers may get :func:`attention_mask`'s short forms
+    (None or the 2-D padding mask): models that support transformers' attention
+    backends or SDPA, whose layers call the attention function with a true
+    ``is_causal`` (SDPA itself relies on it). Others (hand-written attention such as
+    XGLM, Bloom and MPT, or layers whose ``is_causal`` is not kept, such as NLLB-MoE's
+    decoder) get the eager mask. Unknown models (remote code) are trusted."""
+    kind = getattr(config, "model_type", None)
+    if kind is None:
+        return True
+    trusted = _TRUSTED.get(kind)
+    if trusted is None:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+        names: Any = MODEL_MAPPING_NAMES.get(kind)
+        name = names[0] if isinstance(names, (list, tuple)) else names
+        cls = getattr(transformers, str(name), None) if name else None
+        trusted = _TRUSTED[kind] = cls is None or bool(getattr(cls, "_supports_attention_backend", False)
+                                                        or getattr(cls, "_supports_sdpa", False))
+    return trusted
 
 
 def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
@@ -155,24 +189,28 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         opts["sinks"] = s[..., 0] if s.dim() == 4 and s.shape[-1] == 1 else s
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is None and L == S and query.shape[0] == 1:
+    sliding = kwargs.get("sliding_window")
+    window = (int(sliding) - 1, 0) if sliding is not None and causal else None
+    mask = attention_mask
+    if cu_q is None and L == S and query.shape[0] == 1 and mask is not None and mask.dim() == 4 \
+            and mask.dtype == torch.bool:             # packed only where transformers' mask is
         cu = _packed_offsets(torch, kwargs.get("position_ids"))
-        mask = attention_mask
-        if cu is not None and (mask is None or (mask.dim() == 4 and mask.dtype == torch.bool
-                                                and _is_block_causal(torch, mask, cu, causal))):
-            cu_q = cu_k = cu
-    if cu_q is not None:
+        for w in ((window, None) if window else (None,)) if cu is not None else ():
+            if _is_block_causal(torch, mask, cu, causal, w):
+                cu_q, cu_k, window = cu, cu, w
+                break
+    if cu_q is not None:                                  # FlashAttention's keywords: its window too
         opts.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k if cu_k is not None else cu_q,
-                    causal=causal, align="bottom_right")
+                    causal=causal, align="bottom_right", window=window)
         attention_mask = None
     elif attention_mask is None:
         opts.update(causal=causal and L > 1, align="bottom_right")
-        if kwargs.get("sliding_window") is not None and causal:
-            opts["window"] = (int(kwargs["sliding_window"]) - 1, 0)
     elif attention_mask.dim() == 2:                       # the padding mask of a plain layer
         T = attention_mask.shape[-1]
         if T < S:                                         # a static cache: slots past T are empty
             key, value, S = key[..., :T, :], value[..., :T, :], T
+            if opts.get("bias") is not None and opts["bias"].shape[-1] > T:
+                opts["bias"] = opts["bias"][..., :T]      # T5's position bias spans the cache too
         opts.update(causal=causal and L > 1, align="bottom_right")
         # no padding (every decoding step of an unpadded batch): one check, nothing more
         if not bool(attention_mask.all()):
@@ -196,8 +234,10 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
                    allow_is_bidirectional_skip: bool = False, local_size: int | None = None,
                    **kwargs: Any) -> Any:
     """attnkit's mask builder for transformers (registered by :func:`register`): plain
-    causal or bidirectional layers get the 2-D padding mask (None without padding),
-    everything else transformers' own boolean SDPA mask (True = attend).
+    causal or bidirectional layers get the 2-D padding mask (None without padding; a
+    causal layer on a static cache a mask of ones over the tokens so far), everything
+    else transformers' own boolean SDPA mask (True = attend), and models whose layers
+    cannot take the short forms (:func:`_trusts_layers`) the eager mask.
 
     Parameters
     ----------
@@ -214,14 +254,24 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     local_size : int, optional
         A sliding window's size (then transformers' mask is used).
     **kwargs
-        Passed to ``transformers.masking_utils.sdpa_mask``.
+        Passed to ``transformers.masking_utils.sdpa_mask`` (or ``eager_mask``).
     """
     from transformers import masking_utils as mu
     plain = ((mask_function is mu.causal_mask_function and allow_is_causal_skip and local_size is None)
              or (mask_function is mu.bidirectional_mask_function and allow_is_bidirectional_skip))
+    if not _trusts_layers(kwargs.get("config")):
+        return mu.eager_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                             mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
+                             allow_is_bidirectional_skip=False, **kwargs)
     if plain and kv_offset == 0 and (attention_mask is None or attention_mask.dim() == 2) \
             and (attention_mask is None or attention_mask.shape[-1] <= kv_length):
-        if attention_mask is None or (attention_mask.shape[-1] == kv_length and bool(attention_mask.all())):
+        if attention_mask is None:
+            T = int(q_offset) + q_length                  # causal: the tokens so far; a static
+            if T >= kv_length or mask_function is not mu.causal_mask_function:   # cache's other
+                return None                               # slots are empty
+            import torch
+            return torch.ones(batch_size, T, dtype=torch.bool, device=kwargs.get("device", "cpu"))
+        if attention_mask.shape[-1] == kv_length and bool(attention_mask.all()):
             return None
         return attention_mask.bool()
     return mu.sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
