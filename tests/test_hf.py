@@ -337,6 +337,27 @@ def test_models_without_attention_backends_get_eager_masks(name):
     assert (outs[0] - outs[1])[real].abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_indexers_choose_the_keys(name):
+    """DeepSeek-V3.2-style layers pass the indexer's top-k keys per query as
+    ``indices`` to every implementation but eager and sdpa (which get them folded into
+    the mask): attnkit folds them the same way (top 4 of up to 12 keys here)."""
+    cfg = transformers.AutoConfig.for_model(
+        name, vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, max_position_embeddings=64, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1, head_dim=8, index_n_heads=2, index_head_dim=16,
+        index_topk=4)
+    ids, mask = batch(2, 12)
+    outs = []
+    for impl in ("sdpa", "attnkit"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl,
+                                                              experts_implementation="eager").double().eval()
+        outs.append(logits(model, input_ids=ids, attention_mask=mask))
+    assert (outs[0] - outs[1])[mask.bool()].abs().max() <= 1e-10
+
+
 @pytest.mark.parametrize("name", ["bert", "gpt2", "t5"])
 def test_training_with_dropout_runs_and_is_reproducible(name, calls):
     ids, mask = batch()

@@ -33,6 +33,8 @@ How the model's arguments map:
   restart within one row where transformers built the matching packed mask (no
   cache: it packs only then) run as packed sequences (``cu_seqlens_q/k``).
 - GQA: key and value keep their Hkv heads (no ``repeat_kv`` copy).
+- ``indices`` (a sparse-attention indexer's top-k keys per query: DeepSeek-V3.2,
+  GLM-MoE-DSA) are folded into the layer's mask, as those models fold them for sdpa.
 - ``softcap`` (Gemma 2), ``position_bias`` (T5: added to the scores), ``s_aux``
   (gpt-oss: one sink logit per head) and ``sinks`` (per-token sink logits,
   (B, H, L, 1)) are supported; ``dropout`` (training) uses attnkit's dropout with a
@@ -65,7 +67,7 @@ HARMLESS = frozenset({
     "max_length_q", "max_length_k", "position_embeddings", "token_type_ids", "seq_idx",
 })
 HANDLED = frozenset({"is_causal", "softcap", "s_aux", "sinks", "position_bias", "sliding_window",
-                     "cu_seq_lens_q", "cu_seq_lens_k", "position_ids", "head_mask", "layer_head_mask"})
+                     "cu_seq_lens_q", "cu_seq_lens_k", "position_ids", "head_mask", "layer_head_mask", "indices"})
 
 
 def _torch_required() -> Any:
@@ -114,6 +116,20 @@ def _is_block_causal(torch: Any, mask: Any, cu: Any, causal: bool, window: tuple
     return bool((mask == want).all())
 
 
+def _with_selected_keys(torch: Any, mask: Any, indices: Any, S: int) -> Any:
+    """A sparse-attention indexer's choice (DeepSeek-V3.2, GLM-MoE-DSA: ``indices``
+    (B, L, topk), the keys each query may see) folded into the layer's 4-D mask, as
+    those models fold it themselves for eager and sdpa."""
+    if mask is None or mask.dim() != 4:
+        raise ValueError(f"indices: a sparse-attention indexer's keys need the layer's 4-D mask, got "
+                         f"{None if mask is None else tuple(mask.shape)}")
+    picked = torch.zeros(indices.shape[:-1] + (S,), dtype=torch.bool, device=indices.device)
+    picked = picked.scatter(-1, indices.long(), True).unsqueeze(1)          # (B, 1, L, S)
+    if mask.dtype == torch.bool:
+        return mask & picked
+    return mask.masked_fill(~picked, torch.finfo(mask.dtype).min)
+
+
 _TRUSTED: dict[str, bool] = {}
 
 
@@ -160,7 +176,7 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         Attention dropout while training (a seed from torch's generator).
     **kwargs
         transformers' other keywords: handled (is_causal, softcap, s_aux, sinks,
-        position_bias, sliding_window, cu_seq_lens_q/k, position_ids), harmless
+        position_bias, sliding_window, cu_seq_lens_q/k, position_ids, indices), harmless
         (:data:`HARMLESS`), or refused (``ValueError`` naming them).
 
     Returns
@@ -177,6 +193,8 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}: head masks are not supported by attnkit")
     L, S = query.shape[-2], key.shape[-2]
+    if kwargs.get("indices") is not None:
+        attention_mask = _with_selected_keys(torch, attention_mask, kwargs["indices"], S)
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     opts: dict[str, Any] = dict(scale=scaling, softcap=kwargs.get("softcap"), dropout=float(dropout or 0.0))
