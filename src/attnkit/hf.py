@@ -68,6 +68,7 @@ HARMLESS = frozenset({
 })
 HANDLED = frozenset({"is_causal", "softcap", "s_aux", "sinks", "position_bias", "sliding_window",
                      "cu_seq_lens_q", "cu_seq_lens_k", "position_ids", "head_mask", "layer_head_mask", "indices"})
+_KNOWN = HARMLESS | HANDLED
 
 
 def _torch_required() -> Any:
@@ -78,14 +79,21 @@ def _torch_required() -> Any:
     return torch
 
 
+_COLLECTOR: list[Any] = []                   # transformers' output collector (a ContextVar), once found
+
+
 def _recording_attentions() -> bool:
     """True when transformers is collecting attention weights (output_attentions=True),
     also for models that do not pass that keyword down."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:                      # other transformers versions: the keyword only
+    if not _COLLECTOR:
+        try:
+            from transformers.utils.output_capturing import _active_collector as found
+        except ImportError:                  # other transformers versions: the keyword only
+            found = None                     # type: ignore[assignment]
+        _COLLECTOR.append(found)
+    if _COLLECTOR[0] is None:
         return False
-    collected = _active_collector.get()
+    collected = _COLLECTOR[0].get()
     return bool(collected) and ("attentions" in collected or "cross_attentions" in collected)
 
 
@@ -185,7 +193,7 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     records attentions.
     """
     torch = _torch_required()
-    unknown = sorted(n for n, x in kwargs.items() if n not in HARMLESS | HANDLED and x is not None)
+    unknown = sorted(n for n, x in kwargs.items() if n not in _KNOWN and x is not None)
     if unknown:
         raise ValueError(f"{', '.join(unknown)}: attnkit's transformers integration does not know "
                          "this keyword and cannot honour it (it may change the result)")
