@@ -1,8 +1,9 @@
 """Hugging Face transformers on attnkit: tiny random models built from configs (no
 downloads) give sdpa's / eager's outputs with attn_implementation="attnkit" — decoders
 with left and right padding, encoders, encoder-decoders, generation with a cache,
-gradients (sink parameters included), training with dropout, packed (padding-free)
-batches — and the integration refuses keywords it cannot honour."""
+static caches, gradients (sink parameters included), training with dropout, packed
+(padding-free) batches, sparse-attention indexers, models without attention backends
+— and the integration refuses keywords it cannot honour."""
 
 import pytest
 
