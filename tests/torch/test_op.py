@@ -551,3 +551,19 @@ def test_a_rung_on_torch_tensors_gets_the_ops_arguments_as_tensors(monkeypatch):
     kv = SimpleNamespace(spec=spec)
     assert rung.rung_kvcache(kv) == ("out", "lse") and seen["kv"] is kv
     assert op.bound(flash).name == "torch (flash)" and op.bound(flash) is op.bound(flash)
+
+
+@pytest.mark.parametrize("how", ["func.jvp", "forward_ad", "forward_ad with grad"])
+def test_forward_mode_ad_is_refused_not_lost(how):
+    """The op has no forward-mode derivative: a tangent through it must raise, never
+    come back as zeros or None (the NumPy rung would see only the primal values)."""
+    import torch.autograd.forward_ad as fwAD
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        if how == "func.jvp":
+            torch.func.jvp(lambda x: attnkit.attention(x, k, v), (q,), (torch.randn_like(q),))
+        else:
+            with fwAD.dual_level():
+                attnkit.attention(fwAD.make_dual(q, torch.randn_like(q)), k.requires_grad_(how.endswith("grad")), v)
+    with fwAD.dual_level():                              # a dual level with no tangent among the inputs: fine
+        assert attnkit.attention(q, k, v).shape == (1, 2, 4, 8)

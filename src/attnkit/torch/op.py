@@ -187,6 +187,24 @@ def _eager(spec: Spec) -> bool:
     return spec.q.device.type == "cpu"
 
 
+def check_no_forward_ad(spec: Spec) -> None:
+    """NotImplementedError when forward-mode AD watches the call (``torch.func.jvp``,
+    or ``torch.autograd.forward_ad`` dual tensors among the inputs): the op has no
+    forward-mode derivative, and its tangent would otherwise be lost without a word."""
+    if torch.compiler.is_compiling():
+        return
+    jvp = False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+        jvp = any(i.key() == torch._C._functorch.TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+    if not jvp and torch.autograd.forward_ad._current_level >= 0:
+        jvp = any(isinstance(x, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(x).tangent is not None
+                  for x in (getattr(spec, n) for n in _VIEWED))
+    if jvp:
+        raise NotImplementedError("attnkit attention has no forward-mode derivative (torch.func.jvp, "
+                                  "torch.autograd.forward_ad): use reverse mode (backward, torch.autograd.grad)")
+
+
 def _fwd_fake(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = args[:3]
     batch = _batch(q, k, v)
@@ -297,6 +315,7 @@ class TorchRung:
         return list(self.mod.not_supported_reasons(spec))
 
     def rung_forward(self, spec: Spec, need_weights: bool = False) -> tuple[Any, Any, Any]:
+        check_no_forward_ad(spec)
         if getattr(self.mod, "arrays", "numpy") != "torch" and _eager(spec):
             drawn = seed_tensor(spec) if spec.seed is None else None     # the op's arguments' draw
             if drawn is not None:
