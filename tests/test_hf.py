@@ -306,11 +306,13 @@ def test_a_sliding_window_keyword_without_a_sliding_mask_is_ignored():
     assert torch.equal(plain, windowed) and torch.equal(plain, padded)
 
 
-@pytest.mark.parametrize("name", ["xglm", "nllb_moe", "splinter"])
+@pytest.mark.parametrize("name", ["xglm", "nllb_moe", "splinter", "align_text"])
 def test_models_without_attention_backends_get_eager_masks(name):
     """Models that support neither attention backends nor sdpa (hand-written
     attention, or layers whose is_causal is not kept) get transformers' eager mask,
-    and so eager's results: causal decoders stay causal, encoders bidirectional."""
+    and so eager's results: causal decoders stay causal, encoders bidirectional —
+    towers of composite models too (ALIGN's text encoder has no model type of its own
+    in transformers' auto tables)."""
     ids, mask = batch()
     if name == "xglm":
         cfg = transformers.XGLMConfig(vocab_size=97, d_model=32, num_layers=2, attention_heads=4, ffn_dim=64,
@@ -323,6 +325,10 @@ def test_models_without_attention_backends_get_eager_masks(name):
         dec = torch.randint(3, 97, (3, 6), generator=torch.Generator().manual_seed(2))
         cls, kw = transformers.NllbMoeForConditionalGeneration, dict(input_ids=ids, attention_mask=mask,
                                                                       decoder_input_ids=dec)
+    elif name == "align_text":
+        cfg = transformers.AlignTextConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=64, max_position_embeddings=64)
+        cls, kw = transformers.AlignTextModel, dict(input_ids=ids, attention_mask=mask)
     else:
         cfg = transformers.SplinterConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                           intermediate_size=64, max_position_embeddings=64, question_token_id=5)

@@ -25,9 +25,10 @@ How the model's arguments map:
   mask (True = attend) passed as ``keep``; a float mask is ``bias``. The window of a
   layer is the one in its mask (a ``sliding_window`` keyword alone, as OLMoE passes
   it with a plain causal mask, changes nothing — as for sdpa and eager).
-- Models that support neither transformers' attention backends nor SDPA (XGLM,
-  Bloom and MPT compute attention themselves; NLLB-MoE's decoder layers do not keep
-  ``is_causal``) get transformers' eager mask, hence eager's results.
+- Models (and towers of composite models) that support neither transformers'
+  attention backends nor SDPA (XGLM, Bloom and MPT compute attention themselves;
+  NLLB-MoE's decoder layers do not keep ``is_causal``) get transformers' eager mask,
+  hence eager's results.
 - Packed sequences (padding-free training): ``cu_seq_lens_q/k`` keywords (with the
   layer's ``sliding_window``, as FlashAttention reads them), or ``position_ids`` that
   restart within one row where transformers built the matching packed mask (no
@@ -138,7 +139,7 @@ def _with_selected_keys(torch: Any, mask: Any, indices: Any, S: int) -> Any:
     return mask.masked_fill(~picked, torch.finfo(mask.dtype).min)
 
 
-_TRUSTED: dict[str, bool] = {}
+_TRUSTED: dict[type, bool] = {}
 
 
 def _trusts_layers(config: Any) -> bool:
@@ -147,20 +148,33 @@ def _trusts_layers(config: Any) -> bool:
     backends or SDPA, whose layers call the attention function with a true
     ``is_causal`` (SDPA itself relies on it). Others (hand-written attention such as
     XGLM, Bloom and MPT, or layers whose ``is_causal`` is not kept, such as NLLB-MoE's
-    decoder) get the eager mask. Unknown models (remote code) are trusted."""
-    kind = getattr(config, "model_type", None)
-    if kind is None:
-        return True
+    decoder) get the eager mask. The model classes are those of the config's family
+    module whose ``config_class`` is the config's class (text and vision towers
+    included); a config from outside transformers (remote code) is trusted."""
+    kind = type(config)
     trusted = _TRUSTED.get(kind)
     if trusted is None:
-        import transformers
-        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-        names: Any = MODEL_MAPPING_NAMES.get(kind)
-        name = names[0] if isinstance(names, (list, tuple)) else names
-        cls = getattr(transformers, str(name), None) if name else None
-        trusted = _TRUSTED[kind] = cls is None or bool(getattr(cls, "_supports_attention_backend", False)
-                                                        or getattr(cls, "_supports_sdpa", False))
+        trusted = _TRUSTED[kind] = all(bool(getattr(c, "_supports_attention_backend", False)
+                                            or getattr(c, "_supports_sdpa", False)) for c in _model_classes(kind))
     return trusted
+
+
+def _model_classes(config_class: type) -> list[Any]:
+    """transformers' model classes for a config class (none for configs outside
+    ``transformers.models``)."""
+    import importlib
+
+    from transformers import PreTrainedModel
+    name = config_class.__module__
+    if not name.startswith("transformers.models.") or ".configuration_" not in name:
+        return []
+    try:
+        module = importlib.import_module(name.replace(".configuration_", ".modeling_"))
+    except ImportError:
+        return []
+    models = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
+              and c.__module__ == module.__name__]
+    return [c for c in models if getattr(c, "config_class", None) is config_class] or models
 
 
 def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
