@@ -272,7 +272,7 @@ def test_custom_ops_pass_opcheck():
     assert rung == "flash" and back.window == spec.window and back.scale == spec.scale
     torch.library.opcheck(torch.ops.attnkit.attention_fwd.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    out, lse = torch.ops.attnkit.attention_fwd(*args)
+    out, lse, _ = torch.ops.attnkit.attention_fwd(*args)
     out, lse = out.detach(), lse.detach()
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     torch.library.opcheck(torch.ops.attnkit.attention_bwd.default, (dout, dlse, out, lse, True) + args,
@@ -437,7 +437,7 @@ def test_backward_op_outputs_match_its_fake_without_sinks_or_bias_gradient():
     bias = torch.randn(3, 5)
     for kw in (dict(), dict(bias=bias)):
         args = op.to_op_args(validate(q, k, v, causal=True, **kw), "flash")
-        out, lse = torch.ops.attnkit.attention_fwd(*args)
+        out, lse, _ = torch.ops.attnkit.attention_fwd(*args)
         torch.library.opcheck(torch.ops.attnkit.attention_bwd.default,
                               (torch.randn_like(out), None, out, lse, False) + args,
                               test_utils=("test_schema", "test_faketensor"))
@@ -501,7 +501,7 @@ def test_three_d_inputs_match_the_fake_implementations():
     q, k, v = make((2, 3, 4), (2, 5, 4), Dv=6, dtype=torch.float32, seed=28, grad=False)
     args = op.to_op_args(validate(q, k, v, causal=True), "flash")
     torch.library.opcheck(torch.ops.attnkit.attention_fwd.default, args, test_utils=("test_schema", "test_faketensor"))
-    out, lse = torch.ops.attnkit.attention_fwd(*args)
+    out, lse, _ = torch.ops.attnkit.attention_fwd(*args)
     assert out.shape == (2, 3, 6) and lse.shape == (2, 3)
     wargs = op.to_op_args(validate(q, k, None, need_v=False, causal=True), "flash")
     torch.library.opcheck(torch.ops.attnkit.attention_weights.default, (lse, None) + wargs,
@@ -567,3 +567,29 @@ def test_forward_mode_ad_is_refused_not_lost(how):
                 attnkit.attention(fwAD.make_dual(q, torch.randn_like(q)), k.requires_grad_(how.endswith("grad")), v)
     with fwAD.dual_level():                              # a dual level with no tangent among the inputs: fine
         assert attnkit.attention(q, k, v).shape == (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_backward_reads_the_float32_output(dtype):
+    """rowsum(dout ∘ out) comes from the float32 out the CPU rung computed, not from
+    out rounded to q's dtype: a bias broadcast over keys has gradient exactly 0
+    (softmax ignores a shift of a row), which the rounded out made 7e-3 in bfloat16.
+    The op's fake has the extra output (compiled, the same gradients)."""
+    from attnkit.spec import validate
+    from attnkit.torch import op
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g).to(dtype).requires_grad_() for n in (11, 17, 17))
+    bias = torch.randn(1, 1, 11, 1, generator=g).to(dtype).requires_grad_()
+    dout = torch.randn(2, 3, 11, 8, generator=g).to(dtype)
+
+    def grads(fn):
+        out = fn(q, k, v, bias)
+        return torch.autograd.grad(out, (q, k, v, bias), dout)
+
+    eager = grads(lambda *a: attnkit.attention(*a[:3], bias=a[3]))
+    assert eager[3].float().abs().max() <= 1e-5
+    compiled = grads(torch.compile(lambda *a: attnkit.attention(*a[:3], bias=a[3]), fullgraph=True))
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+    args = op.to_op_args(validate(q, k, v, bias=bias), "flash")
+    torch.library.opcheck(torch.ops.attnkit.attention_fwd.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

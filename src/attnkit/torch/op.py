@@ -6,9 +6,12 @@ formula and a fake (meta) implementation, so ``torch.compile(fullgraph=True)`` t
 it as one node. Its arguments are q, k, v, every masking keyword of
 :data:`attnkit.spec.OPTIONS` in the table's order (arrays as tensors, the window as
 two ints, the dropout seed as a 0-d int64 tensor) and the rung's name; it returns
-``(out, lse)`` and saves only its inputs, out and lse for the backward — never an
-L × S matrix. :func:`to_op_args` and :func:`from_op_args` are the only code that
-knows that order; the schema string is generated from the same table.
+``(out, lse, out32)`` and saves only its inputs, out and lse for the backward — never
+an L × S matrix. ``out32`` is out in float32 for half-precision inputs on a NumPy
+rung (what the backward reads instead of out: rowsum(dout ∘ out) without out's
+rounding), else empty; callers of the op see out and lse only. :func:`to_op_args`
+and :func:`from_op_args` are the only code that knows that order; the schema string
+is generated from the same table.
 
 CPU tensors reach the NumPy rungs on zero-copy views (``t.detach().numpy()`` shares
 memory); bfloat16 has no NumPy dtype and is upcast to float32 (a copy), the results
@@ -155,18 +158,32 @@ def _batch(*xs: torch.Tensor) -> tuple[int, ...]:
 
 
 # ---- the custom ops -----------------------------------------------------------------------
-def _forward(mod: Any, spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of compute rung ``mod`` as tensors (a seed already drawn)."""
+def _forward(mod: Any, spec: Spec, keep_acc: bool = False) -> tuple[torch.Tensor, ...]:
+    """(out, lse) of compute rung ``mod`` as tensors (a seed already drawn); with
+    ``keep_acc`` (a NumPy rung) also out in float32, before its rounding to q's dtype."""
     if getattr(mod, "arrays", "numpy") == "torch":
         out, lse, _ = mod.rung_forward(spec)
         return out.contiguous(), lse.contiguous()
-    out, lse, _ = mod.rung_forward(numpy_spec(spec))
-    return _torch(out, spec.q.dtype), _torch(lse, acc_dtype(spec.q))
+    npspec = numpy_spec(spec)
+    out, lse, _ = mod.rung_forward(npspec.replace(dtype="float32") if keep_acc else npspec)
+    res = (_torch(out, spec.q.dtype), _torch(lse, acc_dtype(spec.q)))
+    return res + (_torch(out, torch.float32),) if keep_acc else res
 
 
-def _fwd(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _keeps_acc(q: torch.Tensor, name: str) -> bool:
+    """Whether the forward op also returns out in float32 for the backward: half
+    precision on a NumPy rung (which has it). rowsum(dout ∘ out) from the rounded out
+    carries its rounding into dq, dk and dbias (a bias broadcast over keys, whose
+    gradient is exactly 0, got 7e-3 in bfloat16); the Triton rung keeps
+    FlashAttention's rounded out."""
+    return q.dtype in (torch.float16, torch.bfloat16) and getattr(_rung(name), "arrays", "numpy") != "torch"
+
+
+def _fwd(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec, name = from_op_args(args)
-    return _forward(_rung(name), spec)
+    keep = _keeps_acc(spec.q, name)
+    res = _forward(_rung(name), spec, keep)
+    return res if keep else res + (spec.q.new_empty(0, dtype=torch.float32),)    # type: ignore[return-value]
 
 
 def _eager(spec: Spec) -> bool:
@@ -205,15 +222,17 @@ def check_no_forward_ad(spec: Spec) -> None:
                                   "torch.autograd.forward_ad): use reverse mode (backward, torch.autograd.grad)")
 
 
-def _fwd_fake(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_fake(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = args[:3]
     batch = _batch(q, k, v)
     H, L = q.shape[-3], q.shape[-2]
-    return q.new_empty(batch + (H, L, v.shape[-1])), q.new_empty(batch + (H, L), dtype=acc_dtype(q))
+    out = batch + (H, L, v.shape[-1])
+    return (q.new_empty(out), q.new_empty(batch + (H, L), dtype=acc_dtype(q)),
+            q.new_empty(out if _keeps_acc(q, args[-1]) else 0, dtype=torch.float32))
 
 
 attention_fwd = torch.library.custom_op("attnkit::attention_fwd", _fwd, mutates_args=(),
-                                        schema=f"({_SCHEMA_ARGS}) -> (Tensor, Tensor)")
+                                        schema=f"({_SCHEMA_ARGS}) -> (Tensor, Tensor, Tensor)")
 attention_fwd.register_fake(_fwd_fake)
 
 
@@ -253,14 +272,17 @@ attention_bwd.register_fake(_bwd_fake)
 _GRAD_INPUTS = {0: 0, 1: 1, 2: 2, _OPT_INDEX["bias"]: 3, _OPT_INDEX["sinks"]: 4}
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     ctx.tensor_pos = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
     ctx.scalars = {i: x for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)}
     ctx.n = len(inputs)
-    ctx.save_for_backward(*(inputs[i] for i in ctx.tensor_pos), *output)
+    out, lse, acc = output
+    ctx.mark_non_differentiable(acc)
+    # the backward reads out only for rowsum(dout ∘ out): the float32 one where there is one
+    ctx.save_for_backward(*(inputs[i] for i in ctx.tensor_pos), acc if acc.numel() else out, lse)
 
 
-def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None, _: Any = None) -> tuple[Any, ...]:
     saved = ctx.saved_tensors
     args: list[Any] = [None] * ctx.n
     for i, x in ctx.scalars.items():
@@ -324,7 +346,7 @@ class TorchRung:
             w = self.rung_weights(spec, lse, None) if need_weights else None
             return out, lse, w
         args = to_op_args(spec, self.mod.name)
-        out, lse = torch.ops.attnkit.attention_fwd(*args)
+        out, lse, _ = torch.ops.attnkit.attention_fwd(*args)
         w = self._weights(args, lse.detach(), None) if need_weights else None
         return out, lse, w
 
