@@ -403,6 +403,18 @@ def test_training_with_dropout_runs_and_is_reproducible(name, calls):
     assert abs(mean(ours) - mean(eager)) <= 4 * sd / len(eager) ** 0.5 * 2 ** 0.5 + 1e-6
 
 
+def test_a_model_compiles_whole_in_a_fresh_process(monkeypatch):
+    """torch.compile(fullgraph=True) of a model whose first mask is built while
+    tracing: the mask builder's lookups (model classes, a static cache's offset) trace."""
+    monkeypatch.setattr(attnkit.hf, "_TRUSTED", {})         # as in a process that built no mask yet
+    torch._dynamo.reset()
+    ids, _ = batch(2)
+    model = decoder("llama", "attnkit", torch.float32)
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True)(input_ids=ids).logits
+        assert (compiled - model(input_ids=ids).logits).abs().max() <= 1e-5
+
+
 def test_unknown_keywords_that_change_the_result_are_refused():
     q = torch.randn(1, 2, 3, 4)
     module = torch.nn.Module()

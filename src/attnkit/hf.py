@@ -56,6 +56,7 @@ True
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from . import api
@@ -139,6 +140,11 @@ def _with_selected_keys(torch: Any, mask: Any, indices: Any, S: int) -> Any:
     return mask.masked_fill(~picked, torch.finfo(mask.dtype).min)
 
 
+def _compiling() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
 _TRUSTED: dict[type, bool] = {}
 
 
@@ -160,17 +166,17 @@ def _trusts_layers(config: Any) -> bool:
 
 
 def _model_classes(config_class: type) -> list[Any]:
-    """transformers' model classes for a config class (none for configs outside
-    ``transformers.models``)."""
-    import importlib
-
+    """transformers' model classes for a config class: those of its family's modeling
+    module (``configuration_x`` → ``modeling_x``, already imported: a model of it
+    exists; looked up in ``sys.modules``, which torch.compile can trace) whose
+    ``config_class`` is it, else all of that module's (BLIP's text config, whose
+    classes live in another module, takes its family's); none for configs outside
+    ``transformers.models`` or without such a module (their model classes are another
+    family's, e.g. Exaone's are Llama's)."""
     from transformers import PreTrainedModel
     name = config_class.__module__
-    if not name.startswith("transformers.models.") or ".configuration_" not in name:
-        return []
-    try:
-        module = importlib.import_module(name.replace(".configuration_", ".modeling_"))
-    except ImportError:
+    module = sys.modules.get(name.replace(".configuration_", ".modeling_"))
+    if module is None or not name.startswith("transformers.models.") or ".configuration_" not in name:
         return []
     models = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
               and c.__module__ == module.__name__]
@@ -305,15 +311,21 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
                              allow_is_bidirectional_skip=False, **kwargs)
     if plain and kv_offset == 0 and (attention_mask is None or attention_mask.dim() == 2) \
             and (attention_mask is None or attention_mask.shape[-1] <= kv_length):
-        if attention_mask is None:
-            T = int(q_offset) + q_length                  # causal: the tokens so far; a static
-            if T >= kv_length or mask_function is not mu.causal_mask_function:   # cache's other
-                return None                               # slots are empty
+        if attention_mask is not None:
+            if attention_mask.shape[-1] == kv_length and bool(attention_mask.all()):
+                return None
+            return attention_mask.bool()
+        if mask_function is not mu.causal_mask_function:
+            return None
+        # causal: the keys are the tokens so far (a static cache's other slots are empty).
+        # A static cache's offset is a tensor: under torch.compile reading it would break
+        # the graph, so sdpa_mask below builds the mask there
+        if isinstance(q_offset, int) or not _compiling():
+            T = int(q_offset) + q_length
+            if T >= kv_length:
+                return None
             import torch
             return torch.ones(batch_size, T, dtype=torch.bool, device=kwargs.get("device", "cpu"))
-        if attention_mask.shape[-1] == kv_length and bool(attention_mask.all()):
-            return None
-        return attention_mask.bool()
     return mu.sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
                         mask_function=mask_function, attention_mask=attention_mask,
                         allow_is_causal_skip=False, allow_is_bidirectional_skip=False, local_size=local_size,

@@ -565,6 +565,9 @@ def test_forward_mode_ad_is_refused_not_lost(how):
         else:
             with fwAD.dual_level():
                 attnkit.attention(fwAD.make_dual(q, torch.randn_like(q)), k.requires_grad_(how.endswith("grad")), v)
+    if how == "forward_ad":                              # KV-cache decoding (forward only) too
+        with pytest.raises(NotImplementedError, match="forward-mode"), fwAD.dual_level():
+            attnkit.attention_kvcache(fwAD.make_dual(q, torch.randn_like(q)), k, v, torch.tensor([3]))
     with fwAD.dual_level():                              # a dual level with no tangent among the inputs: fine
         assert attnkit.attention(q, k, v).shape == (1, 2, 4, 8)
 

@@ -275,8 +275,7 @@ def _forward(spec, keep, cfg, ring, rung):
             o, l, _ = rung.rung_forward(_block_spec(spec, kb, vb, mb, b, ring))
             ob, lb = _rows(out, b, 1), _rows(lse, b, 0)
             ob[...], lb[...] = _merge([ob, o.to(acc)], [lb, l.to(acc)])
-    out, lse = _fold_sinks(spec, out, lse)
-    return out.to(spec.q.dtype), lse
+    return _fold_sinks(spec, out, lse)                # out in the accumulation dtype
 
 
 def _backward(dout, spec, out, lse, keep, cfg, ring, rung):
@@ -322,8 +321,11 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, keep, spec, cfg, ring, rung):
         spec = spec.replace(q=q, k=k, v=v, sinks=sinks)
-        out, lse = _forward(spec, keep, cfg, ring, rung)
-        ctx.save_for_backward(q, k, v, sinks, out, lse, keep)
+        acc, lse = _forward(spec, keep, cfg, ring, rung)
+        out = acc.to(q.dtype)
+        # the backward's rowsum(dout ∘ out) from out before its rounding to a half type,
+        # on the CPU (as the torch op does; on GPUs the rounded out, as FlashAttention)
+        ctx.save_for_backward(q, k, v, sinks, acc if q.device.type == "cpu" else out, lse, keep)
         ctx.spec, ctx.cfg, ctx.ring, ctx.rung = spec.replace(q=None, k=None, v=None, sinks=None), cfg, ring, rung
         ctx.mark_non_differentiable(lse)
         return out, lse

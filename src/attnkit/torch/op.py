@@ -6,10 +6,11 @@ formula and a fake (meta) implementation, so ``torch.compile(fullgraph=True)`` t
 it as one node. Its arguments are q, k, v, every masking keyword of
 :data:`attnkit.spec.OPTIONS` in the table's order (arrays as tensors, the window as
 two ints, the dropout seed as a 0-d int64 tensor) and the rung's name; it returns
-``(out, lse, out32)`` and saves only its inputs, out and lse for the backward — never
-an L × S matrix. ``out32`` is out in float32 for half-precision inputs on a NumPy
-rung (what the backward reads instead of out: rowsum(dout ∘ out) without out's
-rounding), else empty; callers of the op see out and lse only. :func:`to_op_args`
+``(out, lse, out32)`` and saves only its inputs, out (out32 where there is one) and
+lse for the backward — never an L × S matrix. ``out32`` is out in float32 for
+half-precision inputs on a NumPy rung (what the backward reads instead of out:
+rowsum(dout ∘ out) without out's rounding), else empty; callers of the op see out and
+lse only. :func:`to_op_args`
 and :func:`from_op_args` are the only code that knows that order; the schema string
 is generated from the same table.
 
@@ -364,6 +365,7 @@ class TorchRung:
         """attention_kvcache for torch tensors (forward only, no autograd): NumPy
         views of CPU tensors for the NumPy rungs, the tensors themselves for Triton.
         Dropout without a seed draws one from torch's default generator, per call."""
+        check_no_forward_ad(kv.spec)
         drawn = seed_tensor(kv.spec) if kv.spec.dropout > 0 and kv.spec.seed is None else None
         if drawn is not None:
             kv = replace(kv, spec=kv.spec.replace(seed=int(drawn)))
