@@ -159,10 +159,16 @@ def _batch(*xs: torch.Tensor) -> tuple[int, ...]:
 
 
 # ---- the custom ops -----------------------------------------------------------------------
+def _takes_tensors(mod: Any) -> bool:
+    """Whether compute rung ``mod`` works on torch tensors (Triton) rather than on
+    NumPy views (``arrays = "torch"``)."""
+    return getattr(mod, "arrays", "numpy") == "torch"
+
+
 def _forward(mod: Any, spec: Spec, keep_acc: bool = False) -> tuple[torch.Tensor, ...]:
     """(out, lse) of compute rung ``mod`` as tensors (a seed already drawn); with
     ``keep_acc`` (a NumPy rung) also out in float32, before its rounding to q's dtype."""
-    if getattr(mod, "arrays", "numpy") == "torch":
+    if _takes_tensors(mod):
         out, lse, _ = mod.rung_forward(spec)
         return out.contiguous(), lse.contiguous()
     npspec = numpy_spec(spec)
@@ -177,7 +183,7 @@ def _keeps_acc(q: torch.Tensor, name: str) -> bool:
     carries its rounding into dq, dk and dbias (a bias broadcast over keys, whose
     gradient is exactly 0, got 7e-3 in bfloat16); the Triton rung keeps
     FlashAttention's rounded out."""
-    return q.dtype in (torch.float16, torch.bfloat16) and getattr(_rung(name), "arrays", "numpy") != "torch"
+    return q.dtype in (torch.float16, torch.bfloat16) and not _takes_tensors(_rung(name))
 
 
 def _fwd(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -241,7 +247,7 @@ def _bwd(dout: torch.Tensor, dlse: torch.Tensor | None, out: torch.Tensor, lse: 
          need_dbias: bool, *args: Any) -> tuple[torch.Tensor, ...]:
     spec, name = from_op_args(args)
     mod = _rung(name)
-    if getattr(mod, "arrays", "numpy") == "torch":
+    if _takes_tensors(mod):
         g = mod.rung_backward(spec, dout, out, lse, dlse, need_dbias)
     else:
         g = mod.rung_backward(numpy_spec(spec), _np(dout), _np(out), _np(lse), _np(dlse), need_dbias)
@@ -308,7 +314,7 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 def _weights(lse: torch.Tensor | None, rows: torch.Tensor | None, *args: Any) -> torch.Tensor:
     spec, name = from_op_args(args)
     mod = _rung(name)
-    if getattr(mod, "arrays", "numpy") == "torch":
+    if _takes_tensors(mod):
         return mod.rung_weights(spec, lse, None if rows is None else rows.cpu().numpy())
     w = mod.rung_weights(numpy_spec(spec), _np(lse), None if rows is None else rows.cpu().numpy())
     return _torch(w, spec.q.dtype)
@@ -339,7 +345,7 @@ class TorchRung:
 
     def rung_forward(self, spec: Spec, need_weights: bool = False) -> tuple[Any, Any, Any]:
         check_no_forward_ad(spec)
-        if getattr(self.mod, "arrays", "numpy") != "torch" and _eager(spec):
+        if not _takes_tensors(self.mod) and _eager(spec):
             drawn = seed_tensor(spec) if spec.seed is None else None     # the op's arguments' draw
             if drawn is not None:
                 spec = spec.replace(seed=int(drawn.item()) % _UINT64)
@@ -369,7 +375,7 @@ class TorchRung:
         drawn = seed_tensor(kv.spec) if kv.spec.dropout > 0 and kv.spec.seed is None else None
         if drawn is not None:
             kv = replace(kv, spec=kv.spec.replace(seed=int(drawn)))
-        if getattr(self.mod, "arrays", "numpy") == "torch":
+        if _takes_tensors(self.mod):
             return self.mod.rung_kvcache(kv)
         with torch.no_grad():
             names = ("k_cache", "v_cache", "cache_lengths", "lengths", "block_table", "k_new", "v_new")
