@@ -175,8 +175,10 @@ def _model_classes(config_class: type) -> list[Any]:
     family's, e.g. Exaone's are Llama's)."""
     from transformers import PreTrainedModel
     name = config_class.__module__
+    if not name.startswith("transformers.models.") or ".configuration_" not in name:
+        return []
     module = sys.modules.get(name.replace(".configuration_", ".modeling_"))
-    if module is None or not name.startswith("transformers.models.") or ".configuration_" not in name:
+    if module is None:
         return []
     models = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
               and c.__module__ == module.__name__]

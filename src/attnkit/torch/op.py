@@ -10,9 +10,8 @@ two ints, the dropout seed as a 0-d int64 tensor) and the rung's name; it return
 lse for the backward — never an L × S matrix. ``out32`` is out in float32 for
 half-precision inputs on a NumPy rung (what the backward reads instead of out:
 rowsum(dout ∘ out) without out's rounding), else empty; callers of the op see out and
-lse only. :func:`to_op_args`
-and :func:`from_op_args` are the only code that knows that order; the schema string
-is generated from the same table.
+lse only. :func:`to_op_args` and :func:`from_op_args` are the only code that knows
+that order; the schema string is generated from the same table.
 
 CPU tensors reach the NumPy rungs on zero-copy views (``t.detach().numpy()`` shares
 memory); bfloat16 has no NumPy dtype and is upcast to float32 (a copy), the results
@@ -188,9 +187,8 @@ def _keeps_acc(q: torch.Tensor, name: str) -> bool:
 
 def _fwd(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec, name = from_op_args(args)
-    keep = _keeps_acc(spec.q, name)
-    res = _forward(_rung(name), spec, keep)
-    return res if keep else res + (spec.q.new_empty(0, dtype=torch.float32),)    # type: ignore[return-value]
+    out, lse, *acc = _forward(_rung(name), spec, _keeps_acc(spec.q, name))
+    return out, lse, acc[0] if acc else spec.q.new_empty(0, dtype=torch.float32)
 
 
 def _eager(spec: Spec) -> bool:
