@@ -86,3 +86,30 @@ def test_the_rung_interface_is_one_protocol():
 def test_info_lists_every_rung():
     names = [row[0] for row in backends.info()]
     assert names == ["flash", "small", "reference", "triton", "torch"]
+
+
+FIRST_CALLS_IN_THREADS = r"""
+import threading, numpy as np, attnkit
+q = np.random.default_rng(0).standard_normal((1, 2, 8, 16))
+got, errors = [], []
+def call():
+    try:
+        got.append(attnkit.attention(q, q, q))
+    except Exception as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=call) for _ in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+assert not errors, errors
+assert len(got) == 4 and all(np.array_equal(g, attnkit.attention(q, q, q)) for g in got)
+print("ok")
+"""
+
+
+def test_first_calls_from_several_threads_at_once():
+    """Four threads' first calls in a fresh process import the rungs together: none may
+    see a rung module another thread is still importing (half made)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", FIRST_CALLS_IN_THREADS], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

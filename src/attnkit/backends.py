@@ -18,7 +18,6 @@ float64 for float64 inputs); all in the Spec's shapes (2-D squeezing is api's jo
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import Any, NamedTuple, Protocol
 
 from .spec import Spec
@@ -118,11 +117,10 @@ def _import(path: str) -> Any:
 
 
 def load(path: str) -> tuple[Any, str | None]:
-    """The module at ``path``, or (None, reason) when it cannot be imported here. An
-    already imported module comes from sys.modules: torch.compile traces this
-    function and cannot trace importlib."""
-    if path in sys.modules:
-        return sys.modules[path], None
+    """The module at ``path``, or (None, reason) when it cannot be imported here. By
+    an import statement (:func:`_import`), never from sys.modules: sys.modules holds a
+    module another thread is still importing, half made, while an import statement
+    waits for it (four threads' first calls at once failed on the half-made module)."""
     try:
         return _import(path), None
     except ImportError as e:

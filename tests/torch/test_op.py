@@ -466,13 +466,24 @@ f = torch.compile(lambda q: attnkit.attention(q, q, q, causal=True), fullgraph=T
 assert torch.allclose(f(q), attnkit.attention(q, q, q, causal=True))
 print("ok")
 """
+# the op imported, the rungs not yet: dynamic shapes and gradients (Dynamo traces the
+# rung's import, then restarts; a different path the second time is an error)
+FIRST_CALL_COMPILED_DYNAMIC = r"""
+import torch, attnkit, attnkit.torch
+f = torch.compile(lambda q, k: attnkit.attention(q, k, k, causal=True), fullgraph=True, backend="aot_eager",
+                  dynamic=True)
+q, k = torch.randn(2, 4, 5, 8, requires_grad=True), torch.randn(2, 2, 7, 8, requires_grad=True)
+assert torch.allclose(f(q, k), attnkit.attention(q, k, k, causal=True))
+print("ok")
+"""
 
 
 @pytest.mark.real_auto
-def test_the_first_call_of_a_process_may_be_compiled():
+@pytest.mark.parametrize("script", [FIRST_CALL_COMPILED, FIRST_CALL_COMPILED_DYNAMIC])
+def test_the_first_call_of_a_process_may_be_compiled(script):
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-c", FIRST_CALL_COMPILED], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
