@@ -408,11 +408,28 @@ def test_a_model_compiles_whole_in_a_fresh_process(monkeypatch):
     tracing: the mask builder's lookups (model classes, a static cache's offset) trace."""
     monkeypatch.setattr(attnkit.hf, "_TRUSTED", {})         # as in a process that built no mask yet
     torch._dynamo.reset()
-    ids, _ = batch(2)
+    ids, mask = batch(3)
     model = decoder("llama", "attnkit", torch.float32)
     with torch.no_grad():
-        compiled = torch.compile(model, fullgraph=True)(input_ids=ids).logits
-        assert (compiled - model(input_ids=ids).logits).abs().max() <= 1e-5
+        compiled = torch.compile(model, fullgraph=True)
+        assert (compiled(input_ids=ids).logits - model(input_ids=ids).logits).abs().max() <= 1e-5
+        # a padding mask (left and right) and one of ones: no branch on the mask's values
+        for m in (mask, torch.ones_like(mask)):
+            assert (compiled(input_ids=ids, attention_mask=m).logits
+                    - model(input_ids=ids, attention_mask=m).logits).abs().max() <= 1e-5
+
+
+def test_autocast_runs_a_model_as_for_sdpa():
+    """Under torch.autocast a Llama layer hands over float32 q and k (rotary) and a
+    bfloat16 v: attnkit computes in bfloat16, as SDPA does, and gives its logits."""
+    ids, mask = batch()
+    out = {}
+    for impl in ("sdpa", "attnkit"):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out[impl] = decoder("llama", impl, torch.float32)(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert out["attnkit"].dtype == out["sdpa"].dtype == torch.bfloat16
+    assert (out["attnkit"] - out["sdpa"]).float()[real].abs().max() <= 0.05 * out["sdpa"].float().abs().max()
 
 
 def test_unknown_keywords_that_change_the_result_are_refused():

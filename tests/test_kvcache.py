@@ -452,3 +452,75 @@ def test_torch_dropout_draws_its_seed_from_torch(backend):
     assert torch.equal(call(), a) and not torch.equal(a, b)
     want = attnkit.attention(q, K, V, kv_lengths=lengths + 2, dropout=0.4, seed=2 ** 63 + 9, backend=backend)
     assert np.allclose(call(seed=2 ** 63 + 9).numpy(), want, atol=1e-6)
+
+
+# ---- found by a port of FlashInfer's tests (2026-12-04) ----------------------------
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_half_precision_pages_on_the_flash_rung(lib):
+    """A float16 paged cache on the flash rung (which "auto" picks for real sizes)
+    equals the reference; the compiled streaming kernel takes float32 only."""
+    q, k_new, v_new = (RNG(s).standard_normal(sh).astype(np.float16) for s, sh in
+                       ((1, (2, 4, 1, 16)), (2, (2, 2, 1, 16)), (3, (2, 2, 1, 16))))
+    kp, vp, table = make_cache(2, 2, 16, 16, 40, 16, True, dtype="float16")
+    kp[np.isnan(kp)], vp[np.isnan(vp)] = 0.5, -0.5
+    lengths = np.array([17, 30])
+    res = {}
+    for backend in ("reference", "flash"):
+        args = [x.copy() for x in (q, kp, vp)] + [lengths, table, k_new, v_new]
+        if lib == "torch":
+            torch = pytest.importorskip("torch")
+            args = [torch.from_numpy(x) for x in args]
+        qq, kc, vc, n, t, kn, vn = args
+        out = attnkit.attention_kvcache(qq, kc, vc, n, block_table=t, k_new=kn, v_new=vn, backend=backend)
+        res[backend] = np.asarray(out, np.float64)
+    assert max_error(res["flash"], res["reference"]) <= 2e-3
+
+
+def test_a_cache_that_cannot_be_written_is_named_and_left_alone():
+    q, new = np.ones((1, 1, 1, 2)), np.full((1, 1, 1, 2), 7.0)
+    k, v = np.zeros((1, 1, 4, 2)), np.zeros((1, 1, 4, 2))
+    v.setflags(write=False)
+    with pytest.raises(ValueError, match="^v_cache"):
+        attnkit.attention_kvcache(q, k, v, np.array([0]), k_new=new, v_new=new)
+    assert not k.any()
+    torch = pytest.importorskip("torch")
+    tk, tv = torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 1, 2).expand(1, 1, 4, 2)   # broadcast: one slot
+    tn = torch.full((1, 1, 1, 2), 7.0)
+    with pytest.raises(ValueError, match="^v_cache"):
+        attnkit.attention_kvcache(torch.ones(1, 1, 1, 2), tk, tv, torch.tensor([0]), k_new=tn, v_new=tn)
+    assert not tk.any()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_rung_that_fails_after_the_append_leaves_the_cache_as_it_was(paged, monkeypatch):
+    k, v, table = make_cache(2, 1, 4, 4, 8, 4, paged)
+    k[np.isnan(k)], v[np.isnan(v)] = 1.0, 2.0
+    k0, v0 = k.copy(), v.copy()
+
+    def fails(kv):
+        assert (k != k0).any()                           # the append happened
+        raise RuntimeError("the rung failed")
+
+    monkeypatch.setattr(flash, "rung_kvcache", fails)
+    new = RNG(0).standard_normal((2, 1, 2, 4))
+    with pytest.raises(RuntimeError, match="the rung failed"):
+        attnkit.attention_kvcache(np.ones((2, 1, 1, 4)), k, v, np.array([3, 5]), block_table=table,
+                                  k_new=new, v_new=new, backend="flash")
+    assert np.array_equal(k, k0) and np.array_equal(v, v0)
+
+
+def test_paged_cache_refuses_a_sequence_twice_and_grows_all_or_nothing():
+    cache = attnkit.PagedCache(num_pages=3, page_size=2, kv_heads=1, head_dim=2, dtype="float64")
+    a, b = cache.add_sequence(), cache.add_sequence()
+    k = np.ones((2, 1, 1, 2))
+    with pytest.raises(ValueError, match="^seqs"):
+        cache.attend(np.ones((2, 1, 1, 2)), [a, a], k_new=k, v_new=k)
+    assert cache.length(a) == 0
+    for bad in (-5, 1.5, True):
+        with pytest.raises(ValueError, match="^n"):
+            cache.reserve(a, bad)
+    four = np.ones((1, 1, 4, 2))
+    cache.attend(np.ones((1, 1, 1, 2)), a, k_new=four, v_new=four)   # a: 4 keys on two of three pages
+    with pytest.raises(ValueError, match="^k_new"):      # a needs a page, b needs one: one is free
+        cache.attend(np.ones((2, 1, 1, 2)), [b, a], k_new=k, v_new=k)
+    assert cache.block_table([b]).tolist() == [[0]] and cache.length(b) == 0   # b took no page

@@ -38,6 +38,9 @@ def case(kind):
         k[0, 2, 1] = np.nan
     elif kind == "nan_query_row":
         q[1, 4, 0] = np.nan
+    elif kind == "nan_query_row_causal":         # row 2's NaN out must not reach keys 3..5
+        q[1, 2, 0] = np.nan
+        kw["causal"] = True
     elif kind == "inf_key":
         k[0, 3, 2] = np.inf
     elif kind == "overflow":                     # scores beyond float32
@@ -68,7 +71,7 @@ def case(kind):
     return q, k, v, kw
 
 
-KINDS = ["nan_key", "nan_query_row", "inf_key", "overflow", "inf_bias", "nan_bias_excluded",
+KINDS = ["nan_key", "nan_query_row", "nan_query_row_causal", "inf_key", "overflow", "inf_bias", "nan_bias_excluded",
          "nan_key_excluded", "nan_value_excluded", "inf_value_excluded_by_keep", "nan_sink", "inf_sink"]
 
 

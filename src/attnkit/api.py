@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from . import backends, kvcache, reference
 from .merge import merge as _merge_blocks
-from .spec import check_grad_inputs, check_lse, check_merge, check_rows, validate, validate_seed, with_options
+from .spec import autocast, check_grad_inputs, check_lse, check_merge, check_rows, validate, validate_seed, with_options
 from .spec.kvcache import validate_kvcache
 
 if TYPE_CHECKING:
@@ -84,6 +84,7 @@ def attention(q: Any, k: Any, v: Any, *, return_lse: bool = False, return_weight
     >>> out, lse                                                     # fully masked row
     (array([[0., 0.]]), array([-inf]))
     """
+    q, k, v = autocast(q, k, v)
     spec = validate(q, k, v, backend=backend, **masking)
     out, lse, weights = backends.select(spec, backend).rung_forward(spec, return_weights)
     res: tuple[Any, ...] = (_head_squeeze(spec.two_d, out, 2),)
@@ -127,6 +128,7 @@ def attention_weights(q: Any, k: Any, *, lse: Any = None, rows: Any = None, back
     >>> attnkit.attention_weights(q, k, rows=[1]).round(3)
     array([[0.33, 0.67]])
     """
+    q, k = autocast(q, k)
     spec = validate(q, k, None, backend=backend, need_v=False, **masking)
     if rows is not None:
         rows = check_rows(spec, rows)
@@ -236,8 +238,12 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
     kv = validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
                           v_new=v_new, backend=backend, **masking)
     rung = cast(backends.CacheRung, backends.select(kv.spec, backend, need="kvcache"))
-    kvcache.append(kv)
-    out, lse = rung.rung_kvcache(kv)
+    undo = kvcache.append(kv)
+    try:
+        out, lse = rung.rung_kvcache(kv)
+    except BaseException:                                # the cache as it was before the call
+        undo()
+        raise
     return (out, lse) if return_lse else out
 
 

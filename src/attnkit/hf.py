@@ -241,7 +241,7 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     window = (int(sliding) - 1, 0) if sliding is not None and causal else None
     mask = attention_mask
     if cu_q is None and L == S and query.shape[0] == 1 and mask is not None and mask.dim() == 4 \
-            and mask.dtype == torch.bool:             # packed only where transformers' mask is
+            and mask.dtype == torch.bool and not _compiling():   # packed only where transformers' mask is
         cu = _packed_offsets(torch, kwargs.get("position_ids"))
         for w in ((window, None) if window else (None,)) if cu is not None else ():
             if _is_block_causal(torch, mask, cu, causal, w):
@@ -260,8 +260,11 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
             if opts.get("bias") is not None and opts["bias"].shape[-1] > T:
                 opts["bias"] = opts["bias"][..., :T]      # T5's position bias spans the cache too
         opts.update(causal=causal and L > 1, align="bottom_right")
-        # no padding (every decoding step of an unpadded batch): one check, nothing more
-        if not bool(attention_mask.all()):
+        # no padding (every decoding step of an unpadded batch): one check, nothing more;
+        # compiled, no check (a graph cannot branch on values): the keys' padding as keep
+        if _compiling():
+            opts["keep"] = attention_mask.bool()[:, None, None, :]
+        elif not bool(attention_mask.all()):
             pad = attention_mask.bool()
             if L == S and bool((pad.int().diff(dim=-1) <= 0).all()):   # right-padded: ones, then zeros
                 opts.update(kv_lengths=pad.sum(-1), align="top_left")
@@ -314,7 +317,7 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     if plain and kv_offset == 0 and (attention_mask is None or attention_mask.dim() == 2) \
             and (attention_mask is None or attention_mask.shape[-1] <= kv_length):
         if attention_mask is not None:
-            if attention_mask.shape[-1] == kv_length and bool(attention_mask.all()):
+            if attention_mask.shape[-1] == kv_length and not _compiling() and bool(attention_mask.all()):
                 return None
             return attention_mask.bool()
         if mask_function is not mu.causal_mask_function:

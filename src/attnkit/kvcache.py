@@ -20,6 +20,7 @@ generation loop — allocate, append, attend, free; no server, no scheduling.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,14 +50,32 @@ def _positions(kv: KVCall) -> tuple[Any, Any]:
     return pages, pos % P
 
 
-def append(kv: KVCall) -> None:
+def append(kv: KVCall) -> Callable[[], None]:
     """Write k_new / v_new into the cache in place at positions cache_lengths[b] …
-    (validated beforehand: the cache is untouched when a call is rejected)."""
+    (validated beforehand: the cache is untouched when a call is rejected). Returns
+    ``undo``, which puts back what the append overwrote (a rung that fails afterwards
+    leaves the cache as it was). A cache that cannot be written (read-only, or
+    broadcast: several slots in one place) is a ValueError naming it, the cache
+    unchanged."""
     if kv.k_new is None or kv.k_new.shape[-2] == 0:
-        return
+        return lambda: None
     rows, slots = _positions(kv)
-    for cache, new in ((kv.k_cache, kv.k_new), (kv.v_cache, kv.v_new)):
-        cache[rows, :, slots] = new.transpose(1, 2) if not isinstance(new, np.ndarray) else new.transpose(0, 2, 1, 3)
+    saved: list[tuple[Any, Any]] = []
+
+    def undo(done: list[tuple[Any, Any]]) -> None:
+        for cache, old in reversed(done):
+            cache[rows, :, slots] = old
+
+    for name, cache, new in (("k_cache", kv.k_cache, kv.k_new), ("v_cache", kv.v_cache, kv.v_new)):
+        old = cache[rows, :, slots]                      # (B, L_new, Hkv, D): a copy
+        heads_last = new.transpose(1, 2) if not isinstance(new, np.ndarray) else new.transpose(0, 2, 1, 3)
+        try:
+            cache[rows, :, slots] = heads_last
+        except (ValueError, RuntimeError) as e:
+            undo(saved)
+            raise ValueError(f"{name}: k_new / v_new cannot be written into it ({e}); the cache is unchanged") from None
+        saved.append((cache, old))
+    return lambda: undo(saved)
 
 
 def gather(kv: KVCall) -> tuple[Any, Any]:
@@ -144,10 +163,16 @@ class PagedCache:
     def reserve(self, seq: int, n: int) -> None:
         """Make room for ``n`` more keys in sequence ``seq`` (takes pages as needed;
         ValueError naming ``n`` when the pool has too few)."""
-        need = -(-(self._lengths[self._check(seq)] + n) // self.page_size) - len(self._pages[seq])
+        need = self._need(seq, n)
         if need > len(self._free):
             raise ValueError(f"n: {n} more keys need {need} more pages, {len(self._free)} are free")
-        self._pages[seq] += [self._free.pop() for _ in range(max(need, 0))]
+        self._pages[seq] += [self._free.pop() for _ in range(need)]
+
+    def _need(self, seq: int, n: int) -> int:
+        """Pages sequence ``seq`` lacks for ``n`` more keys."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n: expected a non-negative int, got {n!r}")
+        return max(-(-(self._lengths[self._check(seq)] + int(n)) // self.page_size) - len(self._pages[seq]), 0)
 
     def block_table(self, seqs: list[int]) -> Any:
         """The page table of sequences ``seqs``: (len(seqs), max_pages) int32 (unused
@@ -188,7 +213,14 @@ class PagedCache:
         """
         from .api import attention_kvcache
         seqs = [seqs] if isinstance(seqs, int) else list(seqs)
+        twice = sorted({s for s in seqs if seqs.count(s) > 1})
+        if twice:                                        # one row of q per sequence
+            raise ValueError(f"seqs: sequence(s) {twice} appear more than once in {seqs}")
         n = 0 if k_new is None else int(k_new.shape[-2])
+        need = sum(self._need(s, n) for s in seqs)      # all or nothing: no sequence grows alone
+        if need > len(self._free):
+            raise ValueError(f"k_new: {n} more keys for {len(seqs)} sequences need {need} more pages, "
+                             f"{len(self._free)} are free")
         for s in seqs:
             self.reserve(s, n)
         res = attention_kvcache(q, self.k, self.v, self.lengths(seqs), block_table=self.block_table(seqs),

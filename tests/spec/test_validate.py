@@ -414,7 +414,11 @@ def test_a_seen_signature_still_refuses_bad_keywords_and_checks_array_values():
     with pytest.raises(TypeError, match="k: dtype float64"):
         attnkit.attention(q.astype(np.float32), k, v.astype(np.float32))
     with pytest.raises(ValueError, match="window"):
-        attnkit.attention(q, k, v, window=[1, 2, 3])              # unhashable: checked in full
+        attnkit.attention(q, k, v, window=[1, 2, 3])
+    attnkit.attention(q, k, v, window=(1, 2))
+    for bad in ((1.0, 2), (True, 2), (1, 2.0)):                   # equal to (1, 2), and refused
+        with pytest.raises(ValueError, match="window"):
+            attnkit.attention(q, k, v, window=bad)
 
 
 def test_array_keywords_are_checked_and_read_every_call_with_torch_tensors_too():
@@ -429,3 +433,10 @@ def test_array_keywords_are_checked_and_read_every_call_with_torch_tensors_too()
     lengths[1] = 6
     with pytest.raises(ValueError, match="kv_lengths"):
         attnkit.attention(q, k, v, kv_lengths=lengths)
+
+
+def test_offsets_are_quoted_as_given():
+    """uint64 offsets past 2**63 (which wrap in int64) appear in the message as given."""
+    q, k = np.zeros((1, 6, 4)), np.zeros((1, 9, 4))
+    with pytest.raises(ValueError, match=r"got \[0, 9223372036854775808, 6\]"):
+        attnkit.attention(q, k, k, cu_seqlens_q=np.array([0, 2**63, 6], np.uint64), cu_seqlens_k=np.array([0, 3, 9]))

@@ -607,3 +607,25 @@ def test_half_precision_backward_reads_the_float32_output(dtype):
     args = op.to_op_args(validate(q, k, v, bias=bias), "flash")
     torch.library.opcheck(torch.ops.attnkit.attention_fwd.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_autocast_hands_the_op_its_dtype_as_for_sdpa(compiled):
+    """Under torch.autocast, q, k and v run in autocast's dtype, as SDPA's do: a float32
+    q and k next to a bfloat16 v (a model's rotary embedding) is one bfloat16 call, and
+    float64 is left alone. Gradients reach the float32 inputs in float32."""
+    q, k = (torch.randn(2, 4, 5, 8, requires_grad=True), torch.randn(2, 2, 7, 8, requires_grad=True))
+    v = torch.randn(2, 2, 7, 8).bfloat16().requires_grad_()
+    f = lambda q, k, v: attnkit.attention(q, k, v, causal=True)   # noqa: E731
+    if compiled:
+        torch._dynamo.reset()                            # no graph of another rung's test run
+        f = torch.compile(f, fullgraph=True, backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = f(q, k, v)
+        q64, k64 = (x.detach().double() for x in (q, k))
+        assert f(q64, k64, k64).dtype == torch.float64
+    want = attnkit.attention(q.detach().bfloat16(), k.detach().bfloat16(), v.detach(), causal=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    out.float().sum().backward()
+    assert q.grad.dtype == k.grad.dtype == torch.float32 and v.grad.dtype == torch.bfloat16
+    assert f(q.detach(), k.detach(), v.detach().float()).dtype == torch.float32   # autocast off

@@ -62,7 +62,7 @@ def rung_backward(spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None, n
     """Gradients from the saved out and lse (and a gradient ``dlse`` for lse,
     optional), reduced to the shapes the user passed; dbias has bias's dtype."""
     with quiet():
-        call = Call(spec, block_m, block_n, backward=True, dout=dout, out=out, lse=lse)
+        call = Call(spec, block_m, block_n, backward=True)
         return _backward.backward(call, dout, out, lse, dlse, need_dbias)
 
 

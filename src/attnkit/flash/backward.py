@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..backends import Grads
-from ..nonfinite import exempt_matmul
+from ..nonfinite import all_finite, exempt_matmul
 from ..reference import sink_gradient
 from ..spec import broadcast_to
 from . import runtime
@@ -88,7 +88,7 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
     dk = np.zeros(spec.batch + (spec.H, spec.S, spec.D), dtype=acc)     # per query head, folded below
     dv = np.zeros(spec.batch + (spec.H, spec.S, spec.Dv), dtype=acc)
     dbias = None if bias_shape is None else np.zeros(bias_shape, dtype=acc)
-    kern, careful = call.kern, call.careful
+    kern = call.kern
 
     def unit_chunk(u: Unit, chunk: int) -> None:
         blocks = kblocks[id(u)]
@@ -96,21 +96,27 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
         if chunk >= n:
             return
         nk, g = u.nk, u.g
-        cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        cache: dict[int, tuple[np.ndarray, np.ndarray, bool]] = {}
         dq_c = dq[chunk][u.b]
         slot = slice(u.h0, u.h0 + nk * g, g)             # a GQA group's sum goes to its first head
         for c0, c1 in blocks[chunk * len(blocks) // n:(chunk + 1) * len(blocks) // n]:
             bn = c1 - c0
             k_t, v_t = call.kv(u, c0, c1)
             assert v_t is not None
+            kv_finite = all_finite(k_t, v_t)
             # this task's own (still zero) slices of dk and dv: the first query tile's
             # products go straight in, the others add
             dk_j, dv_j = dk[u.b][slot, c0:c1], dv[u.b][slot, c0:c1]
             first = True
             for r0, r1, partial in call.query_tiles(u, c0, c1):
                 if r0 not in cache:
-                    cache[r0] = (call.q_tile(u, r0, r1), _rows3(call, dout, u, r0, r1))
-                q_t, do_t = cache[r0]
+                    q_t, do_t = call.q_tile(u, r0, r1), _rows3(call, dout, u, r0, r1)
+                    cache[r0] = (q_t, do_t, all_finite(q_t, do_t, call.rows(delta, u, r0, r1))
+                                 and not np.isnan(call.rows(lse, u, r0, r1)).any())
+                q_t, do_t, rows_finite = cache[r0]
+                # NaN/inf in this tile's operands (or a NaN lse, a non-finite delta): the
+                # exempt products (attnkit.nonfinite); checked here, on the workers
+                careful = not (rows_finite and kv_finite)
                 R = q_t.shape[1]
                 p = np.empty((nk, R, bn), dtype=acc)
                 tanh_t = np.empty_like(p) if spec.softcap else None

@@ -18,13 +18,13 @@ from .checks import (
                      check_rows,
                      check_world,
 )
-from .core import Spec, acc_dtype, broadcast_to, dtype_name, is_torch, prod, reduce_to
+from .core import Spec, acc_dtype, autocast, broadcast_to, dtype_name, is_torch, prod, reduce_to
 from .flops import flops
 from .geometry import band
 from .options import OPTIONS, Masking, with_options
 from .validate import ALIGNS, BACKENDS, FLOAT_DTYPES, validate, validate_seed
 
-__all__ = ["ALIGNS", "BACKENDS", "FLOAT_DTYPES", "Masking", "OPTIONS", "RING_LAYOUTS", "Spec", "acc_dtype", "band",
-           "broadcast_to", "check_grad_inputs", "check_group", "check_layout", "check_like", "check_lse",
+__all__ = ["ALIGNS", "BACKENDS", "FLOAT_DTYPES", "Masking", "OPTIONS", "RING_LAYOUTS", "Spec", "acc_dtype", "autocast",
+           "band", "broadcast_to", "check_grad_inputs", "check_group", "check_layout", "check_like", "check_lse",
            "check_merge", "check_ring_shard", "check_rows", "check_world", "dtype_name", "flops",
            "is_torch", "prod", "reduce_to", "validate", "validate_seed", "with_options"]

@@ -41,6 +41,21 @@ def is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def autocast(*xs: Any) -> tuple[Any, ...]:
+    """q, k, v as ``torch.autocast`` hands them to SDPA: where autocast is on for their
+    device, floating tensors other than float64 in its dtype (a model's rotary
+    embedding leaves q and k in float32 next to a bfloat16 v); otherwise as given."""
+    if not is_torch(xs[0]):
+        return xs
+    torch = sys.modules["torch"]
+    dev = xs[0].device.type
+    if not (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)):   # meta: none
+        return xs
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(x.to(dt) if is_torch(x) and x.is_floating_point() and x.dtype != torch.float64 else x
+                 for x in xs)
+
+
 def broadcast_to(x: Any, shape: tuple[int, ...]) -> Any:
     """A broadcast view (no copy) in x's own array library."""
     return np.broadcast_to(x, shape) if isinstance(x, np.ndarray) else x.broadcast_to(shape)

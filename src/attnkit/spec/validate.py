@@ -138,6 +138,14 @@ _SEEN: dict[tuple[Any, ...], Spec] = {}
 _SEEN_MAX = 256
 
 
+def _typed(x: Any) -> Any:
+    """A keyword's value with its type, and its items' (causal=1 and window=(1.0, 2) are
+    refused where causal=True and window=(1, 2) are not, though they compare equal)."""
+    if isinstance(x, (tuple, list)):
+        return type(x), tuple(_typed(e) for e in x)
+    return type(x), x
+
+
 def _signature(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict) -> tuple[Any, ...] | None:
     """The key of a call whose check can be reused, or None (array keywords, other
     array types, torch.compile tracing)."""
@@ -156,8 +164,8 @@ def _signature(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict
     for name, x in options.items():
         if name in _TENSOR_OPTIONS and x is not None:
             return None
-    key += (backend, need_v, tuple(sorted((n, type(x), x) for n, x in options.items())))
-    try:                                                 # a keyword's type too: causal=1 is refused
+    key += (backend, need_v, tuple(sorted((n, _typed(x)) for n, x in options.items())))
+    try:
         hash(key)
     except TypeError:                                    # an unhashable keyword: check it in full
         return None
@@ -378,14 +386,15 @@ def _cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: 
         shapes[name] = _shape(a)
         if compiling():
             continue
-        h = host_ints(a).astype(np.int64)
-        if h[0] != 0:
-            raise ValueError(f"{name}: expected offsets starting at 0, got {h.tolist()[:16]}")
+        given = host_ints(a)
+        h = given.astype(np.int64)                       # (messages quote the values as given:
+        if h[0] != 0:                                    # uint64 past 2**63 wraps in int64)
+            raise ValueError(f"{name}: expected offsets starting at 0, got {given.tolist()[:16]}")
         if (np.diff(h) < 0).any():
-            raise ValueError(f"{name}: expected non-decreasing offsets, got {h.tolist()[:16]}")
+            raise ValueError(f"{name}: expected non-decreasing offsets, got {given.tolist()[:16]}")
         if h[-1] != total:
             raise ValueError(f"{name}: the last offset must be the packed length {axis}={total}, "
-                             f"got {int(h[-1])}")
+                             f"got {given.tolist()[-1]}")
     if cq.shape[0] != ck.shape[0]:
         raise ValueError(f"cu_seqlens_k: expected {cq.shape[0]} offsets like cu_seqlens_q, got {ck.shape[0]}")
     return cq, ck
