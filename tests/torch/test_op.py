@@ -629,3 +629,13 @@ def test_autocast_hands_the_op_its_dtype_as_for_sdpa(compiled):
     out.float().sum().backward()
     assert q.grad.dtype == k.grad.dtype == torch.float32 and v.grad.dtype == torch.bfloat16
     assert f(q.detach(), k.detach(), v.detach().float()).dtype == torch.float32   # autocast off
+
+
+def test_vmap_over_lengths_is_a_named_error():
+    """Lengths are read on the host to check them; inside torch.func.vmap a batched
+    tensor has no values to read: a TypeError naming the argument, not an internal
+    RuntimeError."""
+    q = torch.randn(3, 2, 4, 8)
+    lengths = torch.tensor([[4], [2], [3]])
+    with pytest.raises(TypeError, match="^kv_lengths"):
+        torch.func.vmap(lambda a, n: attnkit.attention(a, a, a, kv_lengths=n))(q[:, None], lengths)

@@ -130,7 +130,7 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
                 raise ValueError(f"{name}: a broadcast (expanded) cache keeps several slots in one place and "
                                  f"cannot take k_new / v_new (strides {tuple(strides)}); pass a cache with its "
                                  "own memory")
-    h_len = host_ints(lengths).astype(np.int64)
+    h_len = host_ints("cache_lengths", lengths).astype(np.int64)
     if h_len.size and h_len.min() < 0:
         raise ValueError(f"cache_lengths: expected non-negative lengths, got {h_len.tolist()[:16]}")
     total = h_len + L_new
@@ -141,7 +141,7 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
         raise ValueError(f"cache_lengths: sequence {b} holds {int(h_len[b])} keys + {L_new} new = {int(total[b])}, "
                          f"{what} its capacity of {int(capacity[b])} keys")
     if block_table is not None:
-        bt = host_ints(block_table).astype(np.int64)
+        bt = host_ints("block_table", block_table).astype(np.int64)
         used = np.arange(bt.shape[1]) < -(-total // P)[:, None]     # the pages each sequence touches
         outside = used & ((bt < 0) | (bt >= N))
         if outside.any():

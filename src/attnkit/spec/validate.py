@@ -82,9 +82,15 @@ def _at_least(x: Any, nd: int) -> Any:
     return x.reshape((1,) * (nd - x.ndim) + tuple(x.shape)) if x.ndim < nd else x
 
 
-def host_ints(x: Any) -> np.ndarray:
-    """x's values on the host as a NumPy array (a torch tensor is copied from its device)."""
-    return np.asarray(x.detach().cpu() if is_torch(x) else x)
+def host_ints(name: str, x: Any) -> np.ndarray:
+    """x's values on the host as a NumPy array (a torch tensor is copied from its
+    device); a tensor inside ``torch.func.vmap`` has none to read: a TypeError naming it."""
+    if not is_torch(x):
+        return np.asarray(x)
+    if sys.modules["torch"]._C._functorch.is_functorch_wrapped_tensor(x):
+        raise TypeError(f"{name}: its values are read to check them, which torch.func transforms (vmap) do "
+                        "not allow; pass it unbatched (in_dims=None) or call once per sample")
+    return np.asarray(x.detach().cpu())
 
 
 # ---- scalars -----------------------------------------------------------------------
@@ -352,7 +358,7 @@ def check_lengths(name: str, x: Any, want_torch: bool, batch: tuple[int, ...], n
     if shapes is not None:
         shapes[name] = _shape(a)
     if not compiling():
-        h = host_ints(a)
+        h = host_ints(name, a)
         if h.size and (h.min() < 0 or h.max() > n):
             raise ValueError(f"{name}: expected lengths in [0, {axis}={n}], got {h.ravel().tolist()[:16]}")
     return a.broadcast_to(batch) if want_torch else np.broadcast_to(a, batch)
@@ -386,7 +392,7 @@ def _cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: 
         shapes[name] = _shape(a)
         if compiling():
             continue
-        given = host_ints(a)
+        given = host_ints(name, a)
         h = given.astype(np.int64)                       # (messages quote the values as given:
         if h[0] != 0:                                    # uint64 past 2**63 wraps in int64)
             raise ValueError(f"{name}: expected offsets starting at 0, got {given.tolist()[:16]}")
