@@ -23,6 +23,7 @@ from . import backends, kvcache, reference
 from .merge import merge as _merge_blocks
 from .spec import autocast, check_grad_inputs, check_lse, check_merge, check_rows, validate, validate_seed, with_options
 from .spec.kvcache import validate_kvcache
+from .spec.validate import compiling
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -235,6 +236,11 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
     >>> attnkit.attention_kvcache(q, k_cache, v_cache, np.array([2])).round(2)
     array([[[[6.7, 3.3]]]])
     """
+    if compiling():                  # torch.compile: one op, checked and run when the graph runs
+        from .torch import op
+        out, lse = op.kvcache_traced(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, backend,
+                                     dict(masking))
+        return (out, lse) if return_lse else out
     kv = validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
                           v_new=v_new, backend=backend, **masking)
     rung = cast(backends.CacheRung, backends.select(kv.spec, backend, need="kvcache"))

@@ -639,3 +639,34 @@ def test_vmap_over_lengths_is_a_named_error():
     lengths = torch.tensor([[4], [2], [3]])
     with pytest.raises(TypeError, match="^kv_lengths"):
         torch.func.vmap(lambda a, n: attnkit.attention(a, a, a, kv_lengths=n))(q[:, None], lengths)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_decoding_loop_compiles_whole(paged):
+    """attention_kvcache under torch.compile(fullgraph=True): one op that writes the
+    cache and attends when the graph runs — the same bits and the same cache as eager
+    calls; a bad length is the same named error, raised when the graph runs."""
+    torch._dynamo.reset()
+    B, H, Hkv, D, P = 2, 4, 2, 8, 4
+    shape = (6, Hkv, P, D) if paged else (B, Hkv, 12, D)
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]]) if paged else None
+    caches = {"compiled": (torch.zeros(shape), torch.zeros(shape)), "eager": (torch.zeros(shape), torch.zeros(shape))}
+
+    def step(q, kc, vc, n, kn, vn):
+        return attnkit.attention_kvcache(q, kc, vc, n, block_table=table, k_new=kn, v_new=vn, causal=True,
+                                         sinks=torch.tensor([0.5, -1.0, 0.0, 2.0]), return_lse=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=True)
+    n = torch.tensor([0, 3])
+    for i in range(4):
+        g = torch.Generator().manual_seed(i)
+        q, kn, vn = (torch.randn(s, generator=g) for s in ((B, H, 2, D), (B, Hkv, 2, D), (B, Hkv, 2, D)))
+        got = compiled(q, *caches["compiled"], n, kn, vn)
+        want = step(q, *caches["eager"], n, kn, vn)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        n = n + 2
+    assert all(torch.equal(a, b) for a, b in zip(caches["compiled"], caches["eager"]))
+    before = [c.clone() for c in caches["compiled"]]
+    with pytest.raises(ValueError, match="^cache_lengths"):
+        compiled(q, *caches["compiled"], torch.tensor([0, 11]), kn, vn)     # 11 + 2 keys > 12 slots
+    assert all(torch.equal(a, b) for a, b in zip(caches["compiled"], before))

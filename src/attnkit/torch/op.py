@@ -23,6 +23,10 @@ blocks is differentiable end to end. Weights from ``return_weights=True`` or
 Dropout without a seed draws one from torch's default generator, so
 ``torch.manual_seed`` makes a training step reproducible.
 
+``attention_kvcache`` is eager (it reads the cache's lengths to check them); while
+torch.compile traces, it is one custom op, ``torch.ops.attnkit.attention_kvcache``,
+that writes the cache and runs the eager call when the graph runs.
+
 >>> import torch, attnkit
 >>> q = torch.tensor([[1.0, 0.0]], requires_grad=True)
 >>> k = torch.eye(2); v = torch.tensor([[10.0, 0.0], [0.0, 10.0]])
@@ -406,3 +410,70 @@ def bound(mod: Any) -> TorchRung:
 def unavailable() -> None:
     """None: CPU tensors always have the NumPy rungs (CUDA ones need Triton)."""
     return None
+
+
+# ---- attention_kvcache under torch.compile ------------------------------------------------
+# A graph cannot read the cache's lengths (the check does) nor run the NumPy rungs, so a
+# traced call is one custom op that writes the cache (declared: the graph knows k_cache
+# and v_cache change) and runs the whole eager call — check, append, rung — when the
+# graph runs. Its arguments: the cache call's tensors, the options attention_kvcache
+# takes in the table's order (the window as two ints, the seed as an int), the backend.
+_KV_OPTIONS = tuple(o for o in OPTIONS if o.kvcache)
+_KV_SCHEMA = ", ".join(
+    ["Tensor q", "Tensor(a!) k_cache", "Tensor(b!) v_cache", "Tensor cache_lengths", "Tensor? block_table",
+     "Tensor? k_new", "Tensor? v_new"]
+    + [o.schema if o.name == "window" else f"{'int?' if o.name == 'seed' else o.schema} {o.name}"
+       for o in _KV_OPTIONS]
+    + ["str backend"])
+
+
+def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lengths: torch.Tensor,
+             block_table: Any, k_new: Any, v_new: Any, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..api import attention_kvcache
+    opts: dict[str, Any] = {}
+    i = 0
+    for o in _KV_OPTIONS:
+        if o.name == "window":
+            opts["window"] = None if args[i] is None and args[i + 1] is None else (args[i], args[i + 1])
+            i += 2
+            continue
+        opts[o.name] = args[i] % _UINT64 if o.name == "seed" and args[i] is not None else args[i]
+        i += 1
+    out, lse = attention_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
+                                 v_new=v_new, return_lse=True, backend=args[i], **opts)
+    return out.contiguous(), lse.contiguous()
+
+
+def _kvcache_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *rest: Any
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, L = q.shape[:3]
+    return q.new_empty((B, H, L, v_cache.shape[-1])), q.new_empty((B, H, L), dtype=acc_dtype(q))
+
+
+attention_kvcache = torch.library.custom_op("attnkit::attention_kvcache", _kvcache,
+                                            mutates_args=("k_cache", "v_cache"),
+                                            schema=f"({_KV_SCHEMA}) -> (Tensor, Tensor)")
+attention_kvcache.register_fake(_kvcache_fake)
+
+
+def kvcache_traced(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block_table: Any, k_new: Any,
+                   v_new: Any, backend: str, masking: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of attention_kvcache while torch.compile traces: one node of the
+    custom op above, checked and run when the graph runs."""
+    if masking.keys() - {o.name for o in _KV_OPTIONS}:  # a keyword it does not take: the check's error
+        from ..spec.kvcache import validate_kvcache
+        validate_kvcache(q, k_cache, v_cache, cache_lengths, **masking)
+    args: list[Any] = []
+    for o in _KV_OPTIONS:
+        x = masking.get(o.name, o.default)
+        if o.name == "window":
+            args += list(x) if x is not None else [None, None]
+        elif o.name == "seed":
+            args.append(None if x is None else philox.int64(int(x)))
+        elif o.schema == "Tensor?" and x is not None and not isinstance(x, torch.Tensor):
+            args.append(torch.as_tensor(x, device=q.device))
+        else:
+            args.append(x)
+    t = [x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x, device=q.device)
+         for x in (cache_lengths, block_table)]
+    return torch.ops.attnkit.attention_kvcache(q, k_cache, v_cache, t[0], t[1], k_new, v_new, *args, backend)
