@@ -491,24 +491,6 @@ def test_a_cache_that_cannot_be_written_is_named_and_left_alone():
     assert not tk.any()
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_a_rung_that_fails_after_the_append_leaves_the_cache_as_it_was(paged, monkeypatch):
-    k, v, table = make_cache(2, 1, 4, 4, 8, 4, paged)
-    k[np.isnan(k)], v[np.isnan(v)] = 1.0, 2.0
-    k0, v0 = k.copy(), v.copy()
-
-    def fails(kv):
-        assert (k != k0).any()                           # the append happened
-        raise RuntimeError("the rung failed")
-
-    monkeypatch.setattr(flash, "rung_kvcache", fails)
-    new = RNG(0).standard_normal((2, 1, 2, 4))
-    with pytest.raises(RuntimeError, match="the rung failed"):
-        attnkit.attention_kvcache(np.ones((2, 1, 1, 4)), k, v, np.array([3, 5]), block_table=table,
-                                  k_new=new, v_new=new, backend="flash")
-    assert np.array_equal(k, k0) and np.array_equal(v, v0)
-
-
 def test_paged_cache_refuses_a_sequence_twice_and_grows_all_or_nothing():
     cache = attnkit.PagedCache(num_pages=3, page_size=2, kv_heads=1, head_dim=2, dtype="float64")
     a, b = cache.add_sequence(), cache.add_sequence()
@@ -524,3 +506,9 @@ def test_paged_cache_refuses_a_sequence_twice_and_grows_all_or_nothing():
     with pytest.raises(ValueError, match="^k_new"):      # a needs a page, b needs one: one is free
         cache.attend(np.ones((2, 1, 1, 2)), [b, a], k_new=k, v_new=k)
     assert cache.block_table([b]).tolist() == [[0]] and cache.length(b) == 0   # b took no page
+    with pytest.raises(TypeError):                       # refused (float32 q, float64 cache): no page kept
+        cache.attend(np.ones((1, 1, 1, 2), np.float32), b, k_new=k[:1], v_new=k[:1])
+    assert cache.block_table([b]).tolist() == [[0]] and cache.length(b) == 0
+    c = cache.add_sequence()                             # the last free page is still there
+    cache.attend(np.ones((1, 1, 1, 2)), c, k_new=k[:1], v_new=k[:1])
+    assert cache.length(c) == 1

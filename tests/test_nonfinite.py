@@ -165,6 +165,27 @@ def test_every_rung_agrees_backward(kind, monkeypatch):
             same(a.numpy(), b, 1e-5)
 
 
+@pytest.mark.parametrize("where", ["q", "lse"])
+def test_the_backward_checks_each_operand_it_reads(where):
+    """attention_backward with a NaN in q (or lse) that the saved out does not carry:
+    each tile checks what it multiplies, so an excluded key still gets no NaN."""
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((3, 1, 6, 4))
+    out, lse = attnkit.attention(q, k, v, causal=True, return_lse=True, backend="reference")
+    dout = rng.standard_normal(out.shape)
+    if where == "q":
+        q = q.copy()
+        q[0, 2, 0] = np.nan
+    else:
+        lse = lse.copy()
+        lse[0, 2] = np.nan
+    want = reference.rung_backward(validate(q, k, v, causal=True), dout, out, lse)
+    for blocks in (dict(block_m=2, block_n=2), {}):
+        got = flash.rung_backward(validate(q, k, v, causal=True), dout, out, lse, **blocks)
+        for a, b in zip(got, want):
+            same(a, b, 1e-10)
+
+
 def test_excluded_keys_get_exactly_zero_gradient_even_when_non_finite():
     q, k, v, kw = case("nan_value_excluded")
     out, lse = attnkit.attention(q, k, v, return_lse=True, backend="flash", **kw)

@@ -244,12 +244,8 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
     kv = validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
                           v_new=v_new, backend=backend, **masking)
     rung = cast(backends.CacheRung, backends.select(kv.spec, backend, need="kvcache"))
-    undo = kvcache.append(kv)
-    try:
-        out, lse = rung.rung_kvcache(kv)
-    except BaseException:                                # the cache as it was before the call
-        undo()
-        raise
+    kvcache.append(kv)
+    out, lse = rung.rung_kvcache(kv)
     return (out, lse) if return_lse else out
 
 

@@ -20,7 +20,6 @@ generation loop — allocate, append, attend, free; no server, no scheduling.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,32 +49,15 @@ def _positions(kv: KVCall) -> tuple[Any, Any]:
     return pages, pos % P
 
 
-def append(kv: KVCall) -> Callable[[], None]:
+def append(kv: KVCall) -> None:
     """Write k_new / v_new into the cache in place at positions cache_lengths[b] …
-    (validated beforehand: the cache is untouched when a call is rejected). Returns
-    ``undo``, which puts back what the append overwrote (a rung that fails afterwards
-    leaves the cache as it was). A cache that cannot be written (read-only, or
-    broadcast: several slots in one place) is a ValueError naming it, the cache
-    unchanged."""
+    (validated beforehand, writability too: the cache is untouched when a call is
+    rejected)."""
     if kv.k_new is None or kv.k_new.shape[-2] == 0:
-        return lambda: None
+        return
     rows, slots = _positions(kv)
-    saved: list[tuple[Any, Any]] = []
-
-    def undo(done: list[tuple[Any, Any]]) -> None:
-        for cache, old in reversed(done):
-            cache[rows, :, slots] = old
-
-    for name, cache, new in (("k_cache", kv.k_cache, kv.k_new), ("v_cache", kv.v_cache, kv.v_new)):
-        old = cache[rows, :, slots]                      # (B, L_new, Hkv, D): a copy
-        heads_last = new.transpose(1, 2) if not isinstance(new, np.ndarray) else new.transpose(0, 2, 1, 3)
-        try:
-            cache[rows, :, slots] = heads_last
-        except (ValueError, RuntimeError) as e:
-            undo(saved)
-            raise ValueError(f"{name}: k_new / v_new cannot be written into it ({e}); the cache is unchanged") from None
-        saved.append((cache, old))
-    return lambda: undo(saved)
+    for cache, new in ((kv.k_cache, kv.k_new), (kv.v_cache, kv.v_new)):
+        cache[rows, :, slots] = new.transpose(1, 2) if not isinstance(new, np.ndarray) else new.transpose(0, 2, 1, 3)
 
 
 def gather(kv: KVCall) -> tuple[Any, Any]:
@@ -221,10 +203,17 @@ class PagedCache:
         if need > len(self._free):
             raise ValueError(f"k_new: {n} more keys for {len(seqs)} sequences need {need} more pages, "
                              f"{len(self._free)} are free")
+        held = {s: len(self._pages[s]) for s in seqs}
         for s in seqs:
             self.reserve(s, n)
-        res = attention_kvcache(q, self.k, self.v, self.lengths(seqs), block_table=self.block_table(seqs),
-                                k_new=k_new, v_new=v_new, **kwargs)
+        try:
+            res = attention_kvcache(q, self.k, self.v, self.lengths(seqs), block_table=self.block_table(seqs),
+                                    k_new=k_new, v_new=v_new, **kwargs)
+        except BaseException:                            # a refused call keeps no page it took
+            for s, n_held in held.items():
+                self._free.extend(reversed(self._pages[s][n_held:]))
+                del self._pages[s][n_held:]
+            raise
         for s in seqs:
             self._lengths[s] += n
         return res

@@ -64,6 +64,14 @@ CASES = {
     "dropout_causal_zigzag": (2, 4, 2, 5, 5, 8, 8, "float64", "zigzag", dict(causal=True, dropout=0.3, seed=11), None),
     "kv_lengths_causal": (2, 4, 2, 5, 5, 8, 8, "float64", "contiguous",
                           dict(causal=True, align="top_left", kv_lengths=lambda L, S: np.array([S - 7, S])), None),
+    # bottom-right: a sequence's diagonal sits kv_len[b] − S left of the plan's, so a
+    # window's left edge must not crop the blocks by the plan's (a port of
+    # ring-flash-attention's tests found keys cut off)
+    "kv_lengths_window_zigzag": (2, 2, 2, 5, 5, 8, 8, "float64", "zigzag",
+                                 dict(window=(3, 0), kv_lengths=lambda L, S: np.array([S - 7, S])), None),
+    "kv_lengths_causal_window": (1, 2, 1, 4, 4, 8, 8, "float64", "contiguous",
+                                 dict(causal=True, window=(2, None), kv_lengths=lambda L, S: np.array([S // 2 + 1])),
+                                 None),
     # sinks per row (sharded like q; here one row per rank: a last dim of 1 that is not
     # a per-head logit) and one 0-d logit for every row (its gradient summed over ranks)
     "sinks_per_row_one_row": (1, 2, 2, 0.5, 2, 8, 8, "float64", "contiguous",
@@ -138,7 +146,7 @@ def _errors(rank, world):
     def catch(fn):
         try:
             fn()
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, NotImplementedError) as e:
             return f"{type(e).__name__}: {e}"
         return None
 
@@ -153,6 +161,11 @@ def _errors(rank, world):
         "query_mask": catch(lambda: ring_attention(t(2, 4, 8), t(2, 4, 8), t(2, 4, 8),
                                                    keep=torch.ones(4, 4, dtype=torch.bool))),
         "bad_layout": catch(lambda: ring_attention(t(2, 4, 8), t(2, 4, 8), t(2, 4, 8), layout="striped")),
+        # an error other than TypeError/ValueError on one rank (a meta tensor reaches
+        # the rung choice): the others must not wait for it
+        "one_rank_meta": catch(lambda: ring_attention(
+            t(2, 4, 8).to("meta") if rank == 0 else t(2, 4, 8), t(2, 4, 8).to(t(1).device if rank else "meta"),
+            t(2, 4, 8).to(t(1).device if rank else "meta"))),
     }
 
 
@@ -327,6 +340,7 @@ def _check_errors(results, world):
             "query_mask": ["ValueError: keep:", "key-padding", "(4, 4)"],
             "bad_layout": ["ValueError: layout:", "'striped'"],
             "one_rank_bad_dtype": ["TypeError: k:", "dtype"] if rank == 0 else ["rank(s) [0]"],
+            "one_rank_meta": ["Error"] if rank == 0 else ["rank(s) [0]"],
         }
         for name, parts in want.items():
             if e[name] is None or not all(p in e[name] for p in parts):

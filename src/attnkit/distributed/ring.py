@@ -60,6 +60,7 @@ from attnkit.spec import (
     ALIGNS,
     RING_LAYOUTS,
     Spec,
+    autocast,
     check_group,
     check_layout,
     check_ring_shard,
@@ -153,10 +154,11 @@ def _shape_of(meta, name):
 
 
 def _validate(q, k, v, keep, drop, cfg, ring, options):
-    """Validate the local shard, then agree across the ring (one small all_gather,
-    so a bad input on one rank raises on every rank instead of hanging the others).
-    Returns (spec, combined key-padding keep mask or None, dropout seed or None)."""
-    err, spec, key_keep, seed = None, None, None, 0
+    """Validate the local shard and choose its rung, then agree across the ring (one
+    small all_gather, so a bad input on one rank raises on every rank instead of
+    hanging the others). Returns (spec, combined key-padding keep mask or None,
+    dropout seed or None, the rung)."""
+    err, spec, key_keep, seed, rung = None, None, None, 0, None
     try:
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
             raise TypeError("q, k, v: ring_attention takes torch tensors (each rank's shard)")
@@ -169,8 +171,11 @@ def _validate(q, k, v, keep, drop, cfg, ring, options):
                                                      ring.world * spec.S, "S (the whole sequence)"))
         if spec.dropout > 0:                     # one seed for the whole ring: rank 0's
             seed = int(seed_tensor(spec))
-    except (TypeError, ValueError) as e:
-        err = e
+        # one choice for every block of this call, made for a block (extent set: rungs
+        # that take only whole problems, the small one, are passed over)
+        rung = select(spec.replace(extent=(spec.L, spec.S)))
+    except Exception as e:  # noqa: BLE001 - any error (a meta tensor's NotImplementedError too)
+        err = e                                  # goes round first: every rank raises, none hangs
     meta = [int(err is not None)]
     if err is None:
         meta += _meta(spec, key_keep, cfg, seed)
@@ -179,7 +184,7 @@ def _validate(q, k, v, keep, drop, cfg, ring, options):
         meta = [1]
     meta += [-2] * (_META_LEN - len(meta))
     if ring.world > 1:
-        device = q.device if isinstance(q, torch.Tensor) else "cpu"
+        device = q.device if isinstance(q, torch.Tensor) and q.device.type != "meta" else "cpu"
         mine = torch.tensor(meta, dtype=torch.int64, device=device)
         everyone = [torch.empty_like(mine) for _ in range(ring.world)]
         dist.all_gather(everyone, mine, group=ring.group)
@@ -204,7 +209,7 @@ def _validate(q, k, v, keep, drop, cfg, ring, options):
                          "(q, k, v, keep/drop, alibi_slopes, sinks, kv_lengths shapes, causal, window, align, "
                          "scale, softcap, dropout, layout must match)")
     seed = everyone[0][_SEED_AT] % (1 << 64) if spec.dropout > 0 else None
-    return spec, key_keep, seed
+    return spec, key_keep, seed, rung
 
 
 # ---------------------------------------------------------------------------
@@ -222,7 +227,13 @@ def _rows(x, b, tail):
 
 
 def _blocks(spec, cfg, ring, src):
-    return plan(ring.rank, src, ring.world, spec.L, spec.S, causal=spec.causal, window=spec.window,
+    window = spec.window
+    if spec.kv_lengths is not None and spec.align == "bottom_right" and window is not None:
+        # a sequence's diagonal i + kv_len[b] − L is at most the plan's i + S − L: the right
+        # edge (causal, the window's right) crops loosely, the left one would cut off keys
+        # the sequence sees. The blocks apply each sequence's own band.
+        window = (None, window[1])
+    return plan(ring.rank, src, ring.world, spec.L, spec.S, causal=spec.causal, window=window,
                 align=spec.align, layout=cfg.layout)
 
 
@@ -398,11 +409,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
     check_group(group)
     cfg = _Config(group=group, layout=layout)
     ring = _Ring(group)
-    spec, key_keep, seed = _validate(q, k, v, keep, drop, cfg, ring, options)
+    q, k, v = autocast(q, k, v)                  # as attnkit.attention (torch.autocast)
+    spec, key_keep, seed, rung = _validate(q, k, v, keep, drop, cfg, ring, options)
     spec = spec.replace(seed=seed, keep=None, drop=None)
-    # one choice for every block of this call, made for a block (extent set: rungs that
-    # take only whole problems, the small one, are passed over)
-    rung = select(spec.replace(extent=(spec.L, spec.S)))
     out, lse = _RingAttention.apply(spec.q, spec.k, spec.v, spec.sinks, key_keep, spec, cfg, ring, rung)
     if spec.two_d:
         out, lse = out[..., 0, :, :], lse[..., 0, :]

@@ -111,11 +111,12 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
             for r0, r1, partial in call.query_tiles(u, c0, c1):
                 if r0 not in cache:
                     q_t, do_t = call.q_tile(u, r0, r1), _rows3(call, dout, u, r0, r1)
-                    cache[r0] = (q_t, do_t, all_finite(q_t, do_t, call.rows(delta, u, r0, r1))
+                    cache[r0] = (q_t, do_t, all_finite(q_t, call.rows(delta, u, r0, r1))
                                  and not np.isnan(call.rows(lse, u, r0, r1)).any())
                 q_t, do_t, rows_finite = cache[r0]
-                # NaN/inf in this tile's operands (or a NaN lse, a non-finite delta): the
-                # exempt products (attnkit.nonfinite); checked here, on the workers
+                # NaN/inf in this tile's operands (q, k, v; a non-finite dout row makes its
+                # delta non-finite; a NaN lse): the exempt products (attnkit.nonfinite);
+                # checked here, on the workers
                 careful = not (rows_finite and kv_finite)
                 R = q_t.shape[1]
                 p = np.empty((nk, R, bn), dtype=acc)

@@ -124,12 +124,14 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
                 raise ValueError(f"{name}: expected shape (B, Hkv, L_new, D) = {want}, got {tuple(x.shape)}")
             if dtype_name(x) != dtype_name(q):
                 raise TypeError(f"{name}: dtype {dtype_name(x)} differs from q's dtype {dtype_name(q)}")
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)) if L_new > 0 else ():
             strides = c.stride() if want_torch else c.strides
             if any(st == 0 and n > 1 for st, n in zip(strides, c.shape)):   # torch would write every slot
                 raise ValueError(f"{name}: a broadcast (expanded) cache keeps several slots in one place and "
                                  f"cannot take k_new / v_new (strides {tuple(strides)}); pass a cache with its "
                                  "own memory")
+            if not want_torch and not c.flags.writeable:
+                raise ValueError(f"{name}: the cache is read-only and cannot take k_new / v_new")
     h_len = host_ints("cache_lengths", lengths).astype(np.int64)
     if h_len.size and h_len.min() < 0:
         raise ValueError(f"cache_lengths: expected non-negative lengths, got {h_len.tolist()[:16]}")
