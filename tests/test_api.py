@@ -255,3 +255,26 @@ def test_seeds_past_int64_drop_the_same_on_every_rung(seed, dtype):
     grads = attnkit.attention_backward(np.ones_like(out), q, k, v, out, lse, backend="flash", **kw)
     ref = attnkit.attention_backward(np.ones_like(out), q, k, v, want, want_lse, backend="reference", **kw)
     assert all(max_error(g, r) <= 10 * tol for g, r in zip(grads, ref))
+
+
+@pytest.mark.parametrize("flag", ["return_lse", "return_weights"])
+def test_return_flags_are_booleans(flag):
+    """A string like "False" is truthy and would change what the call returns."""
+    q = np.eye(2)
+    with pytest.raises(TypeError, match=f"^{flag}"):
+        attnkit.attention(q, q, q, **{flag: "False"})
+    if flag == "return_lse":
+        with pytest.raises(TypeError, match="^return_lse"):
+            attnkit.attention_kvcache(np.ones((1, 1, 1, 2)), np.zeros((1, 1, 4, 2)), np.zeros((1, 1, 4, 2)),
+                                      np.array([1]), return_lse=1)
+    assert len(attnkit.attention(q, q, q, **{flag: np.True_})) == 2
+
+
+def test_type_hints_resolve_at_run_time():
+    """typing.get_type_hints (pydantic, beartype, typeguard) reads the public functions."""
+    import sys
+    import typing
+    if sys.version_info < (3, 11):
+        pytest.skip("typing.Unpack is Python 3.11's")
+    for f in (attnkit.attention, attnkit.attention_weights, attnkit.attention_backward, attnkit.attention_kvcache):
+        assert "masking" in typing.get_type_hints(f)

@@ -259,6 +259,8 @@ BAD = [
     (["--dropout-seed", "3"], "--dropout-seed: only used with --dropout P"),
     (["--dropout", "0.5", "--dropout-seed", "-1"], "--dropout-seed: expected an integer >= 0, got -1"),
     (["--dropout", "0.5", "--dropout-seed", str(2 ** 64)], "--dropout-seed: expected an integer below"),
+    (["--plot", ""], "--plot: expected a file name, got an empty one"),
+    (["--report", ""], "--report: expected a folder name, got an empty one"),
 ]
 
 
@@ -444,3 +446,33 @@ def test_info_without_threadpoolctl(capsys, monkeypatch):
     rc, out, _ = run(capsys, "info")
     assert rc == 0 and "threadpoolctl is not installed" in out and "reference" in out
 
+
+
+def test_values_that_start_with_a_minus_sign(capsys):
+    """"-1,0" and "-inf,0" would read as options: they are taken as the option's value."""
+    rc, out, err = run(capsys, "explain", "--q", "-1,0", "--k", "1,0;0,1", "--v", "1,0;0,1",
+                       "--bias", "-inf,0", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["inputs"]["q"] == [[-1.0, 0.0]] and d["steps"]["weights"] == [[0.0, 1.0]]
+
+
+def test_reading_says_alone_and_equal_when_they_are(capsys):
+    rc, out, _ = run(capsys, "explain", "--q", "1,0", "--k", "1,0;0,1", "--v", "1,0;0,1", "--bias", "0,-inf")
+    assert rc == 0 and "sees k0 alone (weight 1)" in out
+    rc, out, _ = run(capsys, "explain", "--q", "0,0", "--k", "1,0;0,1", "--v", "1,0;0,1")
+    assert rc == 0 and "weighs k0, k1 equally (50.0% each)" in out
+
+
+def test_a_console_without_utf8_gets_replacements_not_a_traceback():
+    import os
+    env = dict(os.environ, PYTHONIOENCODING="ascii")
+    for argv in (["explain", "--help"], ["explain"]):
+        r = subprocess.run([sys.executable, "-m", "attnkit.cli", *argv], capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-500:]
+
+
+def test_bench_refuses_torch_backends_for_numpy_arrays(capsys):
+    rc, out, err = run(capsys, "bench", "--backend", "torch", "--shape", "1", "1", "16", "8")
+    assert rc == 1 and "backend: 'torch' takes torch tensors" in err and "Traceback" not in err

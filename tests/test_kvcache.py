@@ -512,3 +512,20 @@ def test_paged_cache_refuses_a_sequence_twice_and_grows_all_or_nothing():
     c = cache.add_sequence()                             # the last free page is still there
     cache.attend(np.ones((1, 1, 1, 2)), c, k_new=k[:1], v_new=k[:1])
     assert cache.length(c) == 1
+
+
+def test_paged_cache_errors_name_its_own_arguments():
+    """PagedCache's dtype and head_dim, and the sequences for q's rows, named as the
+    user wrote them (attention_kvcache would name k_cache, which the user never passed)."""
+    for bad in ("flot32", "int32"):
+        with pytest.raises(TypeError, match="^dtype"):
+            attnkit.PagedCache(num_pages=2, page_size=2, kv_heads=1, head_dim=2, dtype=bad)
+    cache = attnkit.PagedCache(num_pages=4, page_size=2, kv_heads=1, head_dim=4)
+    s = cache.add_sequence()
+    new = np.ones((1, 1, 1, 4), np.float32)
+    for q, err, name in ((np.ones((1, 1, 1, 4)), TypeError, "q: dtype float64 differs from the cache's float32"),
+                         (np.ones((1, 1, 1, 2), np.float32), ValueError, "q: expected head_dim 4"),
+                         (np.ones((2, 1, 1, 4), np.float32), ValueError, "seqs: 1 sequence")):
+        with pytest.raises(err, match=f"^{name}"):
+            cache.attend(q, s, k_new=new, v_new=new)
+    assert cache.length(s) == 0 and cache.block_table([s]).tolist() == [[0]]

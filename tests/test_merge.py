@@ -68,3 +68,13 @@ def test_torch_one_block_and_far_apart_blocks():
         o, lse = attnkit.merge(outs, lses)
         assert torch.isfinite(o).all() and max_error(o.numpy(), o1.numpy()) <= 1e-15
         assert max_error(lse.numpy(), (l1 + 1000.0).numpy()) <= 1e-12
+
+
+def test_numpy_scalar_lses_and_an_infinite_lse():
+    """lse of a 1-row block indexed out is a NumPy scalar: merged as a 0-d array; an
+    +inf lse makes the row NaN without a warning (the tests turn warnings into errors)."""
+    o, lse = attnkit.attention(np.eye(2)[:1], np.eye(2), np.eye(2), return_lse=True)
+    out, l2 = attnkit.merge([o[0], o[0]], [lse[0], lse[0]])
+    assert np.allclose(out, o[0]) and np.isclose(l2, lse[0] + np.log(2))
+    out, l2 = attnkit.merge([o, o], [np.array([np.inf]), lse])
+    assert np.isnan(out).all() and np.isnan(l2).all()

@@ -17,18 +17,30 @@ a NaN or inf that reaches a row's softmax or weighted sum makes that row NaN.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any, cast
 
 from . import backends, kvcache, reference
 from .merge import merge as _merge_blocks
-from .spec import autocast, check_grad_inputs, check_lse, check_merge, check_rows, validate, validate_seed, with_options
+from .spec import (
+    Masking,
+    autocast,
+    check_flags,
+    check_grad_inputs,
+    check_lse,
+    check_merge,
+    check_rows,
+    validate,
+    validate_seed,
+    with_options,
+)
 from .spec.kvcache import validate_kvcache
 from .spec.validate import compiling
 
-if TYPE_CHECKING:
+if sys.version_info >= (3, 11):     # at run time too: typing.get_type_hints (pydantic, beartype)
     from typing import Unpack
-
-    from .spec import Masking
+elif TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 def _head_squeeze(two_d: bool, x: Any, tail: int) -> Any:
@@ -85,6 +97,7 @@ def attention(q: Any, k: Any, v: Any, *, return_lse: bool = False, return_weight
     >>> out, lse                                                     # fully masked row
     (array([[0., 0.]]), array([-inf]))
     """
+    check_flags(return_lse=return_lse, return_weights=return_weights)
     q, k, v = autocast(q, k, v)
     spec = validate(q, k, v, backend=backend, **masking)
     out, lse, weights = backends.select(spec, backend).rung_forward(spec, return_weights)
@@ -236,6 +249,7 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
     >>> attnkit.attention_kvcache(q, k_cache, v_cache, np.array([2])).round(2)
     array([[[[6.7, 3.3]]]])
     """
+    check_flags(return_lse=return_lse)
     if compiling():                  # torch.compile: one op, checked and run when the graph runs
         from .torch import op
         out, lse = op.kvcache_traced(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, backend,

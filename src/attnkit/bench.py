@@ -172,6 +172,9 @@ def run(B=1, H=8, L=4096, S=None, D=64, *, dtype="float32", device="cpu", causal
     for name, n in (("B", B), ("H", H), ("L", L), ("S", S), ("D", D), ("repeats", repeats)):
         if int(n) != n or n < 1:
             raise ValueError(f"{name}: expected a positive integer, got {n!r}")
+    if device == "cpu" and dtype != "bfloat16" and backend in ("torch", "triton"):
+        raise ValueError(f"backend: {backend!r} takes torch tensors; bench times NumPy arrays on the CPU "
+                         "(backend auto, flash, small or reference; --device cuda runs the Triton kernels)")
     if device == "cuda" or dtype == "bfloat16":
         try:
             import torch

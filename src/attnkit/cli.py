@@ -239,6 +239,9 @@ def _say(args, text):
 def _cmd_explain(args) -> int:
     ex = importlib.import_module("attnkit.explain")  # the module (attnkit.explain, the name, is the function)
     from . import plot  # light: matplotlib is imported on use
+    for name in ("plot", "report"):
+        if getattr(args, name) == "":
+            raise ValueError(f"--{name}: expected a {'file' if name == 'plot' else 'folder'} name, got an empty one")
     if args.plot or args.report:
         plot.require()
         if args.plot:
@@ -299,9 +302,14 @@ _VERSIONS = (("numpy", "NumPy"), ("numba", "numba"), ("threadpoolctl", "threadpo
 def _version(dist) -> str:
     from importlib import metadata
     try:
-        return metadata.version(dist)
+        version = metadata.version(dist)
     except metadata.PackageNotFoundError:
         return "not installed"
+    try:                                           # installed is not importable (a broken
+        importlib.import_module(dist)              # install, a missing library)
+    except Exception as e:  # noqa: BLE001 - whatever stops the import is what to report
+        return f"{version}, but it cannot be imported ({type(e).__name__}: {' '.join(str(e).split())[:100]})"
+    return version
 
 
 def _blas() -> list[str]:
@@ -444,9 +452,29 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# explain's options that take one matrix or list: a value starting with "-" ("-1,0",
+# "-inf,0") would read as an option, so it is joined to its option ("--q=-1,0")
+_VALUE_OPTIONS = ("--q", "--k", "--v", "--keep", "--drop", "--bias", "--sinks", "--scale", "--softcap",
+                  "--alibi", "--dropout")
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    for tok in argv:
+        if out and out[-1] in _VALUE_OPTIONS and tok.startswith("-") and not tok.startswith("--") \
+                and tok not in ("-h",):
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
 def main(argv=None) -> int:
+    for stream in (sys.stdout, sys.stderr):        # a console or file without UTF-8 (cp1252):
+        if hasattr(stream, "reconfigure"):         # ·, √ and ᵀ become "?", not an error
+            stream.reconfigure(errors="replace")
     p = parser()
-    args = p.parse_args(argv)
+    args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
     if args.cmd is None:                           # bare `attnkit`: the commands, and success
         p.print_help()
         return 0
@@ -460,6 +488,13 @@ def main(argv=None) -> int:
         msg = " ".join(str(e).split())             # one line, whatever the message
         print(f"attnkit {args.cmd}: error: {msg}", file=sys.stderr)
         return 1
+    except MemoryError:
+        print(f"attnkit {args.cmd}: error: not enough memory for this problem; try smaller sizes",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:                      # Ctrl-C: one line, the shell's code for it
+        print(f"attnkit {args.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .spec import dtype_name
 from .spec.kvcache import KVCall
 
 
@@ -113,6 +114,13 @@ class PagedCache:
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise ValueError(f"{name}: expected a positive int, got {x!r}")
         value_dim = head_dim if value_dim is None else value_dim
+        if like is None:
+            try:
+                dt = np.dtype(dtype)
+            except TypeError:
+                raise TypeError(f"dtype: expected a float dtype such as 'float32', got {dtype!r}") from None
+            if dt.kind != "f":
+                raise TypeError(f"dtype: expected a float dtype such as 'float32', got {dt}")
         shape_k = (num_pages, kv_heads, page_size, head_dim)
         shape_v = (num_pages, kv_heads, page_size, value_dim)
         if like is None:
@@ -195,6 +203,16 @@ class PagedCache:
         """
         from .api import attention_kvcache
         seqs = [seqs] if isinstance(seqs, int) else list(seqs)
+        # the cache's side in the cache's words (attention_kvcache would name k_cache)
+        if hasattr(q, "dtype") and hasattr(q, "shape"):
+            if dtype_name(q) != dtype_name(self.k):
+                raise TypeError(f"q: dtype {dtype_name(q)} differs from the cache's {dtype_name(self.k)} "
+                                "(PagedCache(dtype=...), float32 by default)")
+            if len(q.shape) == 4 and q.shape[0] != len(seqs):
+                raise ValueError(f"seqs: {len(seqs)} sequence(s) for q's batch of {q.shape[0]} (one row each)")
+            if len(q.shape) == 4 and q.shape[-1] != self.k.shape[-1]:
+                raise ValueError(f"q: expected head_dim {self.k.shape[-1]} (the cache's) as its last dim, "
+                                 f"got shape {tuple(q.shape)}")
         twice = sorted({s for s in seqs if seqs.count(s) > 1})
         if twice:                                        # one row of q per sequence
             raise ValueError(f"seqs: sequence(s) {twice} appear more than once in {seqs}")

@@ -30,7 +30,13 @@ def _xp(x: Any) -> Any:
 
 
 def merge(outs: list[Any], lses: list[Any]) -> tuple[Any, Any]:
-    """Validated blocks (see :func:`attnkit.merge`) → (out, lse)."""
+    """Validated blocks (see :func:`attnkit.merge`) → (out, lse); a NaN or +inf lse
+    makes its rows NaN, without a warning."""
+    with quiet():
+        return _merge(outs, lses)
+
+
+def _merge(outs: list[Any], lses: list[Any]) -> tuple[Any, Any]:
     xp = _xp(lses[0])
     lse_b = xp.stack(list(lses))                              # (n, ..., H, L)
     m = lse_b.max(0) if xp is np else lse_b.max(0).values      # running max over blocks (NaN propagates)
@@ -42,8 +48,7 @@ def merge(outs: list[Any], lses: list[Any]) -> tuple[Any, Any]:
     lse = xp.where(empty, xp.full_like(m, -float("inf")), xp.log(safe) + m)
     scale = (w / safe)[..., None]                             # each block's share per row
     if xp is np:
-        with quiet():
-            out = sum(scale[i] * outs[i].astype(scale.dtype) for i in range(len(outs)))
-            return out.astype(outs[0].dtype), lse
+        out = sum(scale[i] * outs[i].astype(scale.dtype) for i in range(len(outs)))
+        return out.astype(outs[0].dtype), lse
     out = sum(scale[i] * outs[i].to(scale.dtype) for i in range(len(outs)))
     return out.to(outs[0].dtype), lse

@@ -320,3 +320,20 @@ def test_size_cap_allows_the_limit_itself():
     with pytest.raises(ValueError, match="^--random: "):
         check_size((1001, 4), (1000, 4), (1000, 4), arg="--random")
     check_size((2, 2), (3, 5, 2))                                  # shapes that do not fit: validate's job
+
+
+def test_labels_as_one_string_or_not_a_list():
+    q, k = [[1.0, 0.0]], [[1.0, 0.0], [0.0, 1.0]]
+    assert explain(q, k, k, labels="apple,cheese").labels == ["apple", "cheese"]   # the command line's form
+    with pytest.raises(TypeError, match="^labels: expected a list of 2 names, got 5"):
+        explain(q, k, k, labels=5)
+
+
+def test_a_huge_alibi_slope_gives_no_warning():
+    """The penalty overflows to -inf, as the scores do, without a RuntimeWarning."""
+    import warnings
+    q = np.random.default_rng(0).standard_normal((2, 3, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = explain(q, q, q, alibi_slopes=1e308)
+        assert np.isneginf(t.alibi_penalty).any()

@@ -82,6 +82,10 @@ BAD_PACKED = [
     (ValueError, "cu_seqlens_q", dict(cu_seqlens_q=np.array([[0, 7]]), cu_seqlens_k=np.array([0, 9]))),
     (ValueError, "q_lengths", dict(cu_seqlens_q=np.array([0, 7]), cu_seqlens_k=np.array([0, 9]),
                                    q_lengths=np.array(3))),
+    # per-sequence lengths (2,) where the batch is () once packed: "not combined", not a shape
+    (ValueError, "q_lengths, kv_lengths: not combined", dict(cu_seqlens_q=np.array([0, 3, 7]),
+                                                             cu_seqlens_k=np.array([0, 3, 9]),
+                                                             q_lengths=np.array([3, 4]), kv_lengths=np.array([3, 6]))),
 ]
 
 
@@ -440,3 +444,15 @@ def test_offsets_are_quoted_as_given():
     q, k = np.zeros((1, 6, 4)), np.zeros((1, 9, 4))
     with pytest.raises(ValueError, match=r"got \[0, 9223372036854775808, 6\]"):
         attnkit.attention(q, k, k, cu_seqlens_q=np.array([0, 2**63, 6], np.uint64), cu_seqlens_k=np.array([0, 3, 9]))
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash", "small"])
+def test_a_window_side_too_long_for_any_sequence_is_unbounded(backend):
+    """diag + 2**63 − 1 wrapped around in int64 (every key excluded, no error) and 2**70
+    did not fit: a side of 2**30 keys or more means None on every rung."""
+    import sys
+    q, k, v = make_qkv((2, 5, 4), (2, 7, 4), seed=3)
+    for left, right in ((0, sys.maxsize), (sys.maxsize, sys.maxsize), (2**70, 0), (1 << 30, 2)):
+        want = attnkit.attention(q, k, v, window=(None if left >= 1 << 30 else left, None if right >= 1 << 30 else right),
+                                 backend=backend)
+        assert np.array_equal(attnkit.attention(q, k, v, window=(left, right), backend=backend), want)

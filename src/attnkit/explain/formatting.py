@@ -128,13 +128,13 @@ def matrix(name, a, row_labels, col_labels, width, max_rows=12) -> list[str]:
 
 def jsonable(x):
     """Nested lists for strict JSON: -inf as null, NaN as "nan", +inf as "inf";
-    booleans stay booleans.
+    booleans and integers stay booleans and integers.
 
     >>> jsonable(np.array([1.5, -np.inf, np.nan, np.inf]))
     [1.5, None, 'nan', 'inf']
     """
     x = np.asarray(x)
-    if x.dtype == bool:
+    if x.dtype == bool or x.dtype.kind in "iu":          # booleans and integers (lengths) as they are
         return x.tolist()
     return _special(x.astype(np.float64).tolist())
 

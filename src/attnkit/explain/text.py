@@ -369,15 +369,22 @@ def reading(trace, b=(), row: int = 0, width: int = WIDTH) -> list[str]:
     else:
         j = int(np.argmax(w))
         key = trace.labels[j]
-        if w[j] > 0.995:
+        tied = [trace.labels[i] for i in np.flatnonzero(w == w[j])]
+        if w[j] == 1 and r["sink"] is None:
+            text = (f"Reading: {who} sees {key} alone (weight 1), so its output is {key}'s "
+                    f"value {vec(v[j])}.")
+        elif w[j] > 0.995:
             text = (f"Reading: {who} sees {key} almost alone (weight {w[j]:.3f}), so its "
                     f"output is close to {key}'s value {vec(v[j])}.")
         elif w[j] == 0:
             text = f"Reading: the sink takes all of {who}'s weight, so its output is 0."
+        elif len(tied) > 1:
+            shown = ", ".join(tied[:3]) + (f" and {len(tied) - 3} more" if len(tied) > 3 else "")
+            text = (f"Reading: {who} weighs {shown} equally ({w[j]:.1%} each), so its output "
+                    "is a blend of the values, not a copy.")
         else:
-            text = (f"Reading: {who} matches {key} best, so its output leans {w[j]:.0%} "
-                    f"toward {key}'s value {vec(v[j])}: a blend of the values, "
-                    "not a copy.")
+            text = (f"Reading: {who} weighs {key} most ({w[j]:.1%}), so its output leans "
+                    f"toward {key}'s value {vec(v[j])}: a blend of the values, not a copy.")
         if r["sink"] is not None and r["sink"] > 0.005 and w[j] > 0:
             text += (f" The sink takes {r['sink']:.0%} of the weight, which shrinks the "
                      "output toward 0.")

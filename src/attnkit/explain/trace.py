@@ -9,12 +9,13 @@ and returns a :class:`Trace`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import reference
+from ..nonfinite import quiet
 from ..spec import broadcast_to, is_torch, prod, validate
 from ..spec import geometry as geo
 from ..spec.options import BY_NAME, NAMES, with_options
@@ -55,7 +56,7 @@ class Trace(Mapping):
     >>> t["weights"].round(3).tolist(), t.masks
     ([[0.67, 0.33]], [])
     >>> print(t.render().splitlines()[-2])
-    Reading: q0 matches apple best, so its output leans 67% toward apple's value
+    Reading: q0 weighs apple most (67.0%), so its output leans toward apple's value
     """
 
     def __init__(self, steps, spec, *, labels, query_labels, masks):
@@ -137,8 +138,9 @@ class Trace(Mapping):
         s = self.spec
         if s.alibi_slopes is None:
             return None
-        penalty = np.array(broadcast_to(geo.alibi_bias(s, self.weights.dtype), s.score_shape))
-        return self._user(penalty + 0.0)              # + 0.0: no "-0.000" on the diagonal
+        with quiet():                                    # a huge slope: -inf, as in the scores
+            penalty = np.array(broadcast_to(geo.alibi_bias(s, self.weights.dtype), s.score_shape)) + 0.0
+        return self._user(penalty)                       # + 0.0: no "-0.000" on the diagonal
 
     def sequences(self):
         """Packed inputs: [(q0, q1, k0, k1), …] per sequence (rows q0:q1 see keys
@@ -415,6 +417,10 @@ def _float_array(name, x):
 def _labels(name, labels, n, prefix):
     if labels is None:
         return [f"{prefix}{i}" for i in range(n)]
+    if isinstance(labels, str):                          # "apple,cheese", as on the command line
+        labels = labels.split(",")
+    if not isinstance(labels, Iterable):
+        raise TypeError(f"{name}: expected a list of {n} names, got {labels!r}")
     labels = [str(x) for x in labels]
     if len(labels) != n:
         raise ValueError(f"{name}: expected {n} labels, got {len(labels)} ({','.join(labels)})")

@@ -8,6 +8,7 @@ Every user-facing check lives here and runs before any compute; backends receive
 
 from .checks import (
                      RING_LAYOUTS,
+                     check_flags,
                      check_grad_inputs,
                      check_group,
                      check_layout,
@@ -25,6 +26,6 @@ from .options import OPTIONS, Masking, with_options
 from .validate import ALIGNS, BACKENDS, FLOAT_DTYPES, validate, validate_seed
 
 __all__ = ["ALIGNS", "BACKENDS", "FLOAT_DTYPES", "Masking", "OPTIONS", "RING_LAYOUTS", "Spec", "acc_dtype", "autocast",
-           "band", "broadcast_to", "check_grad_inputs", "check_group", "check_layout", "check_like", "check_lse",
-           "check_merge", "check_ring_shard", "check_rows", "check_world", "dtype_name", "flops",
+           "band", "broadcast_to", "check_flags", "check_grad_inputs", "check_group", "check_layout", "check_like",
+           "check_lse", "check_merge", "check_ring_shard", "check_rows", "check_world", "dtype_name", "flops",
            "is_torch", "prod", "reduce_to", "validate", "validate_seed", "with_options"]

@@ -24,6 +24,14 @@ def _same_library(name: str, x: Any, like: Any) -> None:
         raise ValueError(f"{name}: expected a tensor on q's device {like.device}, got {x.device}")
 
 
+def check_flags(**flags: Any) -> None:
+    """return_lse=, return_weights=: True or False (a string such as "False" is
+    truthy, and would change what the call returns)."""
+    for name, x in flags.items():
+        if not isinstance(x, (bool, np.bool_)):
+            raise TypeError(f"{name}: expected True or False, got {x!r}")
+
+
 def check_like(name: str, x: Any, shape: tuple[int, ...], dtype: str | None = None) -> None:
     """x must have exactly this shape (and dtype)."""
     if tuple(x.shape) != tuple(shape):
@@ -78,7 +86,7 @@ def check_merge(outs: Any, lses: Any) -> tuple[list[Any], list[Any]]:
     for name, xs in (("outs", outs), ("lses", lses)):
         if isinstance(xs, (str, bytes)) or not isinstance(xs, Iterable) or hasattr(xs, "shape"):
             raise TypeError(f"{name}: expected a list of arrays (one per key block), got {type(xs).__name__}")
-        blocks.append(list(xs))
+        blocks.append([np.asarray(x) if isinstance(x, np.generic) else x for x in xs])   # NumPy scalars
     outs, lses = blocks
     if not outs or len(outs) != len(lses):
         raise ValueError(f"merge: expected equal, non-zero numbers of outs and lses, got {len(outs)} and {len(lses)}")

@@ -102,6 +102,9 @@ def _real(name: str, x: Any, *, positive: bool = False) -> float:
     return float(x)
 
 
+UNBOUNDED = 1 << 30
+
+
 def _window(window: Any) -> tuple[int | None, int | None] | None:
     if window is None:
         return None
@@ -111,7 +114,9 @@ def _window(window: Any) -> tuple[int | None, int | None] | None:
     for side, x in zip(("left", "right"), window):
         if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0):
             raise ValueError(f"window: {side} size must be a non-negative int or None, got {x!r}")
-        sides.append(None if x is None else int(x))
+        # a side of 2**30 keys or more is unbounded: no sequence is that long, and
+        # diag ± side stays inside every rung's integers (2**63 − 1 wrapped: no key)
+        sides.append(None if x is None or int(x) >= UNBOUNDED else int(x))
     return None if sides == [None, None] else (sides[0], sides[1])
 
 
@@ -302,8 +307,13 @@ def _validate(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict)
             raise ValueError(f"sinks: expected shape (H,) = ({H},) or a shape that broadcasts to "
                              f"(..., H, L) = {batch + (H, L)}, got {_shape(sinks)}")
 
+    if opt["cu_seqlens_q"] is not None or opt["cu_seqlens_k"] is not None:
+        both = [n for n in ("q_lengths", "kv_lengths") if opt[n] is not None]
+        if both:                                         # (before their shapes are checked: those
+            raise ValueError(f"{', '.join(both)}: not combined with cu_seqlens_q/cu_seqlens_k (packed "
+                             "sequences carry their lengths in the offsets)")   # are the batch's)
     lengths = _lengths(opt, want_torch, batch, L, S, shapes)
-    cu = _cu_seqlens(opt, want_torch, batch, L, S, shapes, lengths)
+    cu = _cu_seqlens(opt, want_torch, batch, L, S, shapes)
 
     scale = 1.0 / math.sqrt(D) if opt["scale"] is None else _real("scale", opt["scale"])
     softcap = None if opt["softcap"] is None else _real("softcap", opt["softcap"], positive=True)
@@ -372,7 +382,7 @@ def _lengths(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: int
 
 
 def _cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: int,
-                shapes: dict, lengths: tuple[Any, Any]) -> tuple[Any, Any]:
+                shapes: dict) -> tuple[Any, Any]:
     cq = _int_array("cu_seqlens_q", opt["cu_seqlens_q"], want_torch)
     ck = _int_array("cu_seqlens_k", opt["cu_seqlens_k"], want_torch)
     if cq is None and ck is None:
@@ -380,9 +390,6 @@ def _cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: 
     if cq is None or ck is None:
         missing = "cu_seqlens_q" if cq is None else "cu_seqlens_k"
         raise ValueError(f"{missing}: packed sequences need both cu_seqlens_q and cu_seqlens_k")
-    if lengths != (None, None):
-        raise ValueError("q_lengths, kv_lengths: not combined with cu_seqlens_q/cu_seqlens_k "
-                         "(packed sequences carry their lengths in the offsets)")
     if prod(batch) != 1:
         raise ValueError(f"q: packed sequences (cu_seqlens_q) take q (H, Tq, D) or (1, H, Tq, D), "
                          f"got batch dims {batch}")
