@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..nonfinite import all_finite, exempt_matmul
+from ..nonfinite import exempt_matmul
 from ..spec import geometry as geo
 from . import runtime
 from .kernels import NUMPY
@@ -71,7 +71,7 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: 
         k_t, v_t = call.kv(u, c0, c1)
         # the exempt product only where this tile's values hold a NaN/inf: every other
         # tile takes the same path (and bits) as a call without any
-        careful = (partial or not call.tile_careful) and v_t is not None and not all_finite(v_t)
+        careful = (partial or not call.tile_careful) and v_t is not None and not call.values_finite(u, c0, c1, v_t)
         fused = call.fuse_index and partial and not careful
         call.scores(s, u, q_s, k_t, a0, a1, c0, c1, partial, fused=fused)
         vis = (s != -np.inf) if careful else None

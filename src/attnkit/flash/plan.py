@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .. import philox
+from ..nonfinite import all_finite
 from ..spec import Spec, broadcast_to
 from ..spec import geometry as geo
 from . import kernels
@@ -279,6 +280,26 @@ class Call:
             return out[0], out[1]
         k = self.k[u.b][hk:hk + u.nk, c0:c1]
         return k, (None if self.v is None else self.v[u.b][hk:hk + u.nk, c0:c1])
+
+    def values_finite(self, u: Unit, c0: int, c1: int, v_t: np.ndarray) -> bool:
+        """Whether v_t, the values of keys [c0, c1) of the unit's kv heads, is free of NaN
+        and inf. Dense values are checked once per call in aligned blocks of BLOCK_N
+        keys (the strips of a causal diagonal share theirs; checking each strip's tile
+        read the values again and cost 2–3% of a causal call); where a block holds
+        one, the tile itself (a NaN in one packed sequence must not change another's
+        path, nor its bits), as are a KV cache's values (slots past a sequence's end
+        may hold anything)."""
+        if self.tile_careful or self.v is None:
+            return all_finite(v_t)
+        hk, bn = u.h0 // self.spec.group, self.BLOCK_N
+        ok = True
+        for blk in range(c0 // bn, -(-c1 // bn)):
+            key = ("finite", u.b, hk, u.nk, blk)
+            f = self._plans.get(key)
+            if f is None:
+                f = self._plans[key] = all_finite(self.v[u.b][hk:hk + u.nk, blk * bn:(blk + 1) * bn])
+            ok = ok and f
+        return ok or all_finite(v_t)
 
     def rows(self, arr: Any, u: Unit, r0: int, r1: int) -> np.ndarray:
         """A (..., H, L) array's entries for the tile's rows, flat (nk·g·rows,)."""

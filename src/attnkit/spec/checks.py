@@ -14,14 +14,14 @@ from .geometry import combine
 from .validate import FLOAT_DTYPES, as_array, choice, dtype_kind
 
 
-def _same_library(name: str, x: Any, like: Any) -> None:
+def _same_library(name: str, x: Any, like: Any, like_name: str = "q") -> None:
     if x is None:
         raise TypeError(f"{name}: expected an array, got None")
     if is_torch(x) != is_torch(like) or not hasattr(x, "shape"):
         want = "a torch.Tensor" if is_torch(like) else "a NumPy array"
-        raise TypeError(f"{name}: expected {want} like q, got {type(x).__name__}")
+        raise TypeError(f"{name}: expected {want} like {like_name}, got {type(x).__name__}")
     if is_torch(x) and x.device != like.device:
-        raise ValueError(f"{name}: expected a tensor on q's device {like.device}, got {x.device}")
+        raise ValueError(f"{name}: expected a tensor on {like_name}'s device {like.device}, got {x.device}")
 
 
 def check_flags(**flags: Any) -> None:
@@ -95,8 +95,8 @@ def check_merge(outs: Any, lses: Any) -> tuple[list[Any], list[Any]]:
         raise TypeError(f"outs[0]: expected an array of shape (..., Dv), got {type(first).__name__}"
                         + (f" of shape {tuple(first.shape)}" if hasattr(first, "shape") else ""))
     for i, (o, lse) in enumerate(zip(outs, lses)):
-        _same_library(f"outs[{i}]", o, first)
-        _same_library(f"lses[{i}]", lse, first)
+        _same_library(f"outs[{i}]", o, first, "outs[0]")
+        _same_library(f"lses[{i}]", lse, first, "outs[0]")
         for name, x, shape, like in ((f"outs[{i}]", o, tuple(first.shape), first),
                                      (f"lses[{i}]", lse, tuple(first.shape)[:-1], lses[0])):
             if dtype_kind(x) != "f":
