@@ -529,3 +529,9 @@ def test_paged_cache_errors_name_its_own_arguments():
         with pytest.raises(err, match=f"^{name}"):
             cache.attend(q, s, k_new=new, v_new=new)
     assert cache.length(s) == 0 and cache.block_table([s]).tolist() == [[0]]
+
+
+def test_paged_cache_dtype_none_or_not_a_float_type_is_refused():
+    for bad in (None, "float128", "complex64"):
+        with pytest.raises(TypeError, match="^dtype"):
+            attnkit.PagedCache(num_pages=2, page_size=2, kv_heads=1, head_dim=2, dtype=bad)

@@ -471,8 +471,8 @@ def _join_negative_values(argv: list[str]) -> list[str]:
 
 def main(argv=None) -> int:
     for stream in (sys.stdout, sys.stderr):        # a console or file without UTF-8 (cp1252):
-        if hasattr(stream, "reconfigure"):         # ·, √ and ᵀ become "?", not an error
-            stream.reconfigure(errors="replace")
+        if hasattr(stream, "reconfigure") and "utf" not in (stream.encoding or "").lower():   # ·, √ and ᵀ
+            stream.reconfigure(errors="replace")                                                # become "?"
     p = parser()
     args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
     if args.cmd is None:                           # bare `attnkit`: the commands, and success

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .spec import dtype_name
+from .spec import FLOAT_DTYPES, dtype_name
 from .spec.kvcache import KVCall
 
 
@@ -116,11 +116,12 @@ class PagedCache:
         value_dim = head_dim if value_dim is None else value_dim
         if like is None:
             try:
-                dt = np.dtype(dtype)
+                dt = None if dtype is None else np.dtype(dtype)
             except TypeError:
-                raise TypeError(f"dtype: expected a float dtype such as 'float32', got {dtype!r}") from None
-            if dt.kind != "f":
-                raise TypeError(f"dtype: expected a float dtype such as 'float32', got {dt}")
+                dt = None
+            if dt is None or str(dt) not in FLOAT_DTYPES:
+                raise TypeError(f"dtype: expected a NumPy float dtype {FLOAT_DTYPES} (torch caches: pass like= "
+                                f"a tensor), got {dtype!r}")
         shape_k = (num_pages, kv_heads, page_size, head_dim)
         shape_v = (num_pages, kv_heads, page_size, value_dim)
         if like is None:

@@ -161,6 +161,7 @@ def _errors(rank, world):
         "query_mask": catch(lambda: ring_attention(t(2, 4, 8), t(2, 4, 8), t(2, 4, 8),
                                                    keep=torch.ones(4, 4, dtype=torch.bool))),
         "bad_layout": catch(lambda: ring_attention(t(2, 4, 8), t(2, 4, 8), t(2, 4, 8), layout="striped")),
+        "bad_flag": catch(lambda: ring_attention(t(2, 4, 8), t(2, 4, 8), t(2, 4, 8), return_lse="no")),
         # an error other than TypeError/ValueError on one rank (a meta tensor reaches
         # the rung choice): the others must not wait for it
         "one_rank_meta": catch(lambda: ring_attention(
@@ -341,6 +342,7 @@ def _check_errors(results, world):
             "bad_layout": ["ValueError: layout:", "'striped'"],
             "one_rank_bad_dtype": ["TypeError: k:", "dtype"] if rank == 0 else ["rank(s) [0]"],
             "one_rank_meta": ["Error"] if rank == 0 else ["rank(s) [0]"],
+            "bad_flag": ["TypeError: return_lse: expected True or False"],
         }
         for name, parts in want.items():
             if e[name] is None or not all(p in e[name] for p in parts):

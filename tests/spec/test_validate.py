@@ -259,9 +259,9 @@ def test_merge_takes_any_iterable_and_one_dimensional_blocks():
     with pytest.raises(TypeError, match=r"^lses\[0\]"):
         attnkit.merge([o], [lse.tolist()])
     torch = pytest.importorskip("torch")
-    with pytest.raises(TypeError, match=r"^lses\[0\]: expected a NumPy array like q"):
+    with pytest.raises(TypeError, match=r"^lses\[0\]: expected a NumPy array like outs\[0\]"):
         attnkit.merge([o], [torch.tensor(lse)])
-    with pytest.raises(TypeError, match=r"^outs\[1\]: expected a torch.Tensor like q"):
+    with pytest.raises(TypeError, match=r"^outs\[1\]: expected a torch.Tensor like outs\[0\]"):
         attnkit.merge([torch.tensor(o), o], [torch.tensor(lse), torch.tensor(lse)])
 
 

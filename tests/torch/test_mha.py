@@ -155,3 +155,12 @@ def test_attention_weight_dropout_while_training():
     outs[0].sum().backward()
     assert mha.in_proj_weight.grad is not None
 
+
+
+def test_need_weights_takes_what_torch_takes():
+    """torch.nn.MultiheadAttention reads need_weights as a truth value (None, 0)."""
+    mha = MultiheadAttention(16, 4).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    for flag in (None, 0, 1):
+        out, w = mha(x, x, x, need_weights=flag)
+        assert (w is None) == (not flag) and torch.equal(out, mha(x, x, x, need_weights=False)[0])

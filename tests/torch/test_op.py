@@ -670,3 +670,35 @@ def test_a_decoding_loop_compiles_whole(paged):
     with pytest.raises(ValueError, match="^cache_lengths"):
         compiled(q, *caches["compiled"], torch.tensor([0, 11]), kn, vn)     # 11 + 2 keys > 12 slots
     assert all(torch.equal(a, b) for a, b in zip(caches["compiled"], before))
+
+
+def test_a_traced_decoding_call_is_checked_like_an_eager_one():
+    """While tracing, every argument but the lengths' values is checked as in an eager
+    call (a seed out of range, a NumPy sinks array, a window side past 2**30)."""
+    torch._dynamo.reset()
+    q, kc, vc = torch.randn(1, 2, 1, 4), torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 8, 4)
+    n = torch.tensor([3])
+    bad = [("seed", dict(dropout=0.5, seed=-1)), ("sinks", dict(sinks=np.array([0.1, 0.2]))),
+           ("scale", dict(scale="x"))]
+    for name, kw in bad:
+        f = torch.compile(lambda q, kc, vc, n, kw=kw: attnkit.attention_kvcache(q, kc, vc, n, **kw),
+                          fullgraph=True, backend="eager")
+        with pytest.raises(Exception) as e:
+            f(q, kc, vc, n)
+        chain, err = [], e.value
+        while err is not None:
+            chain.append(err)
+            err = err.__cause__ or err.__context__
+        assert any(f"{name}: expected" in str(x) for x in chain), chain   # Dynamo wraps the named error
+    f = torch.compile(lambda q, kc, vc, n: attnkit.attention_kvcache(q, kc, vc, n, window=(2**70, 0)),
+                      fullgraph=True, backend="eager")
+    assert torch.equal(f(q, kc, vc, n), attnkit.attention_kvcache(q, kc, vc, n, window=(None, 0)))
+
+
+def test_an_inference_tensor_cache_outside_inference_mode_is_named():
+    with torch.inference_mode():
+        vc = torch.zeros(1, 1, 4, 2)
+    kc, new = torch.zeros(1, 1, 4, 2), torch.ones(1, 1, 1, 2)
+    with pytest.raises(ValueError, match="^v_cache"):
+        attnkit.attention_kvcache(torch.ones(1, 1, 1, 2), kc, vc, torch.tensor([0]), k_new=new, v_new=new)
+    assert not kc.any()

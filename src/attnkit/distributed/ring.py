@@ -61,6 +61,7 @@ from attnkit.spec import (
     RING_LAYOUTS,
     Spec,
     autocast,
+    check_flags,
     check_group,
     check_layout,
     check_ring_shard,
@@ -409,6 +410,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
     check_group(group)
     cfg = _Config(group=group, layout=layout)
     ring = _Ring(group)
+    check_flags(return_lse=return_lse)
     q, k, v = autocast(q, k, v)                  # as attnkit.attention (torch.autocast)
     spec, key_keep, seed, rung = _validate(q, k, v, keep, drop, cfg, ring, options)
     spec = spec.replace(seed=seed, keep=None, drop=None)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .core import Spec, dtype_name, is_torch
 from .options import BY_NAME, NAMES
-from .validate import FLOAT_DTYPES, as_array, dtype_kind, host_ints, validate
+from .validate import FLOAT_DTYPES, as_array, compiling, dtype_kind, host_ints, validate
 
 
 @dataclass(frozen=True)
@@ -130,8 +130,17 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
                 raise ValueError(f"{name}: a broadcast (expanded) cache keeps several slots in one place and "
                                  f"cannot take k_new / v_new (strides {tuple(strides)}); pass a cache with its "
                                  "own memory")
-            if not want_torch and not c.flags.writeable:
-                raise ValueError(f"{name}: the cache is read-only and cannot take k_new / v_new")
+            writable = (compiling() or c.is_inference() <= torch.is_inference_mode_enabled()   # (traced:
+                        if want_torch else c.flags.writeable)                               # the op checks)
+            if not writable:
+                raise ValueError(f"{name}: the cache is read-only here (a NumPy array that is not writeable, "
+                                 "or an inference tensor outside inference mode) and cannot take k_new / v_new")
+    if want_torch and compiling():   # values cannot be read while torch.compile traces: the op
+        S_cap = P if block_table is None else int(block_table.shape[1]) * P   # checks them when it runs
+        spec = validate(q, _zeros_view(q, (B, Hkv, S_cap, D)), _zeros_view(q, (B, Hkv, S_cap, Dv)),
+                        backend=backend, kv_lengths=lengths.long() + L_new, **options)
+        return KVCall(spec=spec, k_cache=k_cache, v_cache=v_cache, cache_lengths=lengths, lengths=None,
+                      block_table=block_table, page_size=P, k_new=k_new, v_new=v_new)
     h_len = host_ints("cache_lengths", lengths).astype(np.int64)
     if h_len.size and h_len.min() < 0:
         raise ValueError(f"cache_lengths: expected non-negative lengths, got {h_len.tolist()[:16]}")

@@ -9,9 +9,11 @@ rung that ``attnkit.backends.select`` chose, CPU through the NumPy rungs, CUDA t
 ``torch.nn.MultiheadAttention(batch_first=True)``.
 
 Importing this package registers the custom ops (``torch.ops.attnkit.attention_fwd``,
-``attention_bwd``, ``attention_weights``). Under ``torch.compile`` import it before
-compiling (or make one eager call): Dynamo traces ``attnkit.attention`` down to the
-op but cannot trace the first import of a rung module.
+``attention_bwd``, ``attention_weights``, and ``attention_kvcache``, which
+``attnkit.attention_kvcache`` becomes while torch.compile traces). Under
+``torch.compile`` import it before compiling (or make one eager call): Dynamo traces
+``attnkit.attention`` down to the op but cannot trace the first import of a rung
+module.
 
 >>> import torch, attnkit.torch
 >>> mha = attnkit.torch.MultiheadAttention(8, 2)

@@ -212,7 +212,7 @@ class MultiheadAttention(nn.Module):
                 masks["bias"] = m if masks["bias"] is None else masks["bias"] + m
         p = self.dropout if self.training else 0.0
         res = api.attention(q, k, v, causal=bool(is_causal), align="top_left", dropout=p,
-                            return_weights=need_weights, **masks)
+                            return_weights=bool(need_weights), **masks)
         out, w = res if need_weights else (res, None)
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))
         if w is not None and average_attn_weights:

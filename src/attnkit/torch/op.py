@@ -458,22 +458,22 @@ attention_kvcache.register_fake(_kvcache_fake)
 
 def kvcache_traced(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block_table: Any, k_new: Any,
                    v_new: Any, backend: str, masking: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of attention_kvcache while torch.compile traces: one node of the
-    custom op above, checked and run when the graph runs."""
-    if masking.keys() - {o.name for o in _KV_OPTIONS}:  # a keyword it does not take: the check's error
-        from ..spec.kvcache import validate_kvcache
-        validate_kvcache(q, k_cache, v_cache, cache_lengths, **masking)
+    """(out, lse) of attention_kvcache while torch.compile traces: the check of every
+    argument but the lengths' and the block table's values (those are checked when
+    the graph runs, by the eager call inside the op), then one node of the op above
+    with the checked options (the window and seed in normal form)."""
+    from ..spec.kvcache import validate_kvcache
+    spec = validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
+                            v_new=v_new, backend=backend, **masking).spec
     args: list[Any] = []
     for o in _KV_OPTIONS:
-        x = masking.get(o.name, o.default)
         if o.name == "window":
-            args += list(x) if x is not None else [None, None]
+            args += list(spec.window) if spec.window is not None else [None, None]
         elif o.name == "seed":
-            args.append(None if x is None else philox.int64(int(x)))
-        elif o.schema == "Tensor?" and x is not None and not isinstance(x, torch.Tensor):
-            args.append(torch.as_tensor(x, device=q.device))
+            args.append(None if spec.seed is None else philox.int64(int(spec.seed)))
+        elif o.schema == "Tensor?":
+            args.append(masking.get(o.name))             # the user's tensors (checked above)
         else:
-            args.append(x)
-    t = [x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x, device=q.device)
-         for x in (cache_lengths, block_table)]
-    return torch.ops.attnkit.attention_kvcache(q, k_cache, v_cache, t[0], t[1], k_new, v_new, *args, backend)
+            args.append(getattr(spec, o.name))
+    return torch.ops.attnkit.attention_kvcache(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new,
+                                               *args, backend)
