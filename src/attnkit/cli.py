@@ -199,8 +199,9 @@ def _options(args, L, S) -> dict:
         elif x.shape[0] == 1 and x.size == L:
             opts["sinks"] = x                       # (1, L): one logit per query
         else:
-            raise ValueError(f"--sinks: expected 1 value (one sink logit for every query) or "
-                             f"L = {L} (one per query), got {x.size}")
+            got = f"{x.size}" if x.shape[0] == 1 else f"{x.shape[0]} rows of {x.shape[1]}"
+            raise ValueError(f"--sinks: expected 1 value (one sink logit for every query) or one row of "
+                             f"L = {L} (one per query, separated by commas), got {got}")
     packed = _packed(args)
     if packed is not None:
         for lens, n, who in ((packed[0], L, "query"), (packed[1], S, "key")):
