@@ -506,8 +506,8 @@ def test_paged_cache_refuses_a_sequence_twice_and_grows_all_or_nothing():
     with pytest.raises(ValueError, match="^k_new"):      # a needs a page, b needs one: one is free
         cache.attend(np.ones((2, 1, 1, 2)), [b, a], k_new=k, v_new=k)
     assert cache.block_table([b]).tolist() == [[0]] and cache.length(b) == 0   # b took no page
-    with pytest.raises(TypeError):                       # refused (float32 q, float64 cache): no page kept
-        cache.attend(np.ones((1, 1, 1, 2), np.float32), b, k_new=k[:1], v_new=k[:1])
+    with pytest.raises(ValueError, match="^v_new"):      # refused once b has its page: no page kept
+        cache.attend(np.ones((1, 1, 1, 2)), b, k_new=k[:1], v_new=np.ones((1, 2, 1, 2)))
     assert cache.block_table([b]).tolist() == [[0]] and cache.length(b) == 0
     c = cache.add_sequence()                             # the last free page is still there
     cache.attend(np.ones((1, 1, 1, 2)), c, k_new=k[:1], v_new=k[:1])
@@ -535,3 +535,35 @@ def test_paged_cache_dtype_none_or_not_a_float_type_is_refused():
     for bad in (None, "float128", "complex64"):
         with pytest.raises(TypeError, match="^dtype"):
             attnkit.PagedCache(num_pages=2, page_size=2, kv_heads=1, head_dim=2, dtype=bad)
+
+
+
+def test_paged_cache_attends_without_new_keys_and_reads_lists():
+    """attend with no k_new (n = 0 new keys) and q given as nested lists."""
+    cache = attnkit.PagedCache(num_pages=4, page_size=2, kv_heads=1, head_dim=2, dtype="float64")
+    s = cache.add_sequence()
+    k = np.array([[[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]])
+    first = cache.attend(np.ones((1, 1, 1, 2)), s, k_new=k, v_new=k)
+    again = cache.attend([[[[1.0, 1.0]]]], s)
+    assert cache.length(s) == 3 and np.array_equal(first, again)
+
+
+def test_writability_is_checked_only_for_an_append_and_only_where_slots_alias():
+    """A read-only cache attends without appending; a size-1 dim with stride 0 (torch's
+    expand adds those) is not a broadcast; a broadcast over two heads is."""
+    k = np.zeros((1, 1, 4, 2))
+    k[0, 0, :2] = [[1, 0], [0, 1]]
+    k.setflags(write=False)
+    attnkit.attention_kvcache(np.ones((1, 1, 1, 2)), k, k, np.array([2]))
+    none = np.zeros((1, 1, 0, 2))                                                      # an empty append
+    attnkit.attention_kvcache(np.ones((1, 1, 1, 2)), k, k, np.array([2]), k_new=none, v_new=none)
+    torch = pytest.importorskip("torch")
+    kc, vc = torch.zeros(4, 2).expand(1, 1, 4, 2), torch.zeros(4, 2).expand(1, 1, 4, 2)   # strides (0, 0, 2, 1)
+    kc, vc = kc.clone().as_strided((1, 1, 4, 2), (0, 0, 2, 1)), vc.clone().as_strided((1, 1, 4, 2), (0, 0, 2, 1))
+    new = torch.ones(1, 1, 1, 2)
+    attnkit.attention_kvcache(torch.ones(1, 1, 1, 2), kc, vc, torch.tensor([0]), k_new=new, v_new=new)
+    assert kc[0, 0, 0].tolist() == [1.0, 1.0]
+    two = torch.zeros(1, 1, 4, 2).expand(1, 2, 4, 2)                                    # one slot, two heads
+    with pytest.raises(ValueError, match="^k_cache: a broadcast"):
+        attnkit.attention_kvcache(torch.ones(1, 2, 1, 2), two, torch.zeros(1, 2, 4, 2), torch.tensor([0]),
+                                  k_new=torch.ones(1, 2, 1, 2), v_new=torch.ones(1, 2, 1, 2))
