@@ -647,20 +647,21 @@ def test_a_decoding_loop_compiles_whole(paged):
     cache and attends when the graph runs — the same bits and the same cache as eager
     calls; a bad length is the same named error, raised when the graph runs."""
     torch._dynamo.reset()
-    B, H, Hkv, D, P = 2, 4, 2, 8, 4
-    shape = (6, Hkv, P, D) if paged else (B, Hkv, 12, D)
+    B, H, Hkv, D, Dv, P = 2, 4, 2, 8, 5, 4
+    shape = (6, Hkv, P) if paged else (B, Hkv, 12)
     table = torch.tensor([[4, 1, 0], [2, 5, 3]]) if paged else None
-    caches = {"compiled": (torch.zeros(shape), torch.zeros(shape)), "eager": (torch.zeros(shape), torch.zeros(shape))}
+    caches = {name: (torch.zeros(shape + (D,)), torch.zeros(shape + (Dv,))) for name in ("compiled", "eager")}
 
     def step(q, kc, vc, n, kn, vn):
         return attnkit.attention_kvcache(q, kc, vc, n, block_table=table, k_new=kn, v_new=vn, causal=True,
-                                         sinks=torch.tensor([0.5, -1.0, 0.0, 2.0]), return_lse=True)
+                                         window=(3, None), sinks=torch.tensor([0.5, -1.0, 0.0, 2.0]),
+                                         return_lse=True)
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=True)
     n = torch.tensor([0, 3])
     for i in range(4):
         g = torch.Generator().manual_seed(i)
-        q, kn, vn = (torch.randn(s, generator=g) for s in ((B, H, 2, D), (B, Hkv, 2, D), (B, Hkv, 2, D)))
+        q, kn, vn = (torch.randn(s, generator=g) for s in ((B, H, 2, D), (B, Hkv, 2, D), (B, Hkv, 2, Dv)))
         got = compiled(q, *caches["compiled"], n, kn, vn)
         want = step(q, *caches["eager"], n, kn, vn)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -702,3 +703,13 @@ def test_an_inference_tensor_cache_outside_inference_mode_is_named():
     with pytest.raises(ValueError, match="^v_cache"):
         attnkit.attention_kvcache(torch.ones(1, 1, 1, 2), kc, vc, torch.tensor([0]), k_new=new, v_new=new)
     assert not kc.any()
+
+
+def test_the_kvcache_op_passes_torchs_checks():
+    """Schema (the cache written, declared) and fake tensors (the out's Dv, lse's dtype)
+    against the real op."""
+    q, kc, vc = torch.randn(2, 4, 1, 8), torch.zeros(2, 2, 6, 8), torch.zeros(2, 2, 6, 5)
+    args = (q, kc, vc, torch.tensor([2, 3]), None, torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 5),
+            None, True, 3, None, "bottom_right", None, None, None, 0.0, None, "auto")
+    torch.library.opcheck(torch.ops.attnkit.attention_kvcache.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
