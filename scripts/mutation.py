@@ -183,6 +183,7 @@ R_QKEY = ("part of a plan cache key: when any unit of a sequence is stacked, eve
           "BLOCK_M rows, so stacked and single units of one sequence have the same row blocks anyway")
 R_DENSE = "a dense sequence is one page of S keys: the kernel reads only table[0, 0]"
 R_PIECE1 = "without a step the range is one piece [a, z) whatever step larger than z − a it takes"
+_OP_WIN = 'opts["window"] = None if args[i] is None and args[i + 1] is None else (args[i], args[i + 1])'
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("spec/checks.py",
      "if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):",
@@ -315,14 +316,6 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ('flash/forward.py', 'return x.astype(dtype, copy=False)',
      '`False` -> `True`'):
         'an extra copy of the result: speed only',
-    ('flash/forward.py', 'careful = ((call.careful or (call.tile_careful and partial)) and v_t is not None',
-     '`and` -> `or` @55'):
-        "the exempt product also on a KV cache's fully visible tiles with a NaN/inf value: there every key is"
-        " visible, so it gives the plain product's NaNs (finish turns its infs into NaN)",
-    ('flash/forward.py', 'careful = ((call.careful or (call.tile_careful and partial)) and v_t is not None',
-     '`and` -> `or` @69'):
-        'the exempt product on more tiles (any tile whose values hold NaN/inf, or all tiles of a careful '
-        "call): it equals the plain product where b is finite and is the NaN rule's answer where not",
     ('flash/forward.py', 'if acc is not None and pv is not None and v_t is not None:',
      '`and` -> `or` @27'):
         'acc and pv are both None or both arrays (want_out); v_t is None only for calls without v, which '
@@ -344,13 +337,6 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ('flash/forward.py', 'if z > a:',
      '`>` -> `>=`'):
         "z == a: the kernel's key loop runs zero times, the state is unchanged",
-    ('flash/forward.py', 'flat = acc.reshape(l_i.shape[0], -1)',
-     '`1` -> `2`'):
-        'NumPy reads any negative size in reshape as the inferred one',
-    ('flash/forward.py', 'flat[empty] = 0.0',
-     'remove the statement'):
-        'a row with l_i = 0 saw no key: every product left its acc at exactly 0 (the exempt product where v '
-        'holds NaN/inf, so no 0·inf), the divide skips it',
     ('flash/forward.py', 'for p in parts[1:]:',
      '`1` -> `0`'):
         'the first part is maxed with itself: the same maximum',
@@ -365,12 +351,6 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "acc is None exactly when the parts' acc are",
     ('flash/forward.py', 'acc += w.reshape(pa.shape[0], -1, 1) * pa',
      '`1` -> `2` @43'):
-        'NumPy reads any negative size in reshape as the inferred one',
-    ('flash/forward.py', 'if out is not None and o_i is not None:',
-     '`and` -> `or`'):
-        'out is None exactly when o_i is (want_out)',
-    ('flash/forward.py', 'out[u.b][u.heads, r0:r1] = o_i.reshape(u.nk * u.g, r1 - r0, -1)',
-     '`1` -> `2`'):
         'NumPy reads any negative size in reshape as the inferred one',
     ('flash/forward.py', 'n = call.splits(len(blocks), hi - lo)',
      '`-` -> `+`'):
@@ -479,12 +459,6 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("flash/plan.py", "self.tuned = block_m is None and block_n is None", "`and` -> `or`"):
         "with one of block_m/block_n given, whether few-row tiles widen and few rows stream: speed and the "
         "order of sums only",
-    ("flash/plan.py", "self.careful = False if self.tile_careful else not all_finite(spec.v)", "`False` -> `True`"):
-        "careful only adds a finiteness check per tile of v (the exempt product runs only where a tile holds "
-        "NaN/inf): KV-cache calls check per tile already",
-    ("flash/plan.py", "self.fuse_index = not self.masked", "drop `not`"):
-        "two implementations of the band: the bounded softmax or -inf written into the scores by index — the "
-        "same excluded positions either way (keep/drop still applied by index)",
     ("flash/plan.py", "if spec.dropout > 0:", "`>` -> `>=`"):
         "philox.threshold(0.0) is 0, which turns dropout off exactly as not setting it does",
     ("flash/plan.py", _P_STACK1, "`-` -> `+` @32"): R_STACK,
@@ -562,6 +536,15 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("flash/forward.py", "for c in range(a, z, step or max(z - a, 1)):", "`1` -> `2`"): R_PIECE1,
     ("flash/forward.py", "rows = np.asarray(rows, dtype=np.int64).ravel()", "remove the statement"):
         "rows arrive as a 1-D int64 array (check_rows; through the torch op, rows.cpu().numpy())",
+    ("flash/plan.py", "and (pages is None or pages[0].dtype == self.acc))", "`0` -> `1`"):
+        "pages[1] is the v cache, which has k's dtype: validate_kvcache refuses a k_cache or v_cache whose "
+        "dtype is not q's",
+    ("torch/op.py", _OP_WIN, "`+` -> `-` @64"):
+        "args[i - 1] is causal, a bool in the op's schema, never None: the window is then always (left, right), "
+        "and (None, None) is validated to None exactly as window=None is",
+    ("torch/op.py", _OP_WIN, "`1` -> `2` @66"):
+        "args[i + 2] is align, a str in the op's schema, never None: the window is then always (left, right), "
+        "and (None, None) is validated to None exactly as window=None is",
 }
 
 
