@@ -456,3 +456,25 @@ def test_a_window_side_too_long_for_any_sequence_is_unbounded(backend):
         want = attnkit.attention(q, k, v, window=(None if left >= 1 << 30 else left, None if right >= 1 << 30 else right),
                                  backend=backend)
         assert np.array_equal(attnkit.attention(q, k, v, window=(left, right), backend=backend), want)
+
+
+def test_the_unbounded_window_side_starts_at_two_to_the_thirty():
+    from attnkit.spec import validate
+    q, k, v = make_qkv((2, 5, 4), (2, 7, 4), seed=3)
+    assert validate(q, k, v, window=(2**30 - 1, 0)).window == (2**30 - 1, 0)
+    assert validate(q, k, v, window=(2**30, 0)).window == (None, 0)
+
+
+def test_one_offsets_array_with_lengths_is_named_for_the_lengths():
+    q, k = np.ones((2, 7, 4)), np.ones((1, 9, 4))
+    with pytest.raises(ValueError, match="^kv_lengths: not combined with cu_seqlens"):
+        attnkit.attention(q, k, k, cu_seqlens_q=np.array([0, 7]), kv_lengths=np.array([3]))
+
+
+def test_merge_names_the_block_of_the_other_library():
+    torch = pytest.importorskip("torch")
+    o, lse = attnkit.attention(np.eye(2), np.eye(2), np.eye(2), return_lse=True)
+    with pytest.raises(TypeError, match=r"^outs\[1\]: expected a NumPy array like outs\[0\]"):
+        attnkit.merge([o, torch.tensor(o)], [lse, lse])
+    with pytest.raises(TypeError, match=r"^lses\[1\]"):
+        attnkit.merge([o, o], [lse, torch.tensor(lse)])

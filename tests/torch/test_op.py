@@ -713,3 +713,15 @@ def test_the_kvcache_op_passes_torchs_checks():
             None, True, 3, None, "bottom_right", None, None, None, 0.0, None, "auto")
     torch.library.opcheck(torch.ops.attnkit.attention_kvcache.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("window", [(2, 0), (None, 0), (0, None)])
+def test_a_compiled_decoding_call_keeps_each_window_side(window):
+    """The window crosses the op as two ints: each side, without causal, with L = 3
+    rows (one row would hide a side)."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    q, kc, vc = torch.randn(1, 2, 3, 4, generator=g), torch.randn(1, 1, 8, 4, generator=g), torch.randn(1, 1, 8, 4, generator=g)
+    n = torch.tensor([6])
+    f = lambda q, kc, vc, n: attnkit.attention_kvcache(q, kc, vc, n, window=window)   # noqa: E731
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(q, kc, vc, n), f(q, kc, vc, n))
