@@ -453,8 +453,8 @@ def test_a_window_side_too_long_for_any_sequence_is_unbounded(backend):
     import sys
     q, k, v = make_qkv((2, 5, 4), (2, 7, 4), seed=3)
     for left, right in ((0, sys.maxsize), (sys.maxsize, sys.maxsize), (2**70, 0), (1 << 30, 2)):
-        want = attnkit.attention(q, k, v, window=(None if left >= 1 << 30 else left, None if right >= 1 << 30 else right),
-                                 backend=backend)
+        normal = tuple(None if side >= 1 << 30 else side for side in (left, right))
+        want = attnkit.attention(q, k, v, window=normal, backend=backend)
         assert np.array_equal(attnkit.attention(q, k, v, window=(left, right), backend=backend), want)
 
 

@@ -616,7 +616,8 @@ def test_autocast_hands_the_op_its_dtype_as_for_sdpa(compiled):
     float64 is left alone. Gradients reach the float32 inputs in float32."""
     q, k = (torch.randn(2, 4, 5, 8, requires_grad=True), torch.randn(2, 2, 7, 8, requires_grad=True))
     v = torch.randn(2, 2, 7, 8).bfloat16().requires_grad_()
-    f = lambda q, k, v: attnkit.attention(q, k, v, causal=True)   # noqa: E731
+    def f(q, k, v):
+        return attnkit.attention(q, k, v, causal=True)
     if compiled:
         torch._dynamo.reset()                            # no graph of another rung's test run
         f = torch.compile(f, fullgraph=True, backend="aot_eager")
@@ -721,7 +722,8 @@ def test_a_compiled_decoding_call_keeps_each_window_side(window):
     rows (one row would hide a side)."""
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(3)
-    q, kc, vc = torch.randn(1, 2, 3, 4, generator=g), torch.randn(1, 1, 8, 4, generator=g), torch.randn(1, 1, 8, 4, generator=g)
+    q, kc, vc = (torch.randn(s, generator=g) for s in ((1, 2, 3, 4), (1, 1, 8, 4), (1, 1, 8, 4)))
     n = torch.tensor([6])
-    f = lambda q, kc, vc, n: attnkit.attention_kvcache(q, kc, vc, n, window=window)   # noqa: E731
+    def f(q, kc, vc, n):
+        return attnkit.attention_kvcache(q, kc, vc, n, window=window)
     assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(q, kc, vc, n), f(q, kc, vc, n))
