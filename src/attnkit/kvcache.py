@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from .spec import FLOAT_DTYPES, dtype_name
-from .spec.kvcache import KVCall
+from .spec import FLOAT_DTYPES
+from .spec.kvcache import KVCall, check_paged_attend
 
 
 def _xp_arange(like: Any, n: int) -> Any:
@@ -204,19 +204,7 @@ class PagedCache:
         """
         from .api import attention_kvcache
         seqs = [seqs] if isinstance(seqs, int) else list(seqs)
-        # the cache's side in the cache's words (attention_kvcache would name k_cache)
-        if hasattr(q, "dtype") and hasattr(q, "shape"):
-            if dtype_name(q) != dtype_name(self.k):
-                raise TypeError(f"q: dtype {dtype_name(q)} differs from the cache's {dtype_name(self.k)} "
-                                "(PagedCache(dtype=...), float32 by default)")
-            if len(q.shape) == 4 and q.shape[0] != len(seqs):
-                raise ValueError(f"seqs: {len(seqs)} sequence(s) for q's batch of {q.shape[0]} (one row each)")
-            if len(q.shape) == 4 and q.shape[-1] != self.k.shape[-1]:
-                raise ValueError(f"q: expected head_dim {self.k.shape[-1]} (the cache's) as its last dim, "
-                                 f"got shape {tuple(q.shape)}")
-        twice = sorted({s for s in seqs if seqs.count(s) > 1})
-        if twice:                                        # one row of q per sequence
-            raise ValueError(f"seqs: sequence(s) {twice} appear more than once in {seqs}")
+        check_paged_attend(q, seqs, self.k)
         n = 0 if k_new is None else int(k_new.shape[-2])
         need = sum(self._need(s, n) for s in seqs)      # all or nothing: no sequence grows alone
         if need > len(self._free):

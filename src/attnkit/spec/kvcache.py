@@ -44,6 +44,24 @@ class KVCall:
         return self.block_table is not None
 
 
+def check_paged_attend(q: Any, seqs: list[Any], cache: Any) -> None:
+    """PagedCache.attend's arguments in its own words (attention_kvcache would name
+    k_cache, which the user never passed): q against the cache's dtype and head dim,
+    one sequence per row of q, none twice."""
+    if hasattr(q, "dtype") and hasattr(q, "shape"):
+        if dtype_name(q) != dtype_name(cache):
+            raise TypeError(f"q: dtype {dtype_name(q)} differs from the cache's {dtype_name(cache)} "
+                            "(PagedCache(dtype=...), float32 by default)")
+        if len(q.shape) == 4 and q.shape[0] != len(seqs):
+            raise ValueError(f"seqs: {len(seqs)} sequence(s) for q's batch of {q.shape[0]} (one row each)")
+        if len(q.shape) == 4 and q.shape[-1] != cache.shape[-1]:
+            raise ValueError(f"q: expected head_dim {cache.shape[-1]} (the cache's) as its last dim, "
+                             f"got shape {tuple(q.shape)}")
+    twice = sorted({s for s in seqs if seqs.count(s) > 1})
+    if twice:                                            # one row of q per sequence
+        raise ValueError(f"seqs: sequence(s) {twice} appear more than once in {seqs}")
+
+
 def _ints(name: str, x: Any, want_torch: bool, ndim: int, what: str) -> Any:
     a = as_array(name, x, want_torch, required=True)
     if dtype_kind(a) not in "iu":
