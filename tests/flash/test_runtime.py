@@ -5,6 +5,8 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,6 +32,19 @@ def executor(request, monkeypatch):
         pytest.importorskip("torch")
         if runtime._omp_team(2) is None:
             pytest.skip("torch's OpenMP runtime is not GNU libgomp here")
+    return request.param
+
+
+@pytest.fixture(params=["thread", "inline"])
+def blas_path(request, monkeypatch):
+    """Each of the two ways the BLAS limit is set and restored: by the dedicated BLAS
+    thread (threadpoolctl), or by the calls themselves (one pthreads OpenBLAS)."""
+    if runtime.blas_controller() is None:
+        pytest.skip("threadpoolctl is not installed")
+    direct = runtime._one_pthreads_openblas(runtime.blas_controller())
+    if request.param == "inline" and direct is None:
+        pytest.skip("NumPy's BLAS is not one pthreads OpenBLAS here")
+    monkeypatch.setattr(runtime._blas, "direct", direct if request.param == "inline" else None)
     return request.param
 
 
@@ -102,7 +117,7 @@ def test_concurrent_calls_with_different_thread_settings():
         assert np.array_equal(out, want[0]) and np.array_equal(lse, want[1])
 
 
-def test_overlapping_calls_restore_the_blas_thread_count():
+def test_overlapping_calls_restore_the_blas_thread_count(blas_path):
     """BLAS is limited on the first overlapping call's entry and restored on the last
     one's exit, even when the calls end in another order than they began."""
     before = blas_threads()
@@ -264,15 +279,14 @@ def test_interrupt_storm_leaves_pool_locks_and_blas_intact():
     assert int(hits) > 20                                   # the storm really hit calls
 
 
-def test_a_threadpoolctl_error_is_raised_and_the_next_call_works(monkeypatch):
-    """An error inside the BLAS-limit thread (threadpoolctl failing once) reaches the
-    call that asked, named, and the thread lives on: the next call neither hangs nor
-    fails, and BLAS ends with its thread count."""
+def test_a_blas_limit_error_is_raised_and_the_next_call_works(monkeypatch, blas_path):
+    """An error while BLAS is limited (threadpoolctl on the BLAS thread, or OpenBLAS's
+    own setter, failing once) reaches the call that asked, named, and nothing is left
+    broken: the next call neither hangs nor fails, and BLAS ends with its thread count."""
     ctl = runtime.blas_controller()
-    if ctl is None:
-        pytest.skip("threadpoolctl is not installed")
     before = [i["num_threads"] for i in ctl.info()]
-    orig, calls = ctl.limit, []
+    owner, name = (ctl, "limit") if blas_path == "thread" else (runtime._blas.direct, "set_num_threads")
+    orig, calls = getattr(owner, name), []
 
     def flaky(*a, **kw):
         calls.append(1)
@@ -280,7 +294,7 @@ def test_a_threadpoolctl_error_is_raised_and_the_next_call_works(monkeypatch):
             raise OSError("hiccup")
         return orig(*a, **kw)
 
-    monkeypatch.setattr(ctl, "limit", flaky)
+    monkeypatch.setattr(owner, name, flaky)
     q = np.ones((1, 4, 300, 16), np.float32)
     results = []
 
@@ -448,6 +462,25 @@ def test_after_fork_the_child_starts_over_keeping_the_controller(monkeypatch):
     monkeypatch.setattr(runtime, "_blas", parent)
     runtime._after_fork_in_child()
     assert ctl.log == ["restore"] and runtime._blas.controller is ctl
+
+
+def test_after_fork_the_child_undoes_an_inline_limit(monkeypatch):
+    """The inline path (one pthreads OpenBLAS): a limit a parent call held at the fork is
+    undone in the child (the count saved before it), and the child keeps the setter."""
+    log = []
+    direct = SimpleNamespace(get_num_threads=lambda: 1, set_num_threads=log.append)
+    parent = runtime._Blas()
+    parent.controller, parent.direct, parent.saved = None, direct, 6
+    tok = runtime._Token()
+    parent.held[id(tok)] = weakref.ref(tok)
+    monkeypatch.setattr(runtime, "_blas", parent)
+    monkeypatch.setattr(runtime, "_pool", runtime._Pool())
+    runtime._after_fork_in_child()
+    assert log == [6] and runtime._blas.direct is direct and not runtime._blas.held
+    monkeypatch.setattr(runtime, "_blas", runtime._Blas())       # nothing held at the fork: nothing set
+    runtime._blas.direct = direct
+    runtime._after_fork_in_child()
+    assert log == [6]
 
 
 def test_decoding_leaves_blas_alone_and_tiles_hold_it(monkeypatch):

@@ -173,7 +173,10 @@ def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray 
     # every row of out is written when the blocks cover them all (no padding rows):
     # no zero fill then (a BERT batch's out is 12.6 MB, filled before the tasks start)
     covered = sum(u.nk * u.g * (r1 - r0) for u, r0, r1 in blocks) == prod(spec.lse_shape)
-    out = (np.empty if covered else np.zeros)(spec.out_shape, dtype=call.acc) if want_out else None
+    out = None
+    if want_out:                                         # (..., H, L, Dv) over (..., L, H, Dv) memory,
+        mem = spec.batch + (spec.L, spec.H, spec.Dv)     # as FlashAttention and SDPA's flash kernels
+        out = np.swapaxes((np.empty if covered else np.zeros)(mem, dtype=call.acc), -2, -3)
     weights = np.zeros(spec.score_shape, dtype=spec.dtype) if want_weights else None
     tasks: list[tuple[Any, ...]] = []
     for n_b, (u, r0, r1) in enumerate(blocks):

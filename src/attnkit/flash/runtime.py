@@ -52,6 +52,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from ..nonfinite import quiet
@@ -397,7 +398,8 @@ class _Token:
 
 class _Blas:
     """The thread that sets and restores the BLAS limit, and its bookkeeping (touched
-    only on that thread)."""
+    only on that thread); or, for one pthreads OpenBLAS (NumPy's wheels), the calls
+    themselves (:meth:`_inline`)."""
 
     def __init__(self) -> None:
         self.cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -405,6 +407,10 @@ class _Blas:
         self.lock = threading.Lock()
         self.controller: Any = _UNSET
         self.limiter: Any = None
+        self.direct: Any = _UNSET           # the one pthreads OpenBLAS's controller, or None
+        self.held: dict[int, weakref.ref] = {}   # the inline path's calls inside (their tokens)
+        self.saved = 0                       # its thread count before the first of them
+        self.restoring = False               # a restore began and may not have finished
 
     def start(self) -> None:
         if self.thread is None:
@@ -446,6 +452,10 @@ class _Blas:
     def request(self, cmd: str, tok: _Token) -> BaseException | None:
         """Send ``cmd`` and wait for it: returns a KeyboardInterrupt caught meanwhile, or
         threadpoolctl's error (as a RuntimeError naming what failed)."""
+        if self.direct is _UNSET:
+            self.direct = _one_pthreads_openblas(self.controller)
+        if self.direct is not None:
+            return self._inline(cmd, tok)
         tok.acked = False
         self.start()
         self.cmds.put((cmd, weakref.ref(tok)))
@@ -456,6 +466,59 @@ class _Blas:
             late = RuntimeError(f"attnkit could not {what} (threadpoolctl: {type(e).__name__}: {e})")
             late.__cause__ = e
         return late
+
+
+    def _inline(self, cmd: str, tok: _Token) -> BaseException | None:
+        """``cmd`` on the calling thread, for a pthreads OpenBLAS: its thread count is one
+        process-wide value that any thread may set (a C call of under a microsecond),
+        so the calls inside are counted here under the lock instead of waiting twice
+        for the BLAS thread (0.1 ms a call measured). Calls that died without their
+        exit (their token collected) are dropped at the next request. An interrupt
+        between a restore's start and its end leaves ``restoring`` set: the next
+        request finishes the restore, and a first call keeps the count saved before."""
+        lib = self.direct
+        try:
+            with self.lock:
+                for key in [key for key, r in self.held.items() if r() is None]:
+                    del self.held[key]
+                if cmd == "enter":
+                    if not self.held and not self.restoring:
+                        self.saved = lib.get_num_threads()
+                    self.held[id(tok)] = weakref.ref(tok)
+                else:
+                    self.held.pop(id(tok), None)
+                if not self.held or self.restoring:
+                    self.restoring = True
+                    lib.set_num_threads(self.saved)
+                    self.restoring = False
+                if self.held:
+                    lib.set_num_threads(1)
+        except Exception as e:               # noqa: BLE001 — handed to the call, named
+            what = "hold BLAS to one thread" if cmd == "enter" else "restore BLAS's thread count"
+            late = RuntimeError(f"attnkit could not {what} ({type(e).__name__}: {e})")
+            late.__cause__ = e
+            return late
+        return None
+
+
+def _one_pthreads_openblas(controller: Any) -> Any:
+    """The thread-count functions (get, set) of the process's BLAS when that is one
+    OpenBLAS threaded by pthreads (NumPy's wheels), else None. Its own C functions:
+    threadpoolctl's wrapper lets only the first thread that sets a limit set one."""
+    libs = [c for c in getattr(controller, "lib_controllers", ()) if c.user_api == "blas"]
+    if len(libs) != 1 or libs[0].internal_api != "openblas" or getattr(libs[0], "threading_layer", "") != "pthreads":
+        return None
+    try:
+        lib = ctypes.CDLL(libs[0].filepath)
+    except OSError:
+        return None
+    for prefix, suffix in itertools.product(("", "scipy_"), ("", "64_")):
+        get = getattr(lib, f"{prefix}openblas_get_num_threads{suffix}", None)
+        put = getattr(lib, f"{prefix}openblas_set_num_threads{suffix}", None)
+        if get is not None and put is not None:
+            get.argtypes, get.restype, put.argtypes, put.restype = [], ctypes.c_int, [ctypes.c_int], None
+            return SimpleNamespace(get_num_threads=get, set_num_threads=put)
+    return None
 
 
 _blas = _Blas()
@@ -509,16 +572,17 @@ def _after_fork_in_child() -> None:
     """The child has only the forking thread: start over with no workers, and undo a
     BLAS limit that a parent call held at the fork."""
     global _pool, _blas
-    limiter = _blas.limiter
-    controller = _blas.controller
+    parent = _blas
     _pool = _Pool()
     _blas = _Blas()
-    _blas.controller = controller
-    if limiter is not None:
-        try:
-            limiter.restore_original_limits()
-        except Exception:                   # noqa: BLE001 — a best effort in a fresh child
-            pass
+    _blas.controller, _blas.direct = parent.controller, parent.direct
+    try:
+        if parent.limiter is not None:
+            parent.limiter.restore_original_limits()
+        if parent.held or parent.restoring:
+            parent.direct.set_num_threads(parent.saved)
+    except Exception:                       # noqa: BLE001 — a best effort in a fresh child
+        pass
 
 
 _fork_hooks: list[bool] = []
