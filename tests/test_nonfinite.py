@@ -228,6 +228,22 @@ def test_an_inf_value_a_row_sees_gives_nan_on_the_fast_paths(dtype, rows):
     same(attnkit.attention_kvcache(q, kc, vc, np.array([1500]), backend="flash"), want, 1e-4)
 
 
+@pytest.mark.parametrize("dtype, rows", [("float64", 1), ("float32", 80)])
+def test_a_key_whose_score_is_minus_inf_exempts_its_nan_value_in_a_kv_cache(dtype, rows):
+    """A +inf key that a row's q turns into a score of exactly -inf is excluded like a
+    masked key: its NaN value must not reach the row, also in a KV cache's tile that
+    every row sees (tiles, not the streaming kernel: float64, or more than 64 rows);
+    those tiles were once taken as free of exclusions and gave NaN."""
+    rng = np.random.default_rng(2)
+    q = -np.ones((1, 2, rows, 8), dtype)
+    k, v = (rng.standard_normal((1, 2, 50, 8)).astype(dtype) for _ in range(2))
+    k[0, :, 7], v[0, :, 7] = np.inf, np.nan
+    want = attnkit.attention_kvcache(q, k, v, np.array([50]), backend="reference")
+    assert np.isfinite(want).all()
+    same(attnkit.attention_kvcache(q, k, v, np.array([50]), backend="flash"), want, 1e-6)
+    same(attnkit.attention(q, k, v, backend="flash"), want, 1e-6)
+
+
 def test_exempt_matmul_takes_a_visibility_that_broadcasts():
     """visible may be any shape that broadcasts to a's (a row of keys, one column)."""
     rng = np.random.default_rng(1)

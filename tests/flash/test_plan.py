@@ -6,7 +6,7 @@ import pytest
 
 import attnkit
 from attnkit import flash
-from attnkit.flash import plan
+from attnkit.flash import forward, plan
 from attnkit.spec import validate
 from attnkit.testing import make_qkv
 from cases import peak_bytes
@@ -184,14 +184,18 @@ def test_decoding_copies_a_strided_cache_once_and_a_broadcast_one_never(monkeypa
         assert sum(copied) <= {"strided": k.nbytes + v.nbytes, "broadcast": 0}[name], (name, copied)
 
 
-def test_dense_values_are_checked_once_per_call(monkeypatch):
-    """The NaN/inf check of dense values reads each block of keys once per call: the
-    128-row strips of a causal diagonal share it (checking each strip's tile again
-    cost 2–3% of a causal call)."""
+def test_the_forward_checks_products_not_values(monkeypatch):
+    """The forward's NaN/inf check reads each tile's p v (hot, just made), never the
+    values themselves (reading them again per strip cost 2–3% of a causal call, and a
+    KV cache's read doubles what decoding reads), and it still finds a NaN value."""
     seen = []
-    real = plan.all_finite
-    monkeypatch.setattr(plan, "all_finite", lambda *xs: seen.append(sum(np.size(x) for x in xs)) or real(*xs))
+    real = forward.all_finite
+    monkeypatch.setattr(forward, "all_finite", lambda *xs: seen.extend(xs) or real(*xs))
     q, k, v = make_qkv((1, 2, 2048, 64), (1, 2, 2048, 64), dtype="float32", seed=1)
     with flash.threads(1):
         flash.rung_forward(validate(q, k, v, causal=True))
-    assert sum(seen) == v.size
+    assert seen and not any(np.shares_memory(x, v) for x in seen)
+    assert all(x.shape[-1] == v.shape[-1] and x.shape[-2] <= 1024 for x in seen)
+    v[0, 1, 100, 3] = np.nan
+    out, _, _ = flash.rung_forward(validate(q, k, v, causal=True))
+    assert np.isnan(out[0, 1, 100:, 3]).all() and np.isfinite(out[0, 1, :100]).all()

@@ -73,9 +73,9 @@ def rung_kvcache(kv: KVCall, *, block_m: int | None = None, block_n: int | None 
     with quiet():
         if kv.paged:
             table = np.asarray(kv.block_table, dtype=np.int64)
-            call = Call(kv.spec, block_m, block_n, pages=(kv.k_cache, kv.v_cache, table, kv.page_size), cache=True)
+            call = Call(kv.spec, block_m, block_n, pages=(kv.k_cache, kv.v_cache, table, kv.page_size))
         else:
-            call = Call(kv.spec.replace(k=kv.k_cache, v=kv.v_cache), block_m, block_n, cache=True)
+            call = Call(kv.spec.replace(k=kv.k_cache, v=kv.v_cache), block_m, block_n)
         out, lse, _ = _forward.forward(call, True, False)
         assert out is not None
         return _forward.cast(out, kv.spec.dtype), lse

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..nonfinite import exempt_matmul
+from ..nonfinite import all_finite, exempt_matmul
 from ..spec import geometry as geo
 from . import runtime
 from .kernels import NUMPY
@@ -69,12 +69,8 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: 
         n_rows = q_s.shape[1]
         s = buf[: nk * n_rows * (c1 - c0)].reshape(nk, n_rows, c1 - c0)
         k_t, v_t = call.kv(u, c0, c1)
-        # the exempt product only where this tile's values hold a NaN/inf: every other
-        # tile takes the same path (and bits) as a call without any
-        careful = (partial or not call.tile_careful) and v_t is not None and not call.values_finite(u, c0, c1, v_t)
-        fused = call.fuse_index and partial and not careful
+        fused = call.fuse_index and partial
         call.scores(s, u, q_s, k_t, a0, a1, c0, c1, partial, fused=fused)
-        vis = (s != -np.inf) if careful else None
         s2 = s.reshape(nk * n_rows, c1 - c0)
         if fused:                                        # causal/window applied row by row
             lo_b, hi_b = call.bounds(u, a0, a1)
@@ -84,10 +80,12 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: 
         if acc is not None and pv is not None and v_t is not None:
             call.dropout(s, u, a0, a1, c0)
             acc_s, pv_s = (acc, pv) if whole else (acc[:, rows], pv[:, rows])
-            if vis is None:
-                np.matmul(s, v_t, out=pv_s)
-            else:
-                pv_s[...] = exempt_matmul(s, v_t, vis)
+            np.matmul(s, v_t, out=pv_s)
+            # a NaN/inf in v_t makes a whole column of p v non-finite (0 · NaN is NaN): only
+            # then the exempt product, whose visible pairs are the tile's scores again.
+            # Every other tile keeps the plain product's bits, and v is never read twice
+            if not all_finite(pv_s):
+                pv_s[...] = exempt_matmul(s, v_t, call.visible(u, q_s, k_t, a0, a1, c0, c1, partial))
             if pv is acc:                                # acc was 0: alpha · 0 + pv is pv (a
                 pass                                     # NaN alpha also makes l, so out, NaN)
             elif whole:

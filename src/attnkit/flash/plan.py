@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from .. import philox
-from ..nonfinite import all_finite
 from ..spec import Spec, broadcast_to
 from ..spec import geometry as geo
 from . import kernels
@@ -97,7 +96,7 @@ class Call:
     """Operands, settings and the tile plan shared by every task of one call."""
 
     def __init__(self, spec: Spec, block_m: int | None, block_n: int | None, backward: bool = False,
-                 pages: Any = None, cache: bool = False) -> None:
+                 pages: Any = None) -> None:
         self.spec = spec
         self.acc = np.dtype(spec.acc_dtype)
         bm, bn = block_sizes(max(spec.D, spec.Dv), spec.acc_dtype, backward)
@@ -119,12 +118,10 @@ class Call:
                       broadcast_to(tile_ready(spec.v, self.acc), spec.batch + tuple(spec.v.shape[-3:])))
         self.masked = spec.keep is not None or spec.drop is not None
         # NaN/inf in an operand of a product whose other side is 0 on excluded keys:
-        # take the exempt products (attnkit.nonfinite); the plain ones otherwise. Each
-        # tile's operands are checked on the workers, where they are multiplied (reading
-        # all of them first, on the calling thread, cost 3% of a BERT batch's forward on
-        # 2 threads); a KV cache's only where keys are excluded (reading a whole cache
-        # to check it would double what decoding reads).
-        self.tile_careful = cache
+        # the exempt products (attnkit.nonfinite), the plain ones otherwise. Checked on
+        # the workers, where the products are made: the forward checks each tile's p v
+        # (hot, and no larger than the tile's values; a KV cache is never read twice),
+        # the backward each key block's operands.
         # causal/window alone: the softmax tile takes each row's key bounds
         self.fuse_index = not self.masked
         self.slopes = (None if spec.alibi_slopes is None else
@@ -281,25 +278,14 @@ class Call:
         k = self.k[u.b][hk:hk + u.nk, c0:c1]
         return k, (None if self.v is None else self.v[u.b][hk:hk + u.nk, c0:c1])
 
-    def values_finite(self, u: Unit, c0: int, c1: int, v_t: np.ndarray) -> bool:
-        """Whether v_t, the values of keys [c0, c1) of the unit's kv heads, is free of NaN
-        and inf. Dense values are checked once per call in aligned blocks of BLOCK_N
-        keys (the strips of a causal diagonal share theirs; checking each strip's tile
-        read the values again and cost 2–3% of a causal call); where a block holds
-        one, the tile itself (a NaN in one packed sequence must not change another's
-        path, nor its bits), as are a KV cache's values (slots past a sequence's end
-        may hold anything)."""
-        if self.tile_careful or self.v is None:
-            return all_finite(v_t)
-        hk, bn = u.h0 // self.spec.group, self.BLOCK_N
-        ok = True
-        for blk in range(c0 // bn, -(-c1 // bn)):
-            key = ("finite", u.b, hk, u.nk, blk)
-            f = self._plans.get(key)
-            if f is None:
-                f = self._plans[key] = all_finite(self.v[u.b][hk:hk + u.nk, blk * bn:(blk + 1) * bn])
-            ok = ok and f
-        return ok or all_finite(v_t)
+    def visible(self, u: Unit, q_t: np.ndarray, k_t: np.ndarray, r0: int, r1: int, c0: int, c1: int,
+                partial: bool) -> np.ndarray:
+        """Which (row, key) pairs of a tile are visible (its final scores, recomputed with
+        every exclusion as −inf, are not −inf): the exempt product's pairs, wanted only
+        where the tile's values hold a NaN or inf."""
+        s = np.empty((u.nk, q_t.shape[1], c1 - c0), dtype=self.acc)
+        self.scores(s, u, q_t, k_t, r0, r1, c0, c1, partial)
+        return s != -np.inf
 
     def rows(self, arr: Any, u: Unit, r0: int, r1: int) -> np.ndarray:
         """A (..., H, L) array's entries for the tile's rows, flat (nk·g·rows,)."""

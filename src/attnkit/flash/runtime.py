@@ -27,8 +27,10 @@ tile's matmul is small; OpenBLAS's own threads on top of ours are many times slo
 threadpoolctl's limit is process-wide, so overlapping calls share it: one dedicated
 thread applies it when the first call enters and restores it when the last leaves
 (OpenMP-based libraries keep the setting per thread, so set and restore happen on the
-same thread). Without threadpoolctl the tiles run on the calling thread and BLAS
-threads itself.
+same thread). Where NumPy's BLAS is one OpenBLAS threaded by pthreads (its wheels),
+whose count any thread may set, the calls set and restore it themselves instead
+(:meth:`_Blas._inline`: no hand-off). Without threadpoolctl the tiles run on the
+calling thread and BLAS threads itself.
 
 Interrupts and fork: no lock is held across a wait and no Condition is used; every
 wait is on a state that is re-checked, so a KeyboardInterrupt at any point lets the
