@@ -483,6 +483,60 @@ def test_after_fork_the_child_undoes_an_inline_limit(monkeypatch):
     assert log == [6]
 
 
+class FakeOpenBLAS:
+    """OpenBLAS's get/set thread-count functions; ``interrupt`` makes the next set
+    raise KeyboardInterrupt before it sets."""
+
+    def __init__(self, n):
+        self.n, self.interrupt = n, False
+
+    def get_num_threads(self):
+        return self.n
+
+    def set_num_threads(self, n):
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+        self.n = n
+
+
+def test_the_inline_limit_survives_an_interrupted_restore_and_ignores_a_stray_exit():
+    """Inline path: Ctrl-C inside the last call's restore leaves the count at 1 only
+    until the next request, which restores it (and a first call then saves the user's
+    count, not 1); an exit whose enter never counted its token (an interrupt before
+    it) restores nothing, so a count the user set since stays."""
+    blas, lib = runtime._Blas(), FakeOpenBLAS(4)
+    blas.direct = lib
+    a, b = runtime._Token(), runtime._Token()
+    assert blas._inline("enter", a) is None and lib.n == 1
+    lib.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        blas._inline("exit", a)
+    assert lib.n == 1 and blas.restoring
+    assert blas._inline("enter", b) is None and lib.n == 1 and blas.saved == 4
+    assert blas._inline("exit", b) is None and lib.n == 4 and not blas.restoring
+    lib.n = 3                                                    # the user's own setting
+    assert blas._inline("exit", runtime._Token()) is None and lib.n == 3
+    c = runtime._Token()
+    assert blas._inline("enter", c) is None and lib.n == 1
+    del c                                                        # died inside, without its exit
+    assert blas._inline("enter", a) is None and lib.n == 1 and blas.saved == 3
+    assert blas._inline("exit", a) is None and lib.n == 3
+
+
+def test_the_inline_path_registers_the_fork_hooks(monkeypatch):
+    """The fork hooks (which undo a limit held at a fork) are registered by the first
+    inline limit too, also where no pool worker or BLAS thread is ever started (tasks
+    on torch's team)."""
+    registered = []
+    monkeypatch.setattr(runtime, "_register_fork_hooks", lambda: registered.append(1))
+    monkeypatch.setattr(runtime._blas, "direct", FakeOpenBLAS(2))
+    monkeypatch.setattr(runtime._blas, "controller", runtime._blas.controller or object())
+    with runtime.blas_single_threaded():
+        assert runtime._blas.direct.n == 1
+    assert registered and runtime._blas.direct.n == 2
+
+
 def test_decoding_leaves_blas_alone_and_tiles_hold_it(monkeypatch):
     """A call whose every block runs the compiled streaming kernel (decoding) makes no
     BLAS call, so it asks the BLAS thread for nothing; a call with tiles (matmuls) holds

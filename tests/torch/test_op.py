@@ -728,18 +728,3 @@ def test_a_compiled_decoding_call_keeps_each_window_side(window):
         return attnkit.attention_kvcache(q, kc, vc, n, window=window)
     assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(q, kc, vc, n), f(q, kc, vc, n))
 
-
-def test_flash_out_is_laid_out_as_transformers_reads_it():
-    """The flash rung writes out in (B, L, H, Dv) memory order, as FlashAttention and
-    SDPA's flash kernels do: a transformers layer's out.transpose(1, 2).contiguous()
-    then copies nothing. The same values as the reference; through the custom op
-    (gradients wanted) out is contiguous, as its fake says."""
-    g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(2, 4, 300, 16, generator=g) for _ in range(3))
-    want = attnkit.attention(q.double(), k.double(), v.double(), causal=True, backend="reference")
-    out = attnkit.attention(q, k, v, causal=True, backend="flash")
-    assert out.shape == (2, 4, 300, 16) and out.transpose(1, 2).is_contiguous()
-    assert max_error(out.double().numpy(), want.numpy()) < 1e-5
-    assert np.swapaxes(attnkit.attention(q.numpy(), k.numpy(), v.numpy(), backend="flash"), 1, 2).flags.c_contiguous
-    with_grad = attnkit.attention(q.requires_grad_(), k, v, causal=True, backend="flash")
-    assert with_grad.is_contiguous() and torch.equal(with_grad.detach(), out)

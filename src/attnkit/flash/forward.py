@@ -15,6 +15,7 @@ Key parts of one row block (split-KV, for few rows and many keys) are merged by 
 
 from __future__ import annotations
 
+from functools import partial as partial_fn
 from math import prod
 from typing import Any
 
@@ -85,7 +86,7 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: 
             # then the exempt product, whose visible pairs are the tile's scores again.
             # Every other tile keeps the plain product's bits, and v is never read twice
             if not all_finite(pv_s):
-                pv_s[...] = exempt_matmul(s, v_t, call.visible(u, q_s, k_t, a0, a1, c0, c1, partial))
+                pv_s[...] = exempt_matmul(s, v_t, partial_fn(call.visible, u, q_s, k_t, a0, a1, c0, c1, partial))
             if pv is acc:                                # acc was 0: alpha · 0 + pv is pv (a
                 pass                                     # NaN alpha also makes l, so out, NaN)
             elif whole:
@@ -171,10 +172,7 @@ def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray 
     # every row of out is written when the blocks cover them all (no padding rows):
     # no zero fill then (a BERT batch's out is 12.6 MB, filled before the tasks start)
     covered = sum(u.nk * u.g * (r1 - r0) for u, r0, r1 in blocks) == prod(spec.lse_shape)
-    out = None
-    if want_out:                                         # (..., H, L, Dv) over (..., L, H, Dv) memory,
-        mem = spec.batch + (spec.L, spec.H, spec.Dv)     # as FlashAttention and SDPA's flash kernels
-        out = np.swapaxes((np.empty if covered else np.zeros)(mem, dtype=call.acc), -2, -3)
+    out = (np.empty if covered else np.zeros)(spec.out_shape, dtype=call.acc) if want_out else None
     weights = np.zeros(spec.score_shape, dtype=spec.dtype) if want_weights else None
     tasks: list[tuple[Any, ...]] = []
     for n_b, (u, r0, r1) in enumerate(blocks):

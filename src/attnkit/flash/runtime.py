@@ -409,10 +409,9 @@ class _Blas:
         self.lock = threading.Lock()
         self.controller: Any = _UNSET
         self.limiter: Any = None
-        self.direct: Any = _UNSET           # the one pthreads OpenBLAS's controller, or None
+        self.direct: Any = _UNSET           # the one pthreads OpenBLAS's get/set functions, or None
         self.held: dict[int, weakref.ref] = {}   # the inline path's calls inside (their tokens)
-        self.saved = 0                       # its thread count before the first of them
-        self.restoring = False               # a restore began and may not have finished
+        self.saved, self.restoring = 0, False   # the count before them; a restore not yet done
 
     def start(self) -> None:
         if self.thread is None:
@@ -457,6 +456,7 @@ class _Blas:
         if self.direct is _UNSET:
             self.direct = _one_pthreads_openblas(self.controller)
         if self.direct is not None:
+            _register_fork_hooks()
             return self._inline(cmd, tok)
         tok.acked = False
         self.start()
@@ -469,28 +469,30 @@ class _Blas:
             late.__cause__ = e
         return late
 
-
     def _inline(self, cmd: str, tok: _Token) -> BaseException | None:
         """``cmd`` on the calling thread, for a pthreads OpenBLAS: its thread count is one
-        process-wide value that any thread may set (a C call of under a microsecond),
-        so the calls inside are counted here under the lock instead of waiting twice
-        for the BLAS thread (0.1 ms a call measured). Calls that died without their
-        exit (their token collected) are dropped at the next request. An interrupt
-        between a restore's start and its end leaves ``restoring`` set: the next
-        request finishes the restore, and a first call keeps the count saved before."""
+        process-wide value any thread may set (a C call), so the calls inside are
+        counted here under the lock instead of waiting twice for the BLAS thread (0.1
+        ms a call). Calls that died without their exit are dropped at the next request
+        (which restores the count if they were the last). ``restoring`` is set before
+        the last call leaves and cleared once the count is back, so a restore an
+        interrupt cut short is finished by the next request. An exit whose enter never
+        counted its token restores nothing."""
         lib = self.direct
         try:
             with self.lock:
-                for key in [key for key, r in self.held.items() if r() is None]:
+                dead = [key for key, r in self.held.items() if r() is None]
+                for key in dead:
                     del self.held[key]
+                self.restoring = self.restoring or bool(dead and not self.held)   # they held the limit
                 if cmd == "enter":
                     if not self.held and not self.restoring:
                         self.saved = lib.get_num_threads()
                     self.held[id(tok)] = weakref.ref(tok)
-                else:
-                    self.held.pop(id(tok), None)
-                if not self.held or self.restoring:
-                    self.restoring = True
+                elif id(tok) in self.held:           # restoring is set before the last one leaves
+                    self.restoring = len(self.held) == 1 or self.restoring
+                    del self.held[id(tok)]
+                if self.restoring:
                     lib.set_num_threads(self.saved)
                     self.restoring = False
                 if self.held:

@@ -132,10 +132,9 @@ def _np(t: Any) -> Any:
     return t.numpy()
 
 
-def _torch(a: Any, dtype: torch.dtype, contiguous: bool = True) -> torch.Tensor:
-    """A NumPy result as a tensor of ``dtype`` (no copy when it already is), contiguous
-    or (``contiguous=False``) in the array's own memory order."""
-    return torch.from_numpy(np.ascontiguousarray(a) if contiguous else a).to(dtype)
+def _torch(a: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A NumPy result as a contiguous tensor of ``dtype`` (no copy when it already is)."""
+    return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
 
 
 _VIEWED = tuple(n for n in ("q", "k", "v") + _ARRAY_OPTIONS if n != "seed")
@@ -169,19 +168,15 @@ def _takes_tensors(mod: Any) -> bool:
     return getattr(mod, "arrays", "numpy") == "torch"
 
 
-def _forward(mod: Any, spec: Spec, keep_acc: bool = False, contiguous: bool = True) -> tuple[torch.Tensor, ...]:
+def _forward(mod: Any, spec: Spec, keep_acc: bool = False) -> tuple[torch.Tensor, ...]:
     """(out, lse) of compute rung ``mod`` as tensors (a seed already drawn); with
-    ``keep_acc`` (a NumPy rung) also out in float32, before its rounding to q's dtype.
-    ``contiguous=False`` (no custom op around the call, whose outputs must be laid out
-    as its fake's) leaves a NumPy rung's out in its own memory order: the flash rung's
-    (..., L, H, Dv), which a transformers layer's transpose to (B, L, H, Dv) then takes
-    without a copy."""
+    ``keep_acc`` (a NumPy rung) also out in float32, before its rounding to q's dtype."""
     if _takes_tensors(mod):
         out, lse, _ = mod.rung_forward(spec)
         return out.contiguous(), lse.contiguous()
     npspec = numpy_spec(spec)
     out, lse, _ = mod.rung_forward(npspec.replace(dtype="float32") if keep_acc else npspec)
-    res = (_torch(out, spec.q.dtype, contiguous), _torch(lse, acc_dtype(spec.q)))
+    res = (_torch(out, spec.q.dtype), _torch(lse, acc_dtype(spec.q)))
     return res + (_torch(out, torch.float32),) if keep_acc else res
 
 
@@ -356,7 +351,7 @@ class TorchRung:
             drawn = seed_tensor(spec) if spec.seed is None else None     # the op's arguments' draw
             if drawn is not None:
                 spec = spec.replace(seed=int(drawn.item()) % _UINT64)
-            out, lse = _forward(self.mod, spec, contiguous=False)
+            out, lse = _forward(self.mod, spec)
             w = self.rung_weights(spec, lse, None) if need_weights else None
             return out, lse, w
         args = to_op_args(spec, self.mod.name)
