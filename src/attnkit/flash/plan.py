@@ -120,7 +120,7 @@ class Call:
         # NaN/inf in an operand of a product whose other side is 0 on excluded keys:
         # the exempt products (attnkit.nonfinite), the plain ones otherwise. Checked on
         # the workers, where the products are made: the forward checks each tile's p v
-        # (hot, and no larger than the tile's values; a KV cache is never read twice),
+        # (hot, just made; the values, a KV cache among them, are never read again),
         # the backward each key block's operands.
         # causal/window alone: the softmax tile takes each row's key bounds
         self.fuse_index = not self.masked

@@ -411,7 +411,7 @@ class _Blas:
         self.limiter: Any = None
         self.direct: Any = _UNSET           # the one pthreads OpenBLAS's get/set functions, or None
         self.held: dict[int, weakref.ref] = {}   # the inline path's calls inside (their tokens)
-        self.saved, self.restoring = 0, False   # the count before them; a restore not yet done
+        self.saved, self.restoring = 0, False    # the count before them; a restore not yet done
 
     def start(self) -> None:
         if self.thread is None:
@@ -453,8 +453,7 @@ class _Blas:
     def request(self, cmd: str, tok: _Token) -> BaseException | None:
         """Send ``cmd`` and wait for it: returns a KeyboardInterrupt caught meanwhile, or
         threadpoolctl's error (as a RuntimeError naming what failed)."""
-        if self.direct is _UNSET:
-            self.direct = _one_pthreads_openblas(self.controller)
+        self.direct = _one_pthreads_openblas(self.controller) if self.direct is _UNSET else self.direct
         if self.direct is not None:
             _register_fork_hooks()
             return self._inline(cmd, tok)
@@ -470,14 +469,10 @@ class _Blas:
         return late
 
     def _inline(self, cmd: str, tok: _Token) -> BaseException | None:
-        """``cmd`` on the calling thread, for a pthreads OpenBLAS: its thread count is one
-        process-wide value any thread may set (a C call), so the calls inside are
-        counted here under the lock instead of waiting twice for the BLAS thread (0.1
-        ms a call). Calls that died without their exit are dropped at the next request
-        (which restores the count if they were the last). ``restoring`` is set before
-        the last call leaves and cleared once the count is back, so a restore an
-        interrupt cut short is finished by the next request. An exit whose enter never
-        counted its token restores nothing."""
+        """``cmd`` on the calling thread (a pthreads OpenBLAS: any thread may set its one
+        count), counted under the lock: no hand-off to the BLAS thread (0.1 ms a call).
+        Dead calls' tokens are dropped (restoring if they were the last); ``restoring``
+        is set before the last call leaves, so a cut-short restore is finished next."""
         lib = self.direct
         try:
             with self.lock:
@@ -551,14 +546,19 @@ def blas_single_threaded() -> Iterator[None]:
         return
     tok = _Token()
     try:
-        late = _blas.request("enter", tok)
-        if late is not None:
+        if (late := _blas.request("enter", tok)) is not None:
             raise late
         yield
     finally:
-        late = _blas.request("exit", tok)
-        if late is not None:
-            raise late
+        pending = None
+        while True:                          # interrupted inside the inline exit: again, then raised
+            try:
+                late = _blas.request("exit", tok)
+                break
+            except BaseException as e:       # noqa: BLE001 — raised below
+                pending = pending or e
+        if pending is not None or late is not None:
+            raise pending or late              # type: ignore[misc]
 
 
 # ---- fork ---------------------------------------------------------------------------------
