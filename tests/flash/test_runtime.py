@@ -488,7 +488,7 @@ class FakeOpenBLAS:
     raise KeyboardInterrupt before it sets."""
 
     def __init__(self, n):
-        self.n, self.interrupt = n, False
+        self.n, self.interrupt, self.log = n, False, []
 
     def get_num_threads(self):
         return self.n
@@ -498,6 +498,7 @@ class FakeOpenBLAS:
             self.interrupt = False
             raise KeyboardInterrupt
         self.n = n
+        self.log.append(n)
 
 
 def test_the_inline_limit_survives_an_interrupted_restore_and_ignores_a_stray_exit():
@@ -517,6 +518,10 @@ def test_the_inline_limit_survives_an_interrupted_restore_and_ignores_a_stray_ex
     assert blas._inline("exit", b) is None and lib.n == 4 and not blas.restoring
     lib.n = 3                                                    # the user's own setting
     assert blas._inline("exit", runtime._Token()) is None and lib.n == 3
+    assert blas._inline("enter", a) is None and lib.n == 1       # a stray exit while a call is inside:
+    lib.log.clear()                                              # never a moment unlimited
+    assert blas._inline("exit", runtime._Token()) is None and lib.n == 1 and 3 not in lib.log
+    assert blas._inline("exit", a) is None and lib.n == 3
     c = runtime._Token()
     assert blas._inline("enter", c) is None and lib.n == 1
     del c                                                        # died inside, without its exit

@@ -388,8 +388,8 @@ def _find_libgomp(torch: Any) -> Any:
 
 # ---- BLAS held to one thread -------------------------------------------------------------
 class _Token:
-    """One call's hold on the BLAS limit (weakly referenced by the BLAS thread: a
-    token that dies without its exit still releases the limit)."""
+    """One call's hold on the BLAS limit (weakly referenced by the BLAS thread or the
+    inline count: a token that dies without its exit still releases the limit)."""
 
     def __init__(self) -> None:
         self.acked = False
