@@ -109,6 +109,33 @@ def test_no_padding_means_no_mask(calls):
     assert calls and all(c["causal"] and c.get("keep") is None and c.get("kv_lengths") is None for c in calls)
 
 
+def test_a_padding_mask_is_read_again_when_it_changes():
+    """The padding read off a 2-D mask is kept for the next layer's same tensor: a mask
+    changed in place, or another mask, is read anew (a stale read would attend padding)."""
+    class Layer(torch.nn.Module):
+        is_causal = False
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+
+    def run(mask):
+        return attnkit.hf.attention_forward(Layer(), q, k, v, mask)[0]
+
+    def want(mask):
+        keep = mask.bool()[:, None, None, :]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2)
+
+    mask = torch.ones(2, 5, dtype=torch.long)
+    for change in (None, (1, 3), (0, 0), None):          # none, right padding, left padding
+        if change is not None:
+            mask[change] = 0
+        assert torch.allclose(run(mask), want(mask), atol=1e-12)
+    other = torch.ones(2, 5, dtype=torch.long)           # another tensor, at the same version
+    other[0, 2:] = 0
+    other[1, 0] = 0
+    assert other._version == mask._version
+    assert torch.allclose(run(other), want(other), atol=1e-12)
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt_oss", "gemma2"])
 def test_generate_with_a_cache_matches_sdpa(name):
     """Greedy decoding, one query against a growing KV cache, left padding."""

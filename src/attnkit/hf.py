@@ -57,6 +57,7 @@ True
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 from . import api
@@ -143,6 +144,29 @@ def _with_selected_keys(torch: Any, mask: Any, indices: Any, S: int) -> Any:
 def _compiling() -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and torch.compiler.is_compiling()
+
+
+# the last 2-D mask read by _padding: (weak reference, version, L == S, keywords)
+_LAST_PADDING: list[Any] = [None]
+
+
+def _padding(mask: Any, square: bool) -> dict[str, Any]:
+    """What a 2-D padding mask (1 = token) says, as keywords: nothing (no padding: every
+    decoding step of an unpadded batch), ``kv_lengths`` (right padding, L == S: ones,
+    then zeros) or a (B, 1, 1, S) key-padding ``keep``. Read once per mask: every layer
+    of a forward gets the same tensor (an in-place change bumps its version)."""
+    last = _LAST_PADDING[0]
+    if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == square:
+        return dict(last[3])
+    res: dict[str, Any] = {}
+    if not bool(mask.all()):
+        pad = mask.bool()
+        if square and bool((pad.int().diff(dim=-1) <= 0).all()):
+            res = dict(kv_lengths=pad.sum(-1), align="top_left")
+        else:
+            res = dict(keep=pad[:, None, None, :])
+    _LAST_PADDING[0] = (weakref.ref(mask), mask._version, square, res)
+    return dict(res)
 
 
 _TRUSTED: dict[type, bool] = {}
@@ -260,16 +284,11 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
             if opts.get("bias") is not None and opts["bias"].shape[-1] > T:
                 opts["bias"] = opts["bias"][..., :T]      # T5's position bias spans the cache too
         opts.update(causal=causal and L > 1, align="bottom_right")
-        # no padding (every decoding step of an unpadded batch): one check, nothing more;
         # compiled, no check (a graph cannot branch on values): the keys' padding as keep
         if _compiling():
             opts["keep"] = attention_mask.bool()[:, None, None, :]
-        elif not bool(attention_mask.all()):
-            pad = attention_mask.bool()
-            if L == S and bool((pad.int().diff(dim=-1) <= 0).all()):   # right-padded: ones, then zeros
-                opts.update(kv_lengths=pad.sum(-1), align="top_left")
-            else:
-                opts["keep"] = pad[:, None, None, :]
+        else:
+            opts.update(_padding(attention_mask, L == S))
     elif attention_mask.dtype.is_floating_point:
         opts["bias"] = attention_mask if opts.get("bias") is None else opts["bias"] + attention_mask
     else:

@@ -439,6 +439,50 @@ def test_array_keywords_are_checked_and_read_every_call_with_torch_tensors_too()
         attnkit.attention(q, k, v, kv_lengths=lengths)
 
 
+def _same(a, b):
+    if a is None or b is None or isinstance(a, (int, float, str, bool, tuple, dict)):
+        return a == b
+    return tuple(a.shape) == tuple(b.shape) and bool((np.asarray(a) == np.asarray(b)).all())
+
+
+ARRAY_KEYWORDS = [
+    dict(keep=lambda r: r.random((1, 5, 6)) < 0.7),
+    dict(drop=lambda r: r.random((5, 1)) < 0.3),
+    dict(bias=lambda r: r.standard_normal((2, 1, 5, 6))),
+    dict(alibi_slopes=lambda r: r.random(2)),
+    dict(sinks=lambda r: r.standard_normal(2)),
+    dict(kv_lengths=lambda r: r.integers(0, 7, 2), q_lengths=lambda r: r.integers(0, 6, 1)),
+    dict(cu_seqlens_q=lambda r: np.array([0, r.integers(0, 6), 5]), cu_seqlens_k=lambda r: np.array([0, 2, 6])),
+]
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("kw", ARRAY_KEYWORDS, ids=lambda kw: "+".join(kw))
+def test_a_seen_signature_with_array_keywords_checks_and_takes_the_new_arrays(lib, kw):
+    """The second call of a signature with array keywords reuses the first one's check
+    of everything else: each field is what the full check gives on the new arrays (the
+    arrays in normal form), the cached Spec holds none of the caller's arrays, and bad
+    values are still refused."""
+    v_mod = importlib.import_module("attnkit.spec.validate")
+    conv = (lambda x: x) if lib == "numpy" else pytest.importorskip("torch").from_numpy
+    packed = "cu_seqlens_q" in kw
+    shapes = ((2, 5, 4), (1, 6, 4), 3) if packed else ((2, 2, 5, 4), (2, 1, 6, 4), 3)
+    for seed in (1, 2, 3):
+        r = np.random.default_rng(seed)
+        q, k, v = (conv(x) for x in make_qkv(*shapes, seed=seed))
+        opts = {n: conv(f(r)) for n, f in kw.items()}
+        got = v_mod.validate(q, k, v, causal=True, **opts)
+        full = v_mod._validate(q, k, v, "auto", True, dict(causal=True, **opts))
+        for name in got.__dataclass_fields__:
+            assert _same(getattr(got, name), getattr(full, name)), name
+    assert all(getattr(s, n) is None for s in v_mod._SEEN.values() for n in v_mod._ARRAY_FIELDS)
+    name = next(iter(kw))
+    if packed or "lengths" in name:                      # values checked every call (a seen signature)
+        bad = dict(opts, **{name: conv(np.array([0, 6, 5]) if packed else np.array([7, 1]))})
+        with pytest.raises(ValueError, match=name):
+            v_mod.validate(q, k, v, causal=True, **bad)
+
+
 def test_offsets_are_quoted_as_given():
     """uint64 offsets past 2**63 (which wrap in int64) appear in the message as given."""
     q, k = np.zeros((1, 6, 4)), np.zeros((1, 9, 4))

@@ -142,11 +142,14 @@ def _grad_enabled() -> bool:
 
 # ---- the call ------------------------------------------------------------------------
 # validate's result depends only on the arrays' types, dtypes, shapes, devices and
-# layouts and on the keywords when no keyword is an array (array values are checked:
-# lengths, offsets): such calls are checked once per signature and the Spec is reused
-# with the new arrays — a decoding step repeats one signature in every layer.
+# layouts and on the scalar keywords, but for the values of array keywords (lengths,
+# offsets): such calls are checked in full once per signature and the Spec is reused
+# with the new arrays, the array keywords alone checked again (_array_keywords) — a
+# decoding step repeats one signature in every layer, a padded batch one per layer.
 _SEEN: dict[tuple[Any, ...], Spec] = {}
 _SEEN_MAX = 256
+_ARRAY_FIELDS = ("keep", "drop", "bias", "alibi_slopes", "sinks", "q_lengths", "kv_lengths", "cu_seqlens_q",
+                 "cu_seqlens_k")
 
 
 def _typed(x: Any) -> Any:
@@ -158,24 +161,32 @@ def _typed(x: Any) -> Any:
 
 
 def _signature(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict) -> tuple[Any, ...] | None:
-    """The key of a call whose check can be reused, or None (array keywords, other
-    array types, torch.compile tracing)."""
+    """The key of a call whose check can be reused, or None (other array types, array
+    keywords of another kind than q, torch.compile tracing)."""
     arrays = (q, k, v) if need_v else (q, k)
     kind = type(q)
+    torch = sys.modules.get("torch")
+    if kind is np.ndarray:
+        def form(x: Any) -> tuple[Any, ...]:
+            return x.dtype, x.shape
+    elif torch is not None and kind is torch.Tensor and not compiling():
+        def form(x: Any) -> tuple[Any, ...]:
+            return x.dtype, x.shape, x.device, x.layout
+    else:
+        return None
     for x in arrays[1:]:
         if type(x) is not kind:
             return None
-    torch = sys.modules.get("torch")
-    if kind is np.ndarray:
-        key: tuple[Any, ...] = tuple((x.dtype, x.shape) for x in arrays)
-    elif torch is not None and kind is torch.Tensor and not compiling():
-        key = tuple((x.dtype, x.shape, x.device, x.layout) for x in arrays)
-    else:
-        return None
+    key: tuple[Any, ...] = tuple(form(x) for x in arrays)
+    scalars = []
     for name, x in options.items():
         if name in _TENSOR_OPTIONS and x is not None:
-            return None
-    key += (backend, need_v, tuple(sorted((n, _typed(x)) for n, x in options.items())))
+            if type(x) is not kind:
+                return None
+            key += ((name,) + form(x),)
+        else:
+            scalars.append((name, _typed(x)))
+    key += (backend, need_v, tuple(sorted(scalars)))
     try:
         hash(key)
     except TypeError:                                    # an unhashable keyword: check it in full
@@ -192,12 +203,16 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
     seen = None if key is None else _SEEN.get(key)
     if seen is not None:                                 # the arrays in normal form, as below
         q, k, v = (None if x is None else x[None] if x.ndim == 2 else x for x in (q, k, v if need_v else None))
-        return seen.replace(q=q, k=k, v=v)
+        arrays = {}
+        if any(options.get(n) is not None for n in _TENSOR_OPTIONS):
+            arrays = _array_keywords({**_DEFAULTS, **options}, is_torch(q), seen.batch, seen.H, seen.L,
+                                     seen.S, {})
+        return seen.replace(q=q, k=k, v=v, **arrays)
     spec = _validate(q, k, v, backend, need_v, options)
     if key is not None:
         if len(_SEEN) >= _SEEN_MAX:
             _SEEN.clear()
-        _SEEN[key] = spec.replace(q=None, k=None, v=None)
+        _SEEN[key] = spec.replace(q=None, k=None, v=None, **dict.fromkeys(_ARRAY_FIELDS))
     return spec
 
 
@@ -259,8 +274,34 @@ def _validate(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict)
     if 0 in batch:
         raise ValueError(f"q, k, v: batch dims must be non-empty, got batch shape {batch} "
                          f"(q {shapes['q']}, k {shapes['k']})")
-    score_shape = batch + (H, L, S)
+    arrays = _array_keywords(opt, want_torch, batch, H, L, S, shapes)
 
+    scale = 1.0 / math.sqrt(D) if opt["scale"] is None else _real("scale", opt["scale"])
+    softcap = None if opt["softcap"] is None else _real("softcap", opt["softcap"], positive=True)
+    causal = opt["causal"]
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal: expected True or False, got {causal!r}")
+    window = _window(opt["window"])
+    align = choice("align", opt["align"], ALIGNS)
+    choice("backend", backend, BACKENDS)
+    p = opt["dropout"]
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= float(p) < 1:
+        raise ValueError(f"dropout: expected a probability 0 <= p < 1, got {p!r}")
+    seed = check_seed(opt["seed"])
+    if float(p) > 0 and seed is None and not want_torch:
+        raise ValueError("seed: dropout > 0 needs a seed (an int >= 0) so that the backward pass and "
+                         "every rung drop the same weights")
+
+    return Spec(q=q, k=k, v=v, batch=batch, H=H, Hkv=Hkv, L=L, S=S, D=D, Dv=Dv, dtype=dt, two_d=two_d,
+                shapes=shapes, scale=scale, causal=bool(causal), window=window, align=align,
+                softcap=softcap, dropout=float(p), seed=seed, **arrays)
+
+
+def _array_keywords(opt: dict, want_torch: bool, batch: tuple[int, ...], H: int, L: int, S: int,
+                    shapes: dict) -> dict[str, Any]:
+    """The array keywords checked (dtypes, shapes; lengths' and offsets' values) and in
+    the Spec's normal form, by field name; their shapes recorded in ``shapes``."""
+    score_shape = batch + (H, L, S)
     arrays: dict[str, Any] = {}
     for name in ("keep", "drop", "bias"):
         m = as_array(name, opt[name], want_torch)
@@ -314,28 +355,8 @@ def _validate(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict)
                              "sequences carry their lengths in the offsets)")   # are the batch's)
     lengths = _lengths(opt, want_torch, batch, L, S, shapes)
     cu = _cu_seqlens(opt, want_torch, batch, L, S, shapes)
-
-    scale = 1.0 / math.sqrt(D) if opt["scale"] is None else _real("scale", opt["scale"])
-    softcap = None if opt["softcap"] is None else _real("softcap", opt["softcap"], positive=True)
-    causal = opt["causal"]
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal: expected True or False, got {causal!r}")
-    window = _window(opt["window"])
-    align = choice("align", opt["align"], ALIGNS)
-    choice("backend", backend, BACKENDS)
-    p = opt["dropout"]
-    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= float(p) < 1:
-        raise ValueError(f"dropout: expected a probability 0 <= p < 1, got {p!r}")
-    seed = check_seed(opt["seed"])
-    if float(p) > 0 and seed is None and not want_torch:
-        raise ValueError("seed: dropout > 0 needs a seed (an int >= 0) so that the backward pass and "
-                         "every rung drop the same weights")
-
-    return Spec(q=q, k=k, v=v, batch=batch, H=H, Hkv=Hkv, L=L, S=S, D=D, Dv=Dv, dtype=dt, two_d=two_d,
-                shapes=shapes, scale=scale, causal=bool(causal), window=window, align=align,
-                keep=arrays["keep"], drop=arrays["drop"], bias=arrays["bias"], softcap=softcap,
-                alibi_slopes=slopes, sinks=sinks, q_lengths=lengths[0], kv_lengths=lengths[1],
-                cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], dropout=float(p), seed=seed)
+    return dict(arrays, alibi_slopes=slopes, sinks=sinks, q_lengths=lengths[0], kv_lengths=lengths[1],
+                cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
 
 
 def dtype_kind(x: Any) -> str:
@@ -363,14 +384,17 @@ def check_lengths(name: str, x: Any, want_torch: bool, batch: tuple[int, ...], n
     a = _int_array(name, x, want_torch)
     if a is None:
         return None
-    if not _broadcasts_to(_shape(a), batch):
-        raise ValueError(f"{name}: expected a shape that broadcasts to the batch dims {batch}, got {_shape(a)}")
+    shape = _shape(a)
+    if shape != batch and not _broadcasts_to(shape, batch):
+        raise ValueError(f"{name}: expected a shape that broadcasts to the batch dims {batch}, got {shape}")
     if shapes is not None:
-        shapes[name] = _shape(a)
+        shapes[name] = shape
     if not compiling():
         h = host_ints(name, a)
         if h.size and (h.min() < 0 or h.max() > n):
             raise ValueError(f"{name}: expected lengths in [0, {axis}={n}], got {h.ravel().tolist()[:16]}")
+    if shape == batch:
+        return a
     return a.broadcast_to(batch) if want_torch else np.broadcast_to(a, batch)
 
 
