@@ -194,6 +194,49 @@ def test_excluded_keys_get_exactly_zero_gradient_even_when_non_finite():
     assert np.isnan(dq[:, 4:]).any()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("exclusion", ["causal", "keep", "bias"])
+def test_an_overflowing_dout_v_on_an_excluded_pair_gives_no_nan(dtype, exclusion):
+    """Finite inputs whose dout · vᵀ overflows on an excluded pair (rows 0..4 against
+    key 5, whose value is near the dtype's limit; excluded by causal, a keep mask or a
+    −inf bias): the pair gets exactly 0, as on the reference, not 0 · inf = NaN. Row
+    5, which sees key 5, has dout 0."""
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((3, 2, 6, 4)).astype(dtype)
+    v[:, 5] = np.finfo(dtype).max / 2
+    lower = np.tril(np.ones((6, 6), bool))
+    kw = {"causal": dict(causal=True), "keep": dict(keep=lower),
+          "bias": dict(bias=np.where(lower, 0.0, -np.inf).astype(dtype))}[exclusion]
+    out, lse = attnkit.attention(q, k, v, return_lse=True, backend="reference", **kw)
+    dout = np.ones_like(out)
+    dout[:, 5] = 0
+    want = reference.rung_backward(validate(q, k, v, **kw), dout, out, lse)
+    assert all(np.isfinite(x).all() for x in want if x is not None)
+    for use in (False, True):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(flash.kernels, "USE_COMPILED", use)
+            for blocks in (dict(block_m=2, block_n=2), {}):
+                got = flash.rung_backward(validate(q, k, v, **kw), dout, out, lse, **blocks)
+                for a, b in zip(got, want):
+                    same(a, b, 1e-5)
+
+
+def test_an_overflow_from_delta_on_an_excluded_pair_gives_no_nan():
+    """dp − delta overflows where dp alone does not: delta = 2.9e38 (from keys in other
+    tiles) against dp = −6.8e37 on a pair a keep mask excludes, in tiles of one key
+    whose ‖dout‖ ‖v‖ is small. The pair gets 0, as on the reference."""
+    q, k = np.ones((1, 3, 1), np.float32), np.ones((1, 3, 1), np.float32)
+    v = np.array([[[1.7e19], [1.7e19], [-0.4e19]]], np.float32)
+    keep = np.tril(np.ones((3, 3), bool))
+    out, lse = attnkit.attention(q, k, v, keep=keep, return_lse=True, backend="reference")
+    dout = np.array([[[1.7e19], [1.7e19], [0.0]]], np.float32)
+    want = reference.rung_backward(validate(q, k, v, keep=keep), dout, out, lse)
+    assert all(np.isfinite(x).all() for x in want if x is not None)
+    got = flash.rung_backward(validate(q, k, v, keep=keep), dout, out, lse, block_m=1, block_n=1)
+    for a, b in zip(got, want):
+        same(a, b, 1e-5)
+
+
 def test_helpers():
     assert all_finite(np.ones(3), None) and not all_finite(np.array([1.0, np.inf]))
     assert all_finite(np.full(4, np.finfo(np.float16).max, np.float16))   # a sum that overflows is not a NaN

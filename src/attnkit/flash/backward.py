@@ -16,6 +16,7 @@ per worker.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,13 @@ def _rows3(call: Call, arr: Any, u: Unit, r0: int, r1: int) -> np.ndarray:
     return np.ascontiguousarray(x).reshape(u.nk, u.g * (r1 - r0), x.shape[-1])
 
 
+def _norm(x: np.ndarray) -> float:
+    """‖x‖ (Frobenius; inf or NaN when x holds a NaN or inf, or its squares overflow):
+    |a_i · b_j| ≤ ‖a‖ ‖b‖ for any rows a_i of a and b_j of b (Cauchy–Schwarz)."""
+    with np.errstate(all="ignore"):
+        return math.sqrt(float(np.vdot(x, x)))
+
+
 def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_dbias: bool = True) -> Grads:
     spec, acc = call.spec, call.acc
     dout = broadcast_to(tile_ready(dout, acc), spec.out_shape)
@@ -89,6 +97,10 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
     dv = np.zeros(spec.batch + (spec.H, spec.S, spec.Dv), dtype=acc)
     dbias = None if bias_shape is None else np.zeros(bias_shape, dtype=acc)
     kern = call.kern
+    # dp − delta cannot overflow where ‖dout rows‖ · ‖v rows‖ (times dropout's scale)
+    # and |delta| stay below a quarter of the largest float: then ds is not checked
+    big = float(np.finfo(acc).max) / 4
+    drop_scale = call.drop_scale if call.drop_thr else 1.0
 
     def unit_chunk(u: Unit, chunk: int) -> None:
         blocks = kblocks[id(u)]
@@ -96,7 +108,7 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
         if chunk >= n:
             return
         nk, g = u.nk, u.g
-        cache: dict[int, tuple[np.ndarray, np.ndarray, bool]] = {}
+        cache: dict[int, tuple[np.ndarray, np.ndarray, bool, float]] = {}
         dq_c = dq[chunk][u.b]
         slot = slice(u.h0, u.h0 + nk * g, g)             # a GQA group's sum goes to its first head
         for c0, c1 in blocks[chunk * len(blocks) // n:(chunk + 1) * len(blocks) // n]:
@@ -104,6 +116,7 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
             k_t, v_t = call.kv(u, c0, c1)
             assert v_t is not None
             kv_finite = all_finite(k_t, v_t)
+            v_norm = _norm(v_t) * drop_scale
             # this task's own (still zero) slices of dk and dv: the first query tile's
             # products go straight in, the others add
             dk_j, dv_j = dk[u.b][slot, c0:c1], dv[u.b][slot, c0:c1]
@@ -111,9 +124,10 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
             for r0, r1, partial in call.query_tiles(u, c0, c1):
                 if r0 not in cache:
                     q_t, do_t = call.q_tile(u, r0, r1), _rows3(call, dout, u, r0, r1)
-                    cache[r0] = (q_t, do_t, all_finite(q_t, call.rows(delta, u, r0, r1))
-                                 and not np.isnan(call.rows(lse, u, r0, r1)).any())
-                q_t, do_t, rows_finite = cache[r0]
+                    delta_t = call.rows(delta, u, r0, r1)
+                    cache[r0] = (q_t, do_t, all_finite(q_t, delta_t) and not np.isnan(call.rows(lse, u, r0, r1)).any(),
+                                 _norm(do_t) if np.abs(delta_t).max(initial=0) < big else math.inf)
+                q_t, do_t, rows_finite, do_norm = cache[r0]
                 # NaN/inf in this tile's operands (q, k, v; a non-finite dout row makes its
                 # delta non-finite; a NaN lse): the exempt products (attnkit.nonfinite);
                 # checked here, on the workers
@@ -138,6 +152,10 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
                 kern.ds_tile(p.reshape(nk * R, bn), ds.reshape(nk * R, bn), call.rows(delta, u, r0, r1))
                 if vis is not None:
                     ds[~vis] = 0.0                       # excluded keys get no gradient, NaN or not
+                elif not do_norm * v_norm < big and not all_finite(ds):
+                    # finite operands whose dout vᵀ − delta overflowed: 0 · inf is NaN on an
+                    # excluded pair (p = 0); those get 0, as on the reference
+                    ds[~call.visible(u, q_t, k_t, r0, r1, c0, c1, partial)] = 0.0
                 if dbias is not None and bias_shape is not None:
                     _add_dbias(dbias, bias_shape, ds, u, r0, r1, c0, c1)
                 if tanh_t is not None:
