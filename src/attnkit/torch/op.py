@@ -39,6 +39,7 @@ torch.Size([1, 2])
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -68,17 +69,41 @@ def seed_tensor(spec: Spec) -> torch.Tensor | None:
     return torch.randint(0, 1 << 62, (), dtype=torch.int64)
 
 
+def _pack(options: tuple[Any, ...], value: Callable[[Any], Any]) -> list[Any]:
+    """Options as flat op arguments in table order: the window as two ints (None, None
+    when unset), every other option as ``value(option)`` gives it."""
+    args: list[Any] = []
+    for o in options:
+        w = value(o)
+        if o.name == "window":
+            args += list(w) if w is not None else [None, None]
+        else:
+            args.append(w)
+    return args
+
+
+def _unpack(options: tuple[Any, ...], args: tuple[Any, ...], i: int, seed: Callable[[Any], int]
+            ) -> tuple[dict[str, Any], int]:
+    """:func:`_pack`'s inverse from position i: (options by name, the next position);
+    a seed that is given becomes ``seed(x)``."""
+    opts: dict[str, Any] = {}
+    for o in options:
+        if o.name == "window":
+            left, right = args[i], args[i + 1]
+            opts["window"] = None if left is None and right is None else (left, right)
+            i += 2
+            continue
+        x = args[i]
+        opts[o.name] = seed(x) if o.name == "seed" and x is not None else x
+        i += 1
+    return opts, i
+
+
 def to_op_args(spec: Spec, rung: str) -> tuple[Any, ...]:
     """The custom ops' flat arguments for a torch Spec: q, k, v, the options in table
     order, the block geometry (origin, extent: ring attention) and the rung's name."""
-    args: list[Any] = [spec.q, spec.k, spec.v]
-    for o in OPTIONS:
-        if o.name == "window":
-            args += list(spec.window) if spec.window is not None else [None, None]
-        elif o.name == "seed":
-            args.append(seed_tensor(spec))
-        else:
-            args.append(getattr(spec, o.name))
+    args = [spec.q, spec.k, spec.v] + _pack(OPTIONS, lambda o: seed_tensor(spec) if o.name == "seed"
+                                            else getattr(spec, o.name))
     return tuple(args) + (list(spec.origin), None if spec.extent is None else list(spec.extent), rung)
 
 
@@ -86,19 +111,7 @@ def from_op_args(args: tuple[Any, ...]) -> tuple[Spec, str]:
     """(Spec, rung name) back from :func:`to_op_args`'s tuple (already validated: the
     sizes are read off the tensors)."""
     q, k, v = args[:3]
-    opts: dict[str, Any] = {}
-    i = 3
-    for o in OPTIONS:
-        if o.name == "window":
-            left, right = args[i], args[i + 1]
-            opts["window"] = None if left is None and right is None else (left, right)
-            i += 2
-            continue
-        x = args[i]
-        if o.name == "seed" and x is not None:
-            x = int(x.item()) % _UINT64
-        opts[o.name] = x
-        i += 1
+    opts, i = _unpack(OPTIONS, args, 3, lambda x: int(x.item()) % _UINT64)
     origin, extent = tuple(args[i]), (None if args[i + 1] is None else tuple(args[i + 1]))
     return Spec.from_arrays(q, k, v, origin=origin, extent=extent, **opts), args[i + 2]
 
@@ -430,15 +443,7 @@ _KV_SCHEMA = ", ".join(
 def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lengths: torch.Tensor,
              block_table: Any, k_new: Any, v_new: Any, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     from ..api import attention_kvcache
-    opts: dict[str, Any] = {}
-    i = 0
-    for o in _KV_OPTIONS:
-        if o.name == "window":
-            opts["window"] = None if args[i] is None and args[i + 1] is None else (args[i], args[i + 1])
-            i += 2
-            continue
-        opts[o.name] = args[i] % _UINT64 if o.name == "seed" and args[i] is not None else args[i]
-        i += 1
+    opts, i = _unpack(_KV_OPTIONS, args, 0, lambda x: x % _UINT64)
     out, lse = attention_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
                                  v_new=v_new, return_lse=True, backend=args[i], **opts)
     return out.contiguous(), lse.contiguous()
@@ -465,15 +470,10 @@ def kvcache_traced(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block
     from ..spec.kvcache import validate_kvcache
     spec = validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
                             v_new=v_new, backend=backend, **masking).spec
-    args: list[Any] = []
-    for o in _KV_OPTIONS:
-        if o.name == "window":
-            args += list(spec.window) if spec.window is not None else [None, None]
-        elif o.name == "seed":
-            args.append(None if spec.seed is None else philox.int64(int(spec.seed)))
-        elif o.schema == "Tensor?":
-            args.append(masking.get(o.name))             # the user's tensors (checked above)
-        else:
-            args.append(getattr(spec, o.name))
+    def value(o: Any) -> Any:
+        if o.name == "seed":
+            return None if spec.seed is None else philox.int64(int(spec.seed))
+        return masking.get(o.name) if o.schema == "Tensor?" else getattr(spec, o.name)   # the user's tensors
+    args = _pack(_KV_OPTIONS, value)
     return torch.ops.attnkit.attention_kvcache(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new,
                                                *args, backend)
