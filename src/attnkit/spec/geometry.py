@@ -164,8 +164,8 @@ def segments(spec: Spec, b: tuple[int, ...]) -> list[Segment]:
     elif spec.q_lengths is None and spec.kv_lengths is None:
         segs = [Segment.of(0, L, 0, S, spec.align)]
     else:
-        ql = int(_lengths(spec, spec.q_lengths, L)[b])
-        kl = int(_lengths(spec, spec.kv_lengths, S)[b])
+        ql = L if spec.q_lengths is None else int(np.asarray(spec.q_lengths)[b])   # (broadcast to
+        kl = S if spec.kv_lengths is None else int(np.asarray(spec.kv_lengths)[b])  # the batch dims)
         segs = [Segment.of(0, ql, 0, kl, spec.align)] if ql > 0 else []
     if (r, c) == (0, 0) and spec.extent is None:
         return segs
