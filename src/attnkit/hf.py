@@ -154,9 +154,11 @@ def _padding(mask: Any, square: bool) -> dict[str, Any]:
     """What a 2-D padding mask (1 = token) says, as keywords: nothing (no padding: every
     decoding step of an unpadded batch), ``kv_lengths`` (right padding, L == S: ones,
     then zeros) or a (B, 1, 1, S) key-padding ``keep``. Read once per mask: every layer
-    of a forward gets the same tensor (an in-place change bumps its version)."""
+    of a forward gets the same tensor (an in-place change bumps its version; tensors
+    made under ``torch.inference_mode`` have no version counter and are read every time)."""
+    version = None if mask.is_inference() else mask._version
     last = _LAST_PADDING[0]
-    if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == square:
+    if version is not None and last is not None and last[0]() is mask and last[1] == version and last[2] == square:
         return dict(last[3])
     res: dict[str, Any] = {}
     if not bool(mask.all()):
@@ -165,7 +167,8 @@ def _padding(mask: Any, square: bool) -> dict[str, Any]:
             res = dict(kv_lengths=pad.sum(-1), align="top_left")
         else:
             res = dict(keep=pad[:, None, None, :])
-    _LAST_PADDING[0] = (weakref.ref(mask), mask._version, square, res)
+    if version is not None:
+        _LAST_PADDING[0] = (weakref.ref(mask), version, square, res)
     return dict(res)
 
 
