@@ -30,7 +30,8 @@ How the model's arguments map:
   NLLB-MoE's decoder layers do not keep ``is_causal``) get transformers' eager mask,
   hence eager's results.
 - Packed sequences (padding-free training): ``cu_seq_lens_q/k`` keywords (with the
-  layer's ``sliding_window``, as FlashAttention reads them), or ``position_ids`` that
+  layer's ``sliding_window``, as FlashAttention reads them: w − 1 keys back, and w − 1
+  ahead in a layer that is not causal), or ``position_ids`` that
   restart within one row where transformers built the matching packed mask (no
   cache: it packs only then) run as packed sequences (``cu_seqlens_q/k``).
 - GQA: key and value keep their Hkv heads (no ``repeat_kv`` copy).
@@ -116,14 +117,15 @@ def _packed_offsets(torch: Any, position_ids: Any) -> Any:
 
 def _is_block_causal(torch: Any, mask: Any, cu: Any, causal: bool, window: tuple[int, int] | None) -> bool:
     """Whether a (1, 1|H, T, T) boolean mask is exactly packed sequences cu (causal
-    inside each when ``causal``, keys at most ``window[0]`` back when given)."""
+    inside each when ``causal``, keys at most ``window[0]`` back and ``window[1]``
+    ahead when given)."""
     T = int(cu[-1])
     seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=mask.device), torch.diff(cu))
     want = seq[:, None] == seq[None, :]
     if causal:
         want &= torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
     if window is not None:
-        want &= torch.ones(T, T, dtype=torch.bool, device=mask.device).triu(-window[0])
+        want &= torch.ones(T, T, dtype=torch.bool, device=mask.device).triu(-window[0]).tril(window[1])
     return bool((mask == want).all())
 
 
@@ -265,7 +267,9 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     sliding = kwargs.get("sliding_window")
-    window = (int(sliding) - 1, 0) if sliding is not None and causal else None
+    # FlashAttention's reading of a layer's window: w − 1 keys back (and, in a layer that
+    # is not causal, w − 1 ahead: transformers' bidirectional sliding mask |i − j| < w)
+    window = None if sliding is None else (int(sliding) - 1, 0 if causal else int(sliding) - 1)
     mask = attention_mask
     if cu_q is None and L == S and query.shape[0] == 1 and mask is not None and mask.dim() == 4 \
             and mask.dtype == torch.bool and not _compiling():   # packed only where transformers' mask is

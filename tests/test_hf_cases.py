@@ -1,0 +1,289 @@
+# ruff: noqa: F811  (pytest fixtures imported from test_hf)
+"""More of the transformers integration, each case one that a mutation run of hf.py
+found untested: the is_causal keyword and default, masks with position biases and
+sparse indices, when packing applies (and when not), FlashAttention's keywords with
+unequal offsets and a non-causal layer's window, chunked prefill, right padding with
+fewer queries than keys, attention weights for transformers' collector, the mask
+builder's materialised masks, which model families get the short masks, and a static
+cache under torch.compile. The fixtures (the registration under "flash" and "auto")
+are test_hf's."""
+
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers import masking_utils as mu  # noqa: E402
+
+import attnkit.hf  # noqa: E402
+from test_hf import batch, calls, decoder, packed_sequences, registered  # noqa: E402,F401
+
+F = torch.nn.functional
+
+
+def qkv(B=1, H=2, L=5, S=None, D=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    S = L if S is None else S
+    return (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (L, S, S))
+
+
+def layer(is_causal=True):
+    module = torch.nn.Module()
+    module.is_causal = is_causal
+    return module
+
+
+def sdpa(q, k, v, mask=None, **kw):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw).transpose(1, 2)
+
+
+def bottom_right(L, S):
+    return torch.ones(L, S, dtype=torch.bool).tril(S - L)
+
+
+# --- is_causal: the keyword over the layer's attribute; transformers' default without either
+
+def test_clip_text_is_causal_by_keyword_only():
+    """CLIP's text layers keep is_causal = False and pass is_causal=True as a keyword."""
+    cfg = transformers.CLIPTextConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=16)
+    ids, _ = batch()
+    outs = []
+    for impl in ("sdpa", "attnkit"):
+        torch.manual_seed(0)
+        model = transformers.CLIPTextModel._from_config(cfg, attn_implementation=impl).double().eval()
+        outs.append(hidden(model, input_ids=ids))
+    assert (outs[0] - outs[1]).abs().max() <= 1e-10
+
+
+def hidden(model, **kw):
+    with torch.no_grad():
+        return model(**kw).last_hidden_state
+
+
+def test_a_layer_without_is_causal_is_causal_as_for_sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    q, k, v = qkv()
+    module = torch.nn.Module()                        # no is_causal attribute, no keyword
+    ours, _ = attnkit.hf.attention_forward(module, q, k, v, None)
+    peer, _ = sdpa_attention_forward(module, q, k, v, None)
+    assert (ours - peer).abs().max() <= 1e-12
+
+
+# --- masks and biases together
+
+def test_a_float_mask_adds_to_the_position_bias():
+    q, k, v = qkv(L=5)
+    bias = torch.randn(1, 2, 5, 5, dtype=torch.float64)
+    mask = torch.zeros(1, 1, 5, 5, dtype=torch.float64).masked_fill(~bottom_right(5, 5), torch.finfo(torch.float64).min)
+    out, _ = attnkit.hf.attention_forward(layer(False), q, k, v, mask, position_bias=bias)
+    assert (out - sdpa(q, k, v, bias + mask)).abs().max() <= 1e-12
+
+
+def test_indices_fold_into_a_float_mask_as_into_a_boolean_one():
+    q, k, v = qkv(L=6)
+    keep = bottom_right(6, 6)[None, None]
+    indices = torch.tensor([[[0, 0], [0, 1], [1, 2], [0, 3], [2, 4], [1, 5]]])    # (B, L, topk)
+    as_float = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, torch.finfo(torch.float64).min)
+    a, _ = attnkit.hf.attention_forward(layer(), q, k, v, keep, indices=indices)
+    b, _ = attnkit.hf.attention_forward(layer(), q, k, v, as_float, indices=indices)
+    assert (a - b).abs().max() <= 1e-12
+
+
+# --- packed sequences: only where the mask is exactly the packed one
+
+def block_causal(lengths):
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return ((seq[:, None] == seq[None, :]) & torch.ones(len(seq), len(seq), dtype=torch.bool).tril())[None, None]
+
+
+def test_restarting_positions_are_not_packed_with_fewer_queries_than_keys():
+    """A chunk of 3 queries on 6 keys whose positions restart: the 4-D mask as given."""
+    q, k, v = qkv(L=3, S=6)
+    mask = torch.ones(1, 1, 3, 6, dtype=torch.bool).tril(3)
+    out, _ = attnkit.hf.attention_forward(layer(), q, k, v, mask, position_ids=torch.tensor([[3, 4, 0]]))
+    assert (out - sdpa(q, k, v, mask)).abs().max() <= 1e-12
+
+
+def test_restarting_positions_of_one_row_are_not_packed_for_a_batch():
+    """position_ids (1, L) broadcast over a batch of 2: the mask as given, per row."""
+    q, k, v = qkv(B=2, L=5)
+    mask = block_causal([2, 3]).repeat(2, 1, 1, 1)
+    out, _ = attnkit.hf.attention_forward(layer(), q, k, v, mask, position_ids=torch.tensor([[0, 1, 0, 1, 2]]))
+    assert (out - sdpa(q, k, v, mask)).abs().max() <= 1e-12
+
+
+def test_a_sliding_window_keyword_on_a_plain_packed_mask_packs_without_a_window(calls):
+    """OLMoE-like: sliding_window passed with a plain (packed) causal mask."""
+    q, k, v = qkv(L=7)
+    mask = block_causal([4, 3])
+    out, _ = attnkit.hf.attention_forward(layer(), q, k, v, mask, sliding_window=2,
+                                          position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2]]))
+    assert (out - sdpa(q, k, v, mask)).abs().max() <= 1e-12
+    assert calls[-1].get("cu_seqlens_q") is not None and calls[-1].get("window") is None
+
+
+def test_cu_seq_lens_in_a_layer_that_is_not_causal_take_a_symmetric_window():
+    """FlashAttention reads a non-causal layer's sliding_window as (w − 1, w − 1), as
+    transformers' bidirectional sliding mask |i − j| < w: each sequence alone, so."""
+    q, k, v = qkv(L=7)
+    cu = torch.tensor([0, 3, 7])
+    out, _ = attnkit.hf.attention_forward(layer(False), q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                          sliding_window=2)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        i = torch.arange(b - a)
+        near = (i[:, None] - i[None, :]).abs() < 2
+        assert (out[:, a:b] - sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], near)).abs().max() <= 1e-12
+
+
+def test_restarting_positions_pack_a_bidirectional_sliding_mask_with_its_window(calls):
+    """A layer that is not causal with transformers' packed bidirectional sliding mask
+    (|i − j| < w inside each sequence) and restarting positions: packed, window (w − 1,
+    w − 1), the mask's result."""
+    q, k, v = qkv(L=7)
+    seq = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    i = torch.arange(7)
+    mask = ((seq[:, None] == seq[None, :]) & ((i[:, None] - i[None, :]).abs() < 2))[None, None]
+    out, _ = attnkit.hf.attention_forward(layer(False), q, k, v, mask, sliding_window=2,
+                                          position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2]]))
+    assert (out - sdpa(q, k, v, mask)).abs().max() <= 1e-12
+    assert calls[-1].get("cu_seqlens_q") is not None and calls[-1]["window"] == (1, 1)
+
+
+def test_cu_seq_lens_with_more_keys_than_queries():
+    """FlashAttention's keywords with cu_seq_lens_k != cu_seq_lens_q: causal, bottom-right per sequence."""
+    q, k, v = qkv(L=5, S=7)
+    cu_q, cu_k = torch.tensor([0, 2, 5]), torch.tensor([0, 3, 7])
+    out, _ = attnkit.hf.attention_forward(layer(), q, k, v, None, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k)
+    for (a, b), (c, d) in zip(zip(cu_q[:-1], cu_q[1:]), zip(cu_k[:-1], cu_k[1:])):
+        want = sdpa(q[:, :, a:b], k[:, :, c:d], v[:, :, c:d], bottom_right(int(b - a), int(d - c)))
+        assert (out[:, a:b] - want).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_packed_batch_with_a_one_token_sequence(name, calls):
+    """Positions 0, 1, 2, 3, 4, 0, 0, 1, 2: a restart where the position does not go down."""
+    seqs, packed, pos = packed_sequences((5, 1, 3))
+    model = decoder(name, "attnkit")
+    with torch.no_grad():
+        out = model(input_ids=packed, position_ids=pos, use_cache=False).logits[0]
+        assert calls and all(c.get("cu_seqlens_q") is not None for c in calls)
+        start = 0
+        for s in seqs:
+            assert (out[start:start + len(s)] - model(input_ids=s[None]).logits[0]).abs().max() <= 1e-10
+            start += len(s)
+
+
+# --- a cache without a static cache's mask
+
+def test_chunked_prefill_on_a_dynamic_cache_matches_sdpa():
+    """Second chunk (5 queries on 11 keys), no padding: no mask, causal aligned bottom-right."""
+    ids, _ = batch(2)
+    outs = []
+    for impl in ("sdpa", "attnkit"):
+        model = decoder("llama", impl)
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids[:, :6], cache=cache)
+            outs.append(model(input_ids=ids[:, 6:], cache=cache).logits)
+    assert (outs[0] - outs[1]).abs().max() <= 1e-10
+
+
+def test_right_padding_with_fewer_queries_than_keys_is_aligned_bottom_right():
+    """Right padding gives kv_lengths (top-left) only where L == S, also when the same mask
+    was just read for L == S (another layer, or the full sequence)."""
+    q, k, v = qkv(B=2, L=5)
+    for first in (False, True):
+        pad = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+        if first:
+            attnkit.hf.attention_forward(layer(), q, k, v, pad)
+        out, _ = attnkit.hf.attention_forward(layer(), q[:, :, 3:], k, v, pad)
+        keep = pad.bool()[:, None, None, :] & bottom_right(2, 5)
+        assert (out - sdpa(q[:, :, 3:], k, v, keep)).abs().max() <= 1e-12
+
+
+# --- attention weights
+
+@pytest.mark.parametrize("key", ["attentions", "cross_attentions"])
+def test_weights_when_the_collector_records_them(key):
+    from transformers.utils.output_capturing import _active_collector
+    q, k, v = qkv()
+    token = _active_collector.set({key: []})
+    try:
+        _, w = attnkit.hf.attention_forward(layer(), q, k, v, None)
+    finally:
+        _active_collector.reset(token)
+    assert w is not None and w.shape == (1, 2, 5, 5)
+
+
+# --- the mask builder
+
+def attend_with(m, q, k, v, module):
+    return attnkit.hf.attention_forward(module, q, k, v, m)[0]
+
+
+def test_materialized_masks_where_transformers_asks_for_them():
+    """allow_is_bidirectional_skip=False (the mask is concatenated with another, T5Gemma2):
+    a 4-D mask; keys not starting at position 0 (kv_offset): the causal mask of their
+    positions; a 2-D mask longer than the keys: cut as sdpa's mask cuts it."""
+    pad = torch.ones(2, 5, dtype=torch.bool)
+    m = attnkit.hf.attention_mask(2, 5, 5, mask_function=mu.bidirectional_mask_function, attention_mask=pad,
+                                  allow_is_bidirectional_skip=False)
+    assert m is not None and m.dim() == 4
+    q, k, v = qkv(L=2, S=5)
+    m = attnkit.hf.attention_mask(1, 2, 5, q_offset=10, kv_offset=8, mask_function=mu.causal_mask_function)
+    want = mu.sdpa_mask(1, 2, 5, q_offset=10, kv_offset=8, mask_function=mu.causal_mask_function,
+                        allow_is_causal_skip=False)
+    assert (attend_with(m, q, k, v, layer()) - sdpa(q, k, v, want)).abs().max() <= 1e-12
+    q, k, v = qkv(B=2, L=3, S=5)
+    long = torch.ones(2, 7, dtype=torch.bool)
+    long[1, 0] = False
+    m = attnkit.hf.attention_mask(2, 3, 5, q_offset=2, mask_function=mu.causal_mask_function, attention_mask=long)
+    want = mu.sdpa_mask(2, 3, 5, q_offset=2, mask_function=mu.causal_mask_function, attention_mask=long,
+                        allow_is_causal_skip=False)
+    assert (attend_with(m, q, k, v, layer()) - sdpa(q, k, v, want)).abs().max() <= 1e-12
+
+
+# --- which models get the short masks
+
+def family(monkeypatch, module_name, flags, own_config=True):
+    """A config class in module_name and a modeling module of model classes with
+    _supports_sdpa = flags (their config_class the config's, or another class)."""
+    cfg = type("Cfg", (), {"__module__": module_name})
+    mod = types.ModuleType(module_name.replace(".configuration_", ".modeling_"))
+    for i, f in enumerate(flags):
+        cls = type(f"Model{i}", (transformers.PreTrainedModel,), {
+            "__module__": mod.__name__, "_supports_sdpa": f, "config_class": cfg if own_config else object})
+        setattr(mod, cls.__name__, cls)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(attnkit.hf, "_TRUSTED", {})
+    return cfg()
+
+
+def test_layers_are_trusted_only_when_every_model_class_supports_sdpa(monkeypatch):
+    name = "transformers.models.fakefam.configuration_fakefam"
+    assert attnkit.hf._trusts_layers(family(monkeypatch, name, [True, True]))
+    assert not attnkit.hf._trusts_layers(family(monkeypatch, name, [True, False]))
+    # no class names the config (BLIP's text config): the family's classes decide
+    assert not attnkit.hf._trusts_layers(family(monkeypatch, name, [False], own_config=False))
+    # remote code (outside transformers.models) is trusted
+    assert attnkit.hf._trusts_layers(family(monkeypatch, "transformers_modules.fake.configuration_fake", [False]))
+
+
+# --- torch.compile with a static cache
+
+def test_a_static_cache_compiles_whole():
+    """The static cache's offset is a tensor while tracing: sdpa_mask builds the mask."""
+    torch._dynamo.reset()
+    ids, _ = batch(2)
+    model = decoder("llama", "attnkit", torch.float32)
+    outs = []
+    for run in (torch.compile(model, fullgraph=True), model):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            run(input_ids=ids[:, :6], cache=cache)
+            outs.append(run(input_ids=ids[:, 6:8], cache=cache).logits)
+    assert (outs[0] - outs[1]).abs().max() <= 1e-5
