@@ -207,7 +207,7 @@ def test_right_padding_with_fewer_queries_than_keys_is_aligned_bottom_right():
 
 # --- attention weights
 
-@pytest.mark.parametrize("key", ["attentions", "cross_attentions"])
+@pytest.mark.parametrize("key", ["attentions", "cross_attentions", "mask_decoder_attentions"])
 def test_weights_when_the_collector_records_them(key):
     from transformers.utils.output_capturing import _active_collector
     q, k, v = qkv()

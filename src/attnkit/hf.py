@@ -87,8 +87,9 @@ _COLLECTOR: list[Any] = []                   # transformers' output collector (a
 
 
 def _recording_attentions() -> bool:
-    """True when transformers is collecting attention weights (output_attentions=True),
-    also for models that do not pass that keyword down."""
+    """True when transformers is collecting attention weights (output_attentions=True:
+    any collected key ending in "attentions"), also for models that do not pass that
+    keyword down."""
     if not _COLLECTOR:
         try:
             from transformers.utils.output_capturing import _active_collector as found
@@ -98,7 +99,7 @@ def _recording_attentions() -> bool:
     if _COLLECTOR[0] is None:
         return False
     collected = _COLLECTOR[0].get()
-    return bool(collected) and ("attentions" in collected or "cross_attentions" in collected)
+    return bool(collected) and any(k.endswith("attentions") for k in collected)   # cross_, mask_decoder_, ...
 
 
 def _packed_offsets(torch: Any, position_ids: Any) -> Any:
