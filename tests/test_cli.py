@@ -477,3 +477,44 @@ def test_a_console_without_utf8_gets_replacements_not_a_traceback():
 def test_bench_refuses_torch_backends_for_numpy_arrays(capsys):
     rc, out, err = run(capsys, "bench", "--backend", "torch", "--shape", "1", "1", "16", "8")
     assert rc == 1 and "backend: 'torch' takes torch tensors" in err and "Traceback" not in err
+
+
+# ---- cases a mutation run found untested ------------------------------------------
+def test_packed_alone_with_two_lists_sizes_the_keys_by_the_second(capsys):
+    rc, out, err = run(capsys, "explain", "--packed", "2,2", "3,4", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["shapes"]["q"] == [4, 2] and d["shapes"]["k"] == [7, 2] and d["cu_seqlens_k"] == [0, 3, 7]
+
+
+def test_dropout_of_one_is_refused_naming_the_flag(capsys):
+    rc, out, err = run(capsys, "explain", "--dropout", "1")
+    assert rc == 1 and out == ""
+    assert "--dropout: expected a probability 0 <= p < 1, got '1'" in err
+
+
+def test_given_inputs_get_no_random_inputs_note(capsys):
+    rc, out, _ = run(capsys, "explain", "--q", "1,0", "--k", "1,0;0,1", "--v", "10,0;0,10")
+    assert rc == 0 and "Random inputs" not in out
+
+
+def test_dash_h_after_a_value_option_is_a_usage_error(capsys):
+    rc, out, err = run(capsys, "explain", "--q", "-h")
+    assert rc == 2 and out == "" and "argument --q: expected one argument" in err
+
+
+def test_sinks_that_start_with_a_minus_sign(capsys):
+    rc, out, err = run(capsys, "explain", "--random", "3", "4", "2", "--sinks", "-0.5,1,2", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["sinks"] == [[-0.5, 1.0, 2.0]]
+
+
+def test_window_inf_is_an_unbounded_side(capsys):
+    rc, out, err = run(capsys, "explain", "--random", "3", "4", "2", "--window", "inf", "0", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["window"] == [None, 0]
+
+
+def test_reading_gives_the_top_weight_to_one_decimal(capsys):
+    rc, out, _ = run(capsys, "explain")
+    assert rc == 0 and "q weighs apple most (67.0%)" in out

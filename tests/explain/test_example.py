@@ -32,3 +32,14 @@ def test_example_trace_is_the_example():
     t = example_trace()
     assert t.labels == ["apple", "cheese"] and t.query_labels == ["q"]
     np.testing.assert_allclose(t.out, [[6.7, 3.3]], atol=0.005)
+
+
+# ---- cases a mutation run found untested ------------------------------------------
+def _one_line(lines):
+    return " ".join(" ".join(lines).split())
+
+
+def test_worked_example_header_names_each_key_with_its_vector():
+    text = _one_line(worked_example().splitlines()[:6])
+    assert "keys apple = (1, 0) cheese = (0, 1)" in text
+    assert "values apple = (10, 0) cheese = (0, 10)" in text

@@ -44,3 +44,20 @@ def test_jsonable_is_strict_json():
 
 def test_what_nonfinite():
     assert what_nonfinite([np.nan, 1]) == "NaN" and what_nonfinite([np.inf, np.nan]) == "NaN and inf"
+
+
+# ---- cases a mutation run found untested ------------------------------------------
+@pytest.mark.parametrize("x,text", [(1e6, "1e+06"), (1e-4, "0.0001")])
+def test_num_at_its_thresholds(x, text):
+    from attnkit.explain.formatting import num
+    assert num(x) == text
+
+
+def test_cell_exponent_from_1e5():
+    assert cell(1e5) == "1.00e+05" and cell(99999.0) == "99999.000"
+
+
+def test_matrix_elision_keeps_the_first_and_last_rows():
+    lines = matrix("", np.arange(20.0)[:, None], [f"q{i}" for i in range(20)], ["d0"], 80)
+    labels = [line.split()[0] for line in lines[1:]]
+    assert labels == [f"q{i}" for i in range(9)] + ["⋮", "q18", "q19"]

@@ -42,3 +42,10 @@ def test_mistakes_text_fits_80_columns():
     text = mistakes_text(mistakes())
     assert max(len(line) for line in text.splitlines()) <= 80
     assert "1. Leaving out the √d_k scaling" in text and "4. Order blindness" in text
+
+
+# ---- cases a mutation run found untested ------------------------------------------
+def test_blend_weights_to_three_decimals_and_ln_s_in_the_text():
+    m = mistakes()
+    assert m["blend"]["weights"][2] == [0.982, 0.018]                  # scale 4: e^4 / (e^4 + 1)
+    assert "uniform = ln 64 = 4.16 nats" in " ".join(mistakes_text(m).split())

@@ -187,3 +187,71 @@ def test_padding_rows_are_said_to_be_padding():
     t = explain(q, k, v, q_lengths=np.array(2))
     assert row_status(t, (0,), 2) == "padding"
     assert "q2 is a padding row (beyond q_lengths), so its output is 0" in _one_line(t.reading((0,), 2))
+
+
+# ---- cases a mutation run found untested ------------------------------------------
+def test_a_given_scale_is_multiplied_not_divided_by_root_d():
+    t = explain([[1.0, 0.0]], [[1.0, 0.0], [0.0, 1.0]], [[10.0, 0.0], [0.0, 10.0]], scale=0.3)
+    hand = _one_line(t.arithmetic())
+    assert "Step 2 multiply by scale = 0.300 1 · 0.300 = 0.300 0 · 0.300 = 0" in hand
+    assert "√" not in hand
+
+
+def test_six_keys_are_still_worked_by_hand():
+    q, k, v = make_qkv((2, 2), (6, 2))
+    assert "Query q0, worked by hand:" in explain(q, k, v).render()
+
+
+def test_one_query_too_big_for_by_hand_shows_the_step_matrices():
+    q, k, v = make_qkv((1, 2), (300, 2))
+    text = explain(q, k, v).render()
+    assert "Step 1  scores" in text and "Step 4  out" in text
+
+
+def test_dropout_note_gives_the_keep_probability():
+    q, k, v = make_qkv((5, 2), (5, 2))
+    text = " ".join(explain(q, k, v, dropout=0.3, seed=1).render().split())
+    assert "kept with probability 0.7 and divided by 0.7" in text
+
+
+def test_nan_reasons_name_three_keys_then_count_the_rest():
+    q, k, v = make_qkv((2, 2), (4, 2))
+    t = explain(q, k, v, bias=np.array([[np.inf] * 4, [0.0] * 4]))
+    assert nan_reasons(t, (), 0) == [f"the bias makes the score of k{j} inf" for j in range(3)] + \
+        ["and 1 more keys"]
+
+
+def test_a_nan_query_is_the_only_reason_given():
+    q, k, v = make_qkv((2, 2), (3, 2))
+    q[0, 1] = np.nan
+    t = explain(q, k, v)
+    assert nan_reasons(t, (), 0) == ["q0 holds NaN"]
+    assert "q0·k0 overflowed" not in " ".join(t.render().split())
+
+
+def test_nan_value_reason_names_only_the_visible_keys():
+    q, k, v = make_qkv((2, 2), (3, 2))
+    v[1, 0] = v[2, 0] = np.nan
+    t = explain(q, k, v, drop=np.array([[0, 1, 0]] * 2, bool))    # k1 excluded, k2 not
+    assert row_status(t) == "nan_out"
+    assert nan_reasons(t, (), 0)[0].startswith("the value of k2 holds NaN or inf and is not excluded")
+
+
+def test_an_excluded_key_is_not_called_dropped():
+    t = explain([[1.0, 0.0]], [[1.0, 0.0], [0.0, 1.0]], np.eye(2), causal=True, align="top_left",
+                dropout=0.5, seed=1)                              # k1 excluded, k0 kept by seed 1
+    hand = _one_line(t.arithmetic())
+    assert "weights: k0 2.000, k1 0.000" in hand and "(dropped)" not in hand
+
+
+def test_the_sink_is_shifted_with_the_scores():
+    t = explain([[30.0, 0.0]], [[1.0, 0.0], [0.0, 1.0]], np.eye(2), scale=1.0, sinks=np.array([25.0]))
+    hand = _one_line(t.arithmetic())
+    assert "sink e^(25 − m) ≈ 0.007 total 1.007" in hand
+
+
+def test_fully_excluded_row_with_a_sink_says_lse_is_the_sink_logit():
+    q, k, v = make_qkv((3, 2), (2, 2))
+    t = explain(q, k, v, causal=True, sinks=np.array([0.5]))         # row 0 sees no key
+    assert row_status(t) == "excluded"
+    assert "(weights 0, lse = the sink logit), never NaN" in _one_line(t.reading())

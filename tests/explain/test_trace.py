@@ -337,3 +337,36 @@ def test_a_huge_alibi_slope_gives_no_warning():
         warnings.simplefilter("error")
         t = explain(q, q, q, alibi_slopes=1e308)
         assert np.isneginf(t.alibi_penalty).any()
+
+
+# ---- cases a mutation run found untested ------------------------------------------
+def _one_line(lines):
+    return " ".join(" ".join(lines).split())
+
+
+def test_final_scores_include_alibi():
+    t = explain([[1.0, 0.0]], [[1.0, 0.0], [0.0, 1.0]], np.eye(2), alibi_slopes=np.array([1.0]))
+    assert t.final_scores is t["alibi"]
+    assert "then ALiBi (slope 1): scores -0.293, 0" in _one_line(t.arithmetic())
+
+
+def test_value_cap_allows_the_limit_itself():
+    check_size((1000, 1000), (1, 1000), (1, 1000))                # q holds exactly MAX_SCORES values
+
+
+def test_alibi_with_several_slopes_names_none():
+    q, k, v = make_qkv((2, 3, 2), (2, 5, 2))
+    assert explain(q, k, v, alibi_slopes=np.array([0.5, 0.25])).masks == ["ALiBi"]
+    assert explain(q, k, v, alibi_slopes=np.array([0.5, 0.5])).masks == ["ALiBi (slope 0.5)"]
+
+
+def test_to_dict_keeps_the_dropout_seed():
+    q, k, v = make_qkv((3, 2), (4, 2))
+    d = explain(q, k, v, dropout=0.4, seed=7).to_dict()
+    assert d["dropout"] == 0.4 and d["seed"] == 7
+
+
+def test_padding_of_a_batched_trace_defaults_to_the_first_block():
+    q, k, v = make_qkv((2, 1, 3, 2), (2, 1, 4, 2))
+    t = explain(q, k, v, q_lengths=np.array([2, 3]))
+    assert t.padding().tolist() == [False, False, True]
