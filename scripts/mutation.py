@@ -183,7 +183,6 @@ R_QKEY = ("part of a plan cache key: when any unit of a sequence is stacked, eve
           "BLOCK_M rows, so stacked and single units of one sequence have the same row blocks anyway")
 R_DENSE = "a dense sequence is one page of S keys: the kernel reads only table[0, 0]"
 R_PIECE1 = "without a step the range is one piece [a, z) whatever step larger than z − a it takes"
-_OP_WIN = 'opts["window"] = None if args[i] is None and args[i + 1] is None else (args[i], args[i + 1])'
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("spec/checks.py",
      "if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):",
@@ -539,12 +538,6 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("flash/plan.py", "and (pages is None or pages[0].dtype == self.acc))", "`0` -> `1`"):
         "pages[1] is the v cache, which has k's dtype: validate_kvcache refuses a k_cache or v_cache whose "
         "dtype is not q's",
-    ("torch/op.py", _OP_WIN, "`+` -> `-` @64"):
-        "args[i - 1] is causal, a bool in the op's schema, never None: the window is then always (left, right), "
-        "and (None, None) is validated to None exactly as window=None is",
-    ("torch/op.py", _OP_WIN, "`1` -> `2` @66"):
-        "args[i + 2] is align, a str in the op's schema, never None: the window is then always (left, right), "
-        "and (None, None) is validated to None exactly as window=None is",
 }
 
 
