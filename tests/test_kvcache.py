@@ -204,6 +204,30 @@ def test_torch_cpu_tensors_match_numpy_and_append_in_place():
     assert np.array_equal(tk.numpy(), k, equal_nan=True) and np.array_equal(tv.numpy(), v, equal_nan=True)
 
 
+def test_one_length_for_every_sequence():
+    """cache_lengths as one int (a Python int, a NumPy integer, a 0-d array or tensor:
+    FlashAttention's ``cache_seqlens`` takes an int) is that length for every sequence:
+    the same bits and the same appended cache as the (B,) array."""
+    torch = pytest.importorskip("torch")
+    rng = RNG(7)
+    q = rng.standard_normal((3, 4, 2, 8)).astype(np.float32)
+    kn, vn = (rng.standard_normal((3, 2, 2, 8)).astype(np.float32) for _ in range(2))
+    base = rng.standard_normal((2, 3, 2, 12, 8)).astype(np.float32)
+    k, v = base[0].copy(), base[1].copy()
+    want = attnkit.attention_kvcache(q, k, v, np.array([5, 5, 5]), k_new=kn, v_new=vn, causal=True)
+    for n in (5, np.int32(5), np.array(5, dtype=np.int16)):
+        kc, vc = base[0].copy(), base[1].copy()
+        got = attnkit.attention_kvcache(q, kc, vc, n, k_new=kn, v_new=vn, causal=True)
+        assert np.array_equal(got, want) and np.array_equal(kc, k) and np.array_equal(vc, v), type(n)
+    for n in (5, torch.tensor(5)):
+        kc, vc = torch.tensor(base[0]), torch.tensor(base[1])
+        got = attnkit.attention_kvcache(torch.tensor(q), kc, vc, n, k_new=torch.tensor(kn), v_new=torch.tensor(vn),
+                                        causal=True)
+        assert np.array_equal(got.numpy(), want) and np.array_equal(kc.numpy(), k), type(n)
+    with pytest.raises(TypeError, match="^cache_lengths: expected a torch.Tensor"):   # one library per call
+        attnkit.attention_kvcache(torch.tensor(q), torch.tensor(k), torch.tensor(v), np.array(5))
+
+
 BAD = [
     (dict(cache_lengths=np.array([41, 0])), ValueError, "cache_lengths"),        # beyond capacity
     (dict(cache_lengths=np.array([39, 0]), k_new=np.zeros((2, 1, 2, 4)), v_new=np.zeros((2, 1, 2, 4))),
@@ -213,6 +237,11 @@ BAD = [
     (dict(cache_lengths=np.array([1.0, 2.0])), TypeError, "cache_lengths"),
     (dict(cache_lengths=np.array([-1, 2])), ValueError, "cache_lengths"),
     (dict(cache_lengths=np.array([1, 2, 3])), ValueError, "cache_lengths"),
+    (dict(cache_lengths=41), ValueError, "cache_lengths"),                           # one int: each sequence's
+    (dict(cache_lengths=-1), ValueError, "cache_lengths"),
+    (dict(cache_lengths=True), TypeError, "cache_lengths"),                          # not an int
+    (dict(cache_lengths=2.0), TypeError, "cache_lengths"),
+    (dict(cache_lengths=np.array(2.0)), TypeError, "cache_lengths"),
     (dict(keep=np.ones((1, 40), bool)), TypeError, "keep"),
     (dict(q=np.zeros((2, 2, 4))), ValueError, "q"),
     (dict(q=np.zeros((2, 2, 0, 4))), ValueError, "q"),                              # no query rows

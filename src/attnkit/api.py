@@ -223,8 +223,9 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
         The new queries (decoding: L = 1; speculative decoding / chunked prefill: L > 1).
     k_cache, v_cache : arrays
         The cache, contiguous or paged (see above), q's dtype and device.
-    cache_lengths : ints (B,)
-        Valid keys per sequence before the append.
+    cache_lengths : ints (B,), or one int
+        Valid keys per sequence before the append (one int, or a 0-d array or tensor:
+        the same for every sequence, as FlashAttention's ``cache_seqlens``).
     block_table : ints (B, max_pages), optional
         Page indices of each sequence (a paged cache).
     k_new, v_new : arrays (B, Hkv, L_new, D[v]), optional

@@ -674,6 +674,16 @@ def test_a_decoding_loop_compiles_whole(paged):
     assert all(torch.equal(a, b) for a, b in zip(caches["compiled"], before))
 
 
+def test_a_compiled_decoding_call_takes_one_int_length():
+    """cache_lengths as one int under torch.compile(fullgraph=True): the op gets it as
+    (B,) — the same bits as the eager call with a (B,) tensor."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    q, kc, vc = torch.randn(2, 2, 1, 4, generator=g), torch.randn(2, 1, 8, 4, generator=g), torch.randn(2, 1, 8, 4)
+    f = torch.compile(lambda q, kc, vc: attnkit.attention_kvcache(q, kc, vc, 5), fullgraph=True, backend="aot_eager")
+    assert torch.equal(f(q, kc, vc), attnkit.attention_kvcache(q, kc, vc, torch.tensor([5, 5])))
+
+
 def test_a_traced_decoding_call_is_checked_like_an_eager_one():
     """While tracing, every argument but the lengths' values is checked as in an eager
     call (a seed out of range, a NumPy sinks array, a window side past 2**30)."""

@@ -71,6 +71,21 @@ def _ints(name: str, x: Any, want_torch: bool, ndim: int, what: str) -> Any:
     return a
 
 
+def _one_per_sequence(x: Any, B: int, q: Any, want_torch: bool) -> Any:
+    """cache_lengths given as one length for every sequence — a Python int, a NumPy
+    integer, or a 0-d array or tensor of the call's library (FlashAttention's
+    ``cache_seqlens`` takes an int) — as (B,); anything else as it came (the checks
+    after this name what is wrong with it)."""
+    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        if want_torch:                                   # (torch.full: traceable by torch.compile)
+            import torch
+            return torch.full((B,), int(x), dtype=torch.int64, device=q.device)
+        return np.full(B, int(x), dtype=np.int64)
+    if getattr(x, "ndim", None) == 0 and is_torch(x) == want_torch:
+        return x.reshape(1).expand(B) if want_torch else np.broadcast_to(x, (B,))
+    return x
+
+
 def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, block_table: Any = None,
                      k_new: Any = None, v_new: Any = None, backend: str = "auto", **options: Any) -> KVCall:
     """Check every argument of attention_kvcache (shapes, dtypes, devices, lengths,
@@ -116,7 +131,8 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
         raise ValueError(f"v_cache: expected shape {(N, Hkv, P, 'Dv')} like k_cache, got {tuple(v_cache.shape)}")
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"k_cache: query heads H={H} must be a multiple of the cache's kv heads Hkv={Hkv}")
-    lengths = _ints("cache_lengths", cache_lengths, want_torch, 1, f"shape (B,) = ({B},)")
+    lengths = _ints("cache_lengths", _one_per_sequence(cache_lengths, B, q, want_torch), want_torch, 1,
+                    f"shape (B,) = ({B},)")
     if lengths.shape[0] != B:
         raise ValueError(f"cache_lengths: expected shape (B,) = ({B},), got {tuple(lengths.shape)}")
     if block_table is None:

@@ -468,12 +468,13 @@ def kvcache_traced(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block
     the graph runs, by the eager call inside the op), then one node of the op above
     with the checked options (the window and seed in normal form)."""
     from ..spec.kvcache import validate_kvcache
-    spec = validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
-                            v_new=v_new, backend=backend, **masking).spec
+    kv = validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
+                          v_new=v_new, backend=backend, **masking)
+    spec = kv.spec
     def value(o: Any) -> Any:
         if o.name == "seed":
             return None if spec.seed is None else philox.int64(int(spec.seed))
         return masking.get(o.name) if o.schema == "Tensor?" else getattr(spec, o.name)   # the user's tensors
     args = _pack(_KV_OPTIONS, value)
-    return torch.ops.attnkit.attention_kvcache(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new,
-                                               *args, backend)
+    return torch.ops.attnkit.attention_kvcache(q, k_cache, v_cache, kv.cache_lengths, block_table, k_new, v_new,
+                                               *args, backend)   # cache_lengths as (B,): an int taken too
