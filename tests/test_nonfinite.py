@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import attnkit
-from attnkit import flash, reference
+from attnkit import flash, nonfinite, reference
 from attnkit.nonfinite import all_finite, exempt_matmul
 from attnkit.spec import validate
 from attnkit.testing import make_qkv
@@ -237,7 +237,9 @@ def test_an_overflow_from_delta_on_an_excluded_pair_gives_no_nan():
         same(a, b, 1e-5)
 
 
-def test_helpers():
+@pytest.mark.parametrize("small", [1 << 15, 0])     # both of all_finite's branches (by size)
+def test_helpers(small, monkeypatch):
+    monkeypatch.setattr(nonfinite, "_SMALL", small)
     assert all_finite(np.ones(3), None) and not all_finite(np.array([1.0, np.inf]))
     assert all_finite(np.full(4, np.finfo(np.float16).max, np.float16))   # a sum that overflows is not a NaN
     x = np.zeros((2, 5, 3, 4), np.float32)

