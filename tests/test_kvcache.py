@@ -140,12 +140,13 @@ def test_float32_streaming_kernel_takes_every_term(paged, page_size, H, Hkv, L, 
     """The compiled kernel's row blocks (four rows per key read, and the rest), its
     edges (rows that see part of a chunk, pages that straddle chunks) and every term it
     applies, against the float64 reference by DESIGN.md §6's rule; 1 and 2 threads
-    give the same bits."""
-    B = 2
+    give the same bits. A contiguous cache of four sequences (one empty) takes the
+    units of all kv heads at once, two sequences one kv head per unit."""
+    B = 2 if paged else 4
     kw = {n: (np.resize(x, H) if n in ("sinks", "alibi_slopes") else x) for n, x in kw.items()}   # one per head
     k, v, table = make_cache(B, Hkv, D, Dv, 300, page_size, paged, dtype="float32")
     rng = RNG(11)
-    lengths = np.array([300, 70])
+    lengths = np.array([300, 70, 0, 151])[:B]
     for b in range(B):
         write(k, table, b, range(lengths[b]), rng.standard_normal((Hkv, lengths[b], D)).astype(np.float32), page_size)
         write(v, table, b, range(lengths[b]), rng.standard_normal((Hkv, lengths[b], Dv)).astype(np.float32), page_size)
