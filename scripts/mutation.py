@@ -283,7 +283,7 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "merged by their max and sum, the same results to rounding (split-KV is tested on decoding shapes)",
     ("flash/runtime.py", "job.cancel = True", "remove the statement"):
         "the finally right below sets job.cancel = True at once (the same reason as its True -> False)",
-    ("flash/runtime.py", "job.cancel = True                # every task is claimed or abandoned by now",
+    ("flash/runtime.py", "job.cancel = True            # every task is claimed or abandoned by now",
      "remove the statement"):
         "after a failure cancel is already True (set by work() or the except above); after success every task "
         "was claimed, so a worker still in the job finds the counter exhausted whatever cancel says",
