@@ -100,7 +100,7 @@ TARGETS: dict[str, list[str]] = {
                      "tests/flash/test_varlen.py", "tests/test_kvcache.py", "tests/torch/test_terms.py"] + _EXPLAIN,
     "flash/plan.py": _FLASH_TESTS + ["tests/flash/test_plan.py", "tests/flash/test_runtime.py",
                                      "tests/spec/test_geometry.py"],
-    "flash/forward.py": _FLASH_TESTS + ["tests/spec/test_geometry.py"],
+    "flash/forward.py": _FLASH_TESTS + ["tests/flash/test_forward_edges.py", "tests/spec/test_geometry.py"],
     "flash/backward.py": _FLASH_TESTS + ["tests/torch/test_terms.py", "tests/spec/test_geometry.py"],
     "flash/kernels.py": ["tests/flash/test_kernels.py"] + [t for t in _FLASH_TESTS if "kernels" not in t],
     "flash/runtime.py": ["tests/flash/test_runtime.py", "tests/flash/test_flash.py"],
@@ -317,10 +317,6 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         'an extra copy of the result: speed only',
     ('flash/forward.py', 'if acc is not None and pv is not None and v_t is not None:',
      '`and` -> `or` @27'):
-        'acc and pv are both None or both arrays (want_out); v_t is None only for calls without v, which '
-        'never want out',
-    ('flash/forward.py', 'if acc is not None and pv is not None and v_t is not None:',
-     '`and` -> `or` @46'):
         'acc and pv are both None or both arrays (want_out); v_t is None only for calls without v, which '
         'never want out',
     ('flash/forward.py', 'kern.rescale_add(acc.reshape(nk * n_rows, -1), alpha, pv.reshape(nk * n_rows, -1))',
