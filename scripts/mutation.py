@@ -107,8 +107,8 @@ TARGETS: dict[str, list[str]] = {
     "merge.py": ["tests/test_merge.py", "tests/test_kvcache.py", "tests/torch/test_op.py"],
     "nonfinite.py": ["tests/test_nonfinite.py", "tests/test_reference.py", "tests/flash/test_flash.py"],
     "philox.py": ["tests/test_philox.py", "tests/flash/test_flash.py", "tests/test_reference.py",
-                  "tests/torch/test_terms.py"],
-    "torch/op.py": ["tests/torch/test_op.py", "tests/torch/test_terms.py"],
+                  "tests/torch/test_terms.py", "tests/torch/test_seeds.py", "tests/torch/test_op.py"],
+    "torch/op.py": ["tests/torch/test_op.py", "tests/torch/test_terms.py", "tests/torch/test_seeds.py"],
 }
 # Tests that fail or flake on the unmutated tree whatever the mutant (another change in
 # progress, timing): never run, so that they can neither kill nor save a mutant.
