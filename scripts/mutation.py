@@ -109,6 +109,12 @@ TARGETS: dict[str, list[str]] = {
     "philox.py": ["tests/test_philox.py", "tests/flash/test_flash.py", "tests/test_reference.py",
                   "tests/torch/test_terms.py", "tests/torch/test_seeds.py", "tests/torch/test_op.py"],
     "torch/op.py": ["tests/torch/test_op.py", "tests/torch/test_terms.py", "tests/torch/test_seeds.py"],
+    "small.py": ["tests/test_small.py", "tests/test_nonfinite.py", "tests/test_backends.py", "tests/test_api.py",
+                 "tests/test_kvcache.py"],
+    "backends.py": ["tests/test_backends.py", "tests/test_api.py", "tests/test_small.py"],
+    "kvcache.py": ["tests/test_kvcache.py", "tests/test_examples.py", "tests/torch/test_op.py"],
+    "api.py": ["tests/test_api.py", "tests/test_kvcache.py", "tests/test_merge.py", "tests/test_backends.py",
+               "tests/torch/test_op.py"],
 }
 # Tests that fail or flake on the unmutated tree whatever the mutant (another change in
 # progress, timing): never run, so that they can neither kill nor save a mutant.
