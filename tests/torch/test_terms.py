@@ -125,3 +125,39 @@ def test_tensors_that_would_get_no_gradient_are_refused_while_grad_is_on():
         assert attnkit.attention(q, q, q, alibi_slopes=slopes).shape == (1, 2, 4, 8)
         assert attnkit.attention_kvcache(q.clone().requires_grad_(), cache, cache, torch.tensor([3])).shape == \
             (1, 2, 4, 8)
+
+
+NUMBERS = [dict(bias=0.1), dict(sinks=-0.3), dict(alibi_slopes=0.25, causal=True), dict(keep=False),
+           dict(drop=np.False_), dict(kv_lengths=3, causal=True), dict(q_lengths=np.int32(2), kv_lengths=7)]
+
+
+@pytest.mark.parametrize("kw", NUMBERS, ids=lambda kw: "-".join(kw))
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_numbers_for_array_keywords_mean_what_they_mean_in_numpy(kw, dtype):
+    """A Python or NumPy scalar number for an array keyword of a torch call (kv_lengths=3,
+    keep=False, bias=0.1) is the 0-d array a NumPy call reads (it was a TypeError): the
+    same output bits as the NumPy call, forward and the gradients by autograd; floats
+    in the accumulation dtype (a float32 bias 0.1 would differ from float64's)."""
+    q, k, v = (x.astype(dtype) for x in make_qkv((2, 4, 5, 8), (2, 2, 9, 8), 8, seed=2))
+    want = attnkit.attention(q, k, v, **kw)
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    got = attnkit.attention(tq, tk, tv, **kw)
+    assert np.array_equal(got.detach().numpy(), want)
+    got.backward(torch.ones_like(got))
+    spec = validate(q, k, v, **kw)
+    out, lse, _ = attnkit.flash.rung_forward(spec)
+    grads = attnkit.flash.rung_backward(spec, np.ones_like(out), out, lse)
+    for t, g in zip((tq, tk, tv), grads[:3]):
+        assert max_error(t.grad.numpy(), g) <= (1e-12 if dtype == "float64" else 1e-5)
+
+
+def test_numbers_for_array_keywords_compile_and_keep_one_library_per_call():
+    """kv_lengths=3 inside torch.compile(fullgraph=True) gives the eager bits; a NumPy
+    0-d array with torch tensors is still refused (one library per call)."""
+    torch._dynamo.reset()
+    q, k, v = (torch.tensor(x) for x in make_qkv((2, 4, 5, 8), (2, 2, 9, 8), 8, seed=2))
+    f = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, kv_lengths=3, sinks=0.5), fullgraph=True,
+                      backend="aot_eager")
+    assert torch.equal(f(q, k, v), attnkit.attention(q, k, v, kv_lengths=torch.tensor(3), sinks=torch.tensor(0.5)))
+    with pytest.raises(TypeError, match="^kv_lengths: expected a torch.Tensor like q"):
+        attnkit.attention(q, k, v, kv_lengths=np.array(3))

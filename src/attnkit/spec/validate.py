@@ -194,11 +194,37 @@ def _signature(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict
     return key
 
 
+_NUMBERS = (bool, int, float, np.bool_, np.integer, np.floating)
+_TENSOR_SET = frozenset(_TENSOR_OPTIONS)
+
+
+def _torch_numbers(q: Any, options: dict) -> dict:
+    """A Python (or NumPy scalar) number given for an array keyword of a torch call —
+    ``kv_lengths=5``, ``keep=True``, ``bias=0.5`` — as the 0-d tensor NumPy would read it
+    as in a NumPy call, on q's device: bools bool, ints int64, floats in the
+    accumulation dtype (float64 for float64 q, else float32). Arrays stay as given
+    (a NumPy array with torch tensors is still refused: one library per call)."""
+    numbers_given = [n for n, x in options.items() if n in _TENSOR_SET and isinstance(x, _NUMBERS)]
+    if not numbers_given:
+        return options
+    import torch
+    floats = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = dict(options)
+    for n in numbers_given:
+        x = options[n]
+        dt = (torch.bool if isinstance(x, (bool, np.bool_)) else
+              torch.int64 if isinstance(x, (int, np.integer)) else floats)
+        out[n] = torch.tensor(x.item() if isinstance(x, np.generic) else x, dtype=dt, device=q.device)
+    return out
+
+
 def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = True,
              **options: Any) -> Spec:
     """Check every argument and return a Spec. Raises TypeError / ValueError naming the
     argument, what was expected and what was given. ``need_v=False`` (weights only):
     v must be None."""
+    if options and is_torch(q):
+        options = _torch_numbers(q, options)
     key = _signature(q, k, v, backend, need_v, options)
     seen = None if key is None else _SEEN.get(key)
     if seen is not None:                                 # the arrays in normal form, as below
