@@ -152,12 +152,19 @@ def test_numbers_for_array_keywords_mean_what_they_mean_in_numpy(kw, dtype):
 
 
 def test_numbers_for_array_keywords_compile_and_keep_one_library_per_call():
-    """kv_lengths=3 inside torch.compile(fullgraph=True) gives the eager bits; a NumPy
-    0-d array with torch tensors is still refused (one library per call)."""
+    """kv_lengths=3 and sinks=0.5 inside torch.compile(fullgraph=True) give the eager
+    bits, for attention and for attention_kvcache (whose traced op takes the options
+    as tensors); a NumPy 0-d array with torch tensors is still refused (one library
+    per call)."""
     torch._dynamo.reset()
     q, k, v = (torch.tensor(x) for x in make_qkv((2, 4, 5, 8), (2, 2, 9, 8), 8, seed=2))
     f = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, kv_lengths=3, sinks=0.5), fullgraph=True,
                       backend="aot_eager")
     assert torch.equal(f(q, k, v), attnkit.attention(q, k, v, kv_lengths=torch.tensor(3), sinks=torch.tensor(0.5)))
+    n = torch.tensor([6, 9])
+    g = torch.compile(lambda q, k, v, n: attnkit.attention_kvcache(q, k, v, n, sinks=0.5, alibi_slopes=0.25),
+                      fullgraph=True, backend="aot_eager")
+    want = attnkit.attention_kvcache(q, k, v, n, sinks=torch.tensor(0.5), alibi_slopes=torch.tensor(0.25))
+    assert torch.equal(g(q, k, v, n), want)
     with pytest.raises(TypeError, match="^kv_lengths: expected a torch.Tensor like q"):
         attnkit.attention(q, k, v, kv_lengths=np.array(3))

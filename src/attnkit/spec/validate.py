@@ -198,7 +198,7 @@ _NUMBERS = (bool, int, float, np.bool_, np.integer, np.floating)
 _TENSOR_SET = frozenset(_TENSOR_OPTIONS)
 
 
-def _torch_numbers(q: Any, options: dict) -> dict:
+def torch_numbers(q: Any, options: dict) -> dict:
     """A Python (or NumPy scalar) number given for an array keyword of a torch call —
     ``kv_lengths=5``, ``keep=True``, ``bias=0.5`` — as the 0-d tensor NumPy would read it
     as in a NumPy call, on q's device: bools bool, ints int64, floats in the
@@ -224,7 +224,7 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
     argument, what was expected and what was given. ``need_v=False`` (weights only):
     v must be None."""
     if options and is_torch(q):
-        options = _torch_numbers(q, options)
+        options = torch_numbers(q, options)
     key = _signature(q, k, v, backend, need_v, options)
     seen = None if key is None else _SEEN.get(key)
     if seen is not None:                                 # the arrays in normal form, as below

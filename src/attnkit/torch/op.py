@@ -468,6 +468,8 @@ def kvcache_traced(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block
     the graph runs, by the eager call inside the op), then one node of the op above
     with the checked options (the window and seed in normal form)."""
     from ..spec.kvcache import validate_kvcache
+    from ..spec.validate import torch_numbers
+    masking = torch_numbers(q, masking)                  # sinks=0.5: the op takes tensors
     kv = validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
                           v_new=v_new, backend=backend, **masking)
     spec = kv.spec
