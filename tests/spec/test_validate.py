@@ -522,3 +522,13 @@ def test_merge_names_the_block_of_the_other_library():
         attnkit.merge([o, torch.tensor(o)], [lse, lse])
     with pytest.raises(TypeError, match=r"^lses\[1\]"):
         attnkit.merge([o, o], [lse, torch.tensor(lse)])
+
+
+def test_flash_attentions_minus_one_window_is_named():
+    """FlashAttention writes an unbounded window side as -1; attnkit's is None: a port
+    passing (-1, 0) gets an error that says so (not a silent reading either way)."""
+    q = np.zeros((1, 2, 3, 4))
+    with pytest.raises(ValueError, match=r"^window: left size .* got -1 \(None: unbounded, where FlashAttention"):
+        attnkit.attention(q, q, q, window=(-1, 0))
+    with pytest.raises(ValueError, match=r"^window: right size .* got -2$"):
+        attnkit.attention(q, q, q, window=(0, -2))

@@ -113,7 +113,8 @@ def _window(window: Any) -> tuple[int | None, int | None] | None:
     sides = []
     for side, x in zip(("left", "right"), window):
         if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0):
-            raise ValueError(f"window: {side} size must be a non-negative int or None, got {x!r}")
+            hint = " (None: unbounded, where FlashAttention writes -1)" if x == -1 else ""
+            raise ValueError(f"window: {side} size must be a non-negative int or None, got {x!r}{hint}")
         # a side of 2**30 keys or more is unbounded: no sequence is that long, and
         # diag ± side stays inside every rung's integers (2**63 − 1 wrapped: no key)
         sides.append(None if x is None or int(x) >= UNBOUNDED else int(x))
