@@ -532,3 +532,16 @@ def test_flash_attentions_minus_one_window_is_named():
         attnkit.attention(q, q, q, window=(-1, 0))
     with pytest.raises(ValueError, match=r"^window: right size .* got -2$"):
         attnkit.attention(q, q, q, window=(0, -2))
+
+
+def test_packed_q_in_flash_attentions_layout_is_named():
+    """FlashAttention's packed q is (T, H, D); attnkit's (H, T, D): passed as is, the
+    offsets' total meets q's dim -3, and the error says which layout to use."""
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((10, 4, 8)), rng.standard_normal((10, 2, 8))
+    cu = np.array([0, 3, 10])
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: .* got 10 \(q's dim -3 is 10: q in FlashAttention's"):
+        attnkit.attention(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: .* Tq=10, got 9$"):      # no hint where none applies
+        attnkit.attention(q.transpose(1, 0, 2), k.transpose(1, 0, 2), k.transpose(1, 0, 2),
+                          cu_seqlens_q=np.array([0, 9]), cu_seqlens_k=np.array([0, 10]))

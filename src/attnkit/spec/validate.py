@@ -381,7 +381,7 @@ def _array_keywords(opt: dict, want_torch: bool, batch: tuple[int, ...], H: int,
             raise ValueError(f"{', '.join(both)}: not combined with cu_seqlens_q/cu_seqlens_k (packed "
                              "sequences carry their lengths in the offsets)")   # are the batch's)
     lengths = _lengths(opt, want_torch, batch, L, S, shapes)
-    cu = _cu_seqlens(opt, want_torch, batch, L, S, shapes)
+    cu = _cu_seqlens(opt, want_torch, batch, H, L, S, shapes)
     return dict(arrays, alibi_slopes=slopes, sinks=sinks, q_lengths=lengths[0], kv_lengths=lengths[1],
                 cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
 
@@ -432,7 +432,7 @@ def _lengths(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: int
             check_lengths("kv_lengths", opt["kv_lengths"], want_torch, batch, S, "S", shapes))
 
 
-def _cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: int,
+def _cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], H: int, L: int, S: int,
                 shapes: dict) -> tuple[Any, Any]:
     cq = _int_array("cu_seqlens_q", opt["cu_seqlens_q"], want_torch)
     ck = _int_array("cu_seqlens_k", opt["cu_seqlens_k"], want_torch)
@@ -457,8 +457,10 @@ def _cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: 
         if (np.diff(h) < 0).any():
             raise ValueError(f"{name}: expected non-decreasing offsets, got {given.tolist()[:16]}")
         if h[-1] != total:
+            hint = (f" (q's dim -3 is {H}: q in FlashAttention's (Tq, H, D) layout? attnkit takes (H, Tq, D): "
+                    "q.transpose(0, 1), k and v likewise)" if name == "cu_seqlens_q" and h[-1] == H else "")
             raise ValueError(f"{name}: the last offset must be the packed length {axis}={total}, "
-                             f"got {given.tolist()[-1]}")
+                             f"got {given.tolist()[-1]}{hint}")
     if cq.shape[0] != ck.shape[0]:
         raise ValueError(f"cu_seqlens_k: expected {cq.shape[0]} offsets like cu_seqlens_q, got {ck.shape[0]}")
     return cq, ck
