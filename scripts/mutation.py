@@ -189,6 +189,14 @@ R_QKEY = ("part of a plan cache key: when any unit of a sequence is stacked, eve
           "BLOCK_M rows, so stacked and single units of one sequence have the same row blocks anyway")
 R_DENSE = "a dense sequence is one page of S keys: the kernel reads only table[0, 0]"
 R_PIECE1 = "without a step the range is one piece [a, z) whatever step larger than z − a it takes"
+R_SMALL = ("a tuning constant: where auto hands NumPy and torch CPU calls from the small rung to the flash "
+           "rung (both within 1e-12 of the reference): speed and the order of sums only; the rule at each "
+           "limit (at most, every dim counted, both limits) is pinned by a test")
+R_PROTO = ("a default in the Rung Protocol, which only types the rungs: no call runs its methods (every rung "
+           "module and the torch op's bound rungs have their own signatures and defaults)")
+_SMALL_FWD = ("def rung_forward(spec: Spec, need_weights: bool = False) -> tuple[np.ndarray, np.ndarray, "
+              "np.ndarray | None]:")
+_SMALL_RET = "return out.astype(spec.dtype, copy=False), lse, (rung_weights(spec, lse) if need_weights else None)"
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("spec/checks.py",
      "if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):",
@@ -540,6 +548,20 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("flash/plan.py", "and (pages is None or pages[0].dtype == self.acc))", "`0` -> `1`"):
         "pages[1] is the v cache, which has k's dtype: validate_kvcache refuses a k_cache or v_cache whose "
         "dtype is not q's",
+    ("small.py", "rows = s.reshape(-1, S)", "`1` -> `2`"): R_NEG,
+    ("small.py", _SMALL_FWD, "`False` -> `True`"):
+        "the callers that use the default (the torch op, rung_kvcache) discard the weights",
+    ("small.py", _SMALL_RET, "`False` -> `True`"):
+        "a copy of out, which was just computed and is shared with nothing: speed only",
+    ("backends.py", "def rung_forward(self, spec: Spec, need_weights: bool = False) -> tuple[Any, Any, Any]:",
+     "`False` -> `True`"): R_PROTO,
+    ("backends.py", "need_dbias: bool = True) -> Grads:", "`True` -> `False`"): R_PROTO,
+    ("backends.py", "SMALL_TOTAL = 1 << 20", "`1` -> `2`"): R_SMALL,
+    ("backends.py", "SMALL_TOTAL = 1 << 20", "`20` -> `19`"): R_SMALL,
+    ("backends.py", "SMALL_TOTAL = 1 << 20", "`20` -> `21`"): R_SMALL,
+    ("backends.py", "SMALL_KV = 1 << 21", "`1` -> `2`"): R_SMALL,
+    ("backends.py", "SMALL_KV = 1 << 21", "`21` -> `20`"): R_SMALL,
+    ("backends.py", "SMALL_KV = 1 << 21", "`21` -> `22`"): R_SMALL,
 }
 
 

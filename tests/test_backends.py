@@ -113,3 +113,136 @@ def test_first_calls_from_several_threads_at_once():
     import sys
     r = subprocess.run([sys.executable, "-c", FIRST_CALLS_IN_THREADS], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def _zeros_spec(B, H, Hkv, L, S, D, Dv):
+    q = np.zeros((B, H, L, D), np.float32)
+    k, v = np.zeros((B, Hkv, S, D), np.float32), np.zeros((B, Hkv, S, Dv), np.float32)
+    return spec_validate(q, k, v)
+
+
+def test_auto_runs_the_small_rung_up_to_both_limits_exactly():
+    """backend="auto" gives a NumPy call to the small rung when the score matrices of all batches
+    and heads hold at most SMALL_TOTAL elements and the keys and values of all batches
+    and kv heads at most SMALL_KV — both "at most", both counted over every dim — and to
+    the flash rung one key past either limit (the small rung holds every score at once:
+    a count that forgot a dim, or either limit alone, would give it a large call)."""
+    from attnkit import flash, small
+    S = backends.SMALL_TOTAL // (2 * 4 * 256)            # B=2, H=4, L=256: SMALL_TOTAL scores
+    assert 2 * 4 * 256 * S == backends.SMALL_TOTAL and 2 * 2 * (S + 1) * 12 <= backends.SMALL_KV
+    assert backends.select(_zeros_spec(2, 4, 2, 256, S, 8, 4)) is small
+    assert backends.select(_zeros_spec(2, 4, 2, 256, S + 1, 8, 4)) is flash
+    S = backends.SMALL_KV // (2 * (48 + 16))             # Hkv=2, D + Dv = 64: SMALL_KV keys and values
+    assert 2 * 64 * S == backends.SMALL_KV and 4 * (S + 1) <= backends.SMALL_TOTAL
+    assert backends.select(_zeros_spec(1, 4, 2, 1, S, 48, 16)) is small
+    assert backends.select(_zeros_spec(1, 4, 2, 1, S + 1, 48, 16)) is flash
+
+
+def test_own_rungs_load_by_import_statements(monkeypatch):
+    """backends.load imports attnkit's own rungs (and the torch bridge) by import
+    statements, never through importlib: torch.compile traces an import statement but
+    not importlib, and the first call of a process may be a compiled one."""
+    import importlib
+    import sys
+    paths = []
+    for p in [p for p, _ in backends.RUNGS.values()] + [backends.BRIDGE[0]]:
+        try:
+            importlib.import_module(p)                   # imported once, before importlib is refused
+        except ImportError:                              # torch not installed here
+            continue
+        paths.append(p)
+
+    def refuse(name, *a, **kw):
+        raise AssertionError(f"importlib.import_module({name!r})")
+
+    monkeypatch.setattr(importlib, "import_module", refuse)
+    for p in paths:
+        mod, why = backends.load(p)
+        assert why is None and mod is sys.modules[p], p
+
+
+@pytest.fixture
+def fake_rungs(monkeypatch):
+    """Two extra rungs in the ladder: 'bare' supports every call but has no KV-cache
+    decoding and reports itself unusable here; 'ghost' cannot be imported."""
+    import sys
+    import types
+    bare = types.ModuleType("attnkit_test_bare_rung")
+    bare.name = "bare"
+    bare.not_supported_reasons = lambda spec: []
+    bare.unavailable = lambda: "no such device here"
+    monkeypatch.setitem(sys.modules, bare.__name__, bare)
+    monkeypatch.setitem(backends.RUNGS, "bare", (bare.__name__, "a rung without KV-cache decoding"))
+    monkeypatch.setitem(backends.RUNGS, "ghost", ("attnkit_test_no_such_rung", "a rung that is not installed"))
+    return bare
+
+
+def test_a_rung_without_kvcache_decoding_is_refused_only_for_the_cache(fake_rungs):
+    """need="kvcache" refuses a rung that has no rung_kvcache, saying so; every other call
+    may run on it."""
+    spec = spec_validate(*make_qkv((2, 3, 4), (2, 5, 4), seed=1))
+    assert backends.reasons("bare", spec) == []
+    assert backends.select(spec, "bare") is fake_rungs
+    assert backends.reasons("bare", spec, "kvcache") == ["has no KV-cache decoding"]
+    with pytest.raises(ValueError, match="  bare: has no KV-cache decoding\n"):
+        backends.select(spec, "bare", need="kvcache")
+    assert backends.reasons("flash", spec, "kvcache") == []
+
+
+def test_a_rung_that_cannot_be_imported_says_why(fake_rungs):
+    """A rung whose module fails to import is refused with the import error's own text
+    (which module is missing), in select's error and in info."""
+    spec = spec_validate(*make_qkv((2, 3, 4), (2, 5, 4), seed=1))
+    why = "not available: No module named 'attnkit_test_no_such_rung'"
+    assert backends.reasons("ghost", spec) == [why]
+    with pytest.raises(ValueError, match=f"  ghost: {why}\n"):
+        backends.select(spec, "ghost")
+    assert ("ghost", why, "a rung that is not installed") in backends.info()
+
+
+def test_info_reports_what_each_rung_says_of_itself(fake_rungs):
+    """info: a rung's status is its unavailable() reason when it gives one (no CUDA
+    device, triton missing), "available" otherwise."""
+    status = {name: s for name, s, _ in backends.info()}
+    assert status["bare"] == "no such device here"
+    assert status["flash"] == status["small"] == status["reference"] == status["torch"] == "available"
+
+
+def test_the_error_lists_the_asked_rung_first_then_every_rung():
+    """When no rung can run a call, the error gives the rung asked for first with its
+    reason, then every other rung in ladder order — each with its own reasons, or
+    'supports this call (not chosen)' — then the torch bridge, whose line says whether
+    the call had torch tensors."""
+    q, k, v = make_qkv((5, 4), (5, 4), seed=1)
+    packed = dict(cu_seqlens_q=np.array([0, 2, 5]), cu_seqlens_k=np.array([0, 3, 5]))
+    with pytest.raises(ValueError) as e:
+        attnkit.attention(q, k, v, backend="small", **packed)
+    head, *lines = str(e.value).split("\n")
+    assert head == "backend='small': no backend can run this call:"
+    assert [line.split(":")[0].strip() for line in lines] == ["small", "flash", "reference", "triton", "torch"]
+    assert lines[0] == "  small: no packed sequences (cu_seqlens: the reference and flash rungs)"
+    assert lines[1] == "  flash: supports this call (not chosen)"
+    assert lines[2] == "  reference: supports this call (not chosen)"
+    assert lines[3].startswith("  triton: ") and "supports this call" not in lines[3]
+    assert lines[4].startswith("  torch: takes torch tensors")
+    torch = pytest.importorskip("torch")
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    tpacked = {n: torch.from_numpy(c) for n, c in packed.items()}
+    with pytest.raises(ValueError, match=r"\n  torch: the autograd op every torch-tensor call runs in"):
+        attnkit.attention(tq, tk, tv, backend="small", **tpacked)
+
+
+def test_backend_torch_is_auto_for_torch_tensors_only():
+    """backend="torch" means "auto" for torch tensors (the op around the rung auto picks)
+    and refuses NumPy arrays, naming the torch bridge."""
+    from attnkit import small
+    q, k, v = make_qkv((2, 3, 4), (2, 5, 4), seed=3)
+    with pytest.raises(ValueError, match=r"backend='torch'(.|\n)*\n  torch: takes torch tensors"):
+        attnkit.attention(q, k, v, backend="torch")
+    torch = pytest.importorskip("torch")
+    from attnkit.torch import op
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    spec = spec_validate(tq, tk, tv, causal=True)
+    assert backends.select(spec, "torch") is backends.select(spec) is op.bound(small)
+    assert torch.equal(attnkit.attention(tq, tk, tv, causal=True, backend="torch"),
+                       attnkit.attention(tq, tk, tv, causal=True))

@@ -170,3 +170,37 @@ def test_a_dispatch_mode_and_autograd_see_the_op():
     with Spy():
         attnkit.attention(q, k, v)                       # grad mode on, nothing requires grad
         assert "attnkit.attention_fwd.default" in seen
+
+
+def test_a_minus_inf_sink_is_no_sink():
+    """A sink of −inf (a head whose sink is switched off) adds nothing: its rows equal the
+    call without sinks and the reference, never NaN — the row's running max starts at
+    −inf and its sum at 0, not at exp(−inf − (−inf)) = NaN."""
+    q, k, v = make_qkv((2, 3, 5, 4), (2, 3, 6, 4), seed=11)
+    sinks = np.array([-np.inf, 0.7, -np.inf])
+    for kw in ({}, dict(causal=True, kv_lengths=np.array([6, 3]))):
+        spec = validate(q, k, v, sinks=sinks, **kw)
+        o1, l1, _ = small.rung_forward(spec)
+        o0, l0, _ = reference.rung_forward(spec)
+        assert max_error(o1, o0) <= 1e-12 and max_error(l1, l0) <= 1e-12
+        plain, lp, _ = small.rung_forward(validate(q, k, v, **kw))
+        assert max_error(o1[:, [0, 2]], plain[:, [0, 2]]) <= 1e-12
+        assert max_error(l1[:, [0, 2]], lp[:, [0, 2]]) <= 1e-12
+
+
+def test_attention_backward_gives_dbias_and_dsinks_on_the_small_rung():
+    """attention_backward of a small call (auto runs the small rung) returns dbias and
+    dsinks, reduced to the shapes of bias and sinks, as the reference does: a rung whose
+    backward skipped dbias unless asked would hand api a None for it."""
+    q, k, v = make_qkv((2, 2, 5, 4), (2, 2, 7, 4), seed=12)
+    rng = np.random.default_rng(12)
+    kw = dict(bias=rng.standard_normal((2, 1, 5, 7)), sinks=np.array([0.2, -0.4]), causal=True)
+    assert backends.select(validate(q, k, v, **kw)) is small
+    out, lse = attnkit.attention(q, k, v, return_lse=True, **kw)
+    dout = rng.standard_normal(out.shape)
+    got = attnkit.attention_backward(dout, q, k, v, out, lse, **kw)
+    want = attnkit.attention_backward(dout, q, k, v, out, lse, backend="reference", **kw)
+    assert len(got) == len(want) == 5
+    assert got[3].shape == (2, 1, 5, 7) and got[4].shape == (2,)
+    for a, b in zip(got, want):
+        assert max_error(a, b) <= 1e-12

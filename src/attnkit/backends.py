@@ -171,7 +171,7 @@ def select(spec: Spec, backend: str = "auto", need: str | None = None) -> Rung:
         if name not in why:
             why[name] = reasons(name, spec, need) or ["supports this call (not chosen)"]
     why["torch"] = (["the autograd op every torch-tensor call runs in, around the rungs above"] if spec.torch
-                    else ["takes torch tensors (NumPy arrays use the flash or reference rung)"])
+                    else ["takes torch tensors (NumPy arrays use the reference, small or flash rung)"])
     lines = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in why.items())
     raise ValueError(f"backend={backend!r}: no backend can run this call:\n{lines}")
 
