@@ -458,7 +458,7 @@ def _cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], H: int, L: 
             raise ValueError(f"{name}: expected non-decreasing offsets, got {given.tolist()[:16]}")
         if h[-1] != total:
             hint = (f" (q's dim -3 is {H}: q in FlashAttention's (Tq, H, D) layout? attnkit takes (H, Tq, D): "
-                    "q.transpose(0, 1), k and v likewise)" if name == "cu_seqlens_q" and h[-1] == H else "")
+                    "swap q's, k's and v's first two axes)" if name == "cu_seqlens_q" and h[-1] == H else "")
             raise ValueError(f"{name}: the last offset must be the packed length {axis}={total}, "
                              f"got {given.tolist()[-1]}{hint}")
     if cq.shape[0] != ck.shape[0]:
