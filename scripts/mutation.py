@@ -112,9 +112,10 @@ TARGETS: dict[str, list[str]] = {
     "small.py": ["tests/test_small.py", "tests/test_nonfinite.py", "tests/test_backends.py", "tests/test_api.py",
                  "tests/test_kvcache.py"],
     "backends.py": ["tests/test_backends.py", "tests/test_api.py", "tests/test_small.py"],
-    "kvcache.py": ["tests/test_kvcache.py", "tests/test_examples.py", "tests/torch/test_op.py"],
+    "kvcache.py": ["tests/test_kvcache.py", "tests/test_kvcache_cases.py", "tests/test_examples.py",
+                   "tests/torch/test_op.py"],
     "api.py": ["tests/test_api.py", "tests/test_kvcache.py", "tests/test_merge.py", "tests/test_backends.py",
-               "tests/torch/test_op.py"],
+               "tests/torch/test_op.py", "tests/spec/test_options.py"],
 }
 # Tests that fail or flake on the unmutated tree whatever the mutant (another change in
 # progress, timing): never run, so that they can neither kill nor save a mutant.
@@ -562,6 +563,17 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("backends.py", "SMALL_KV = 1 << 21", "`1` -> `2`"): R_SMALL,
     ("backends.py", "SMALL_KV = 1 << 21", "`21` -> `20`"): R_SMALL,
     ("backends.py", "SMALL_KV = 1 << 21", "`21` -> `22`"): R_SMALL,
+    ("kvcache.py", "L_new = kv.k_new.shape[-2]", "drop `-`"):
+        "k_new was validated as (B, Hkv, L_new, D): index 2 is index -2",
+    ("kvcache.py", "if kv.k_new is None or kv.k_new.shape[-2] == 0:", "drop `-`"):
+        "k_new was validated as (B, Hkv, L_new, D): index 2 is index -2",
+    ("kvcache.py", "b = _xp_arange(xp_new, pos.shape[0]).reshape(-1, 1) + 0 * pos", "`+` -> `-`"):
+        "0 * pos is all zeros (it only broadcasts the row index to pos's shape): adding or subtracting it is the same",
+    ("kvcache.py", "width = max((len(self._pages[self._check(s)]) for s in seqs), default=0)", "`0` -> `1`"):
+        "the default applies only to an empty seqs list, and the table's width is max(width, 1) either way",
+    ("api.py", "if sys.version_info >= (3, 11):     # at run time too: typing.get_type_hints (pydantic, beartype)",
+     "`>=` -> `>`"):
+        "sys.version_info has five fields, so it is > (3, 11) exactly when it is >= (3, 11)",
 }
 
 

@@ -278,3 +278,59 @@ def test_type_hints_resolve_at_run_time():
         pytest.skip("typing.Unpack is Python 3.11's")
     for f in (attnkit.attention, attnkit.attention_weights, attnkit.attention_backward, attnkit.attention_kvcache):
         assert "masking" in typing.get_type_hints(f)
+
+
+def test_two_d_backward_equals_the_one_head_call():
+    """2-D inputs through attention_backward: dout and out (L, Dv) and lse (L,) get their
+    head axis back as (1, L, Dv) and (1, L) — lse put on the other side, (L, 1), still
+    broadcasts and gives every row another row's lse (wrong gradients, right shapes)."""
+    q, k, v = make_qkv((3, 4), (5, 4), 3, seed=27)
+    dout = np.random.default_rng(28).standard_normal((3, 3))
+    out, lse = attnkit.attention(q, k, v, causal=True, return_lse=True)
+    grads = attnkit.attention_backward(dout, q, k, v, out, lse, causal=True)
+    heads = attnkit.attention_backward(dout[None], q[None], k[None], v[None], out[None], lse[None], causal=True,
+                                       backend="reference")
+    assert all(g.shape == x.shape and max_error(g, h[0]) <= 1e-12 for g, h, x in zip(grads, heads, (q, k, v)))
+
+
+def test_torch_backward_with_dropout_needs_the_forward_seed():
+    """Torch tensors may leave the dropout seed to torch in the forward pass, but the
+    backward must drop what the forward dropped: without the seed it is a named error,
+    not a gradient from a freshly drawn seed."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.tensor(x) for x in make_qkv((2, 3, 4), (2, 5, 4), 3, seed=29))
+    out, lse = attnkit.attention(q, k, v, dropout=0.3, return_lse=True)
+    with pytest.raises(ValueError, match="^seed: attention_backward with dropout needs the seed"):
+        attnkit.attention_backward(torch.ones_like(out), q, k, v, out, lse, dropout=0.3)
+
+
+def test_attention_weights_runs_in_autocasts_dtype():
+    """Under torch.autocast, attention_weights takes q and k in autocast's dtype, as
+    attention does: a float32 q next to a bfloat16 k (a model's rotary embedding) is
+    one bfloat16 call — not a TypeError about mixed dtypes — and float64 is left alone."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(30)
+    q, k = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        w = attnkit.attention_weights(q, k, causal=True, rows=[0, 4])
+        assert attnkit.attention_weights(q.double(), k.double(), causal=True).dtype == torch.float64
+    assert w.dtype == torch.bfloat16 and torch.equal(w, attnkit.attention_weights(q.bfloat16(), k, causal=True,
+                                                                                 rows=[0, 4]))
+
+
+def test_api_imports_on_python_3_10(monkeypatch):
+    """attnkit supports Python 3.10 (pyproject), whose typing has no Unpack, and does not
+    depend on typing_extensions: api.py imports Unpack from 3.11 on only (a version test
+    of (3, 10), or the typing_extensions import outside TYPE_CHECKING, breaks ``import
+    attnkit`` there). Run here as api.py executed afresh with a 3.10 version and
+    neither module offering Unpack."""
+    import importlib.util
+    import sys
+    import typing
+    monkeypatch.setattr(sys, "version_info", (3, 10, 14, "final", 0))
+    monkeypatch.delattr(typing, "Unpack", raising=False)
+    monkeypatch.setitem(sys.modules, "typing_extensions", None)
+    spec = importlib.util.spec_from_file_location("attnkit._api_on_3_10", attnkit.api.__file__)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert not hasattr(mod, "Unpack") and max_error(mod.attention(Q, K, V), attnkit.attention(Q, K, V)) == 0

@@ -1,0 +1,126 @@
+"""attnkit.kvcache case by case, from a mutation run of the module (docs/mutation.md):
+gather on torch tensors, and PagedCache's own bookkeeping — its sizes, torch caches
+(``like=``), the pages it hands out and takes back, its sequence ids, and new keys of
+the wrong rank."""
+
+import re
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit import kvcache
+from attnkit.spec.kvcache import validate_kvcache
+from attnkit.testing import max_error
+from test_kvcache import make_cache, read
+
+RNG = np.random.default_rng
+
+
+def test_gather_reads_torch_tensors_as_it_reads_arrays():
+    """kvcache.gather on torch tensors (its own branch: the unused table entries masked
+    with a torch arange, the page axis moved past the heads with ``transpose(1, 2)``)
+    gives each sequence's keys in order, the same bits as on NumPy arrays. A wrong axis
+    pair or a reshape torch refuses (``reshape(-2, 1)``, which NumPy reads as -1) would
+    hand a rung keys of the wrong head or position, or fail."""
+    torch = pytest.importorskip("torch")
+    B, H, Hkv, D, Dv, P = 2, 4, 2, 3, 5, 4
+    rng = RNG(11)
+    k, v, table = make_cache(B, Hkv, D, Dv, 12, P, True)          # 3 pages per sequence, 9 pages
+    k[...], v[...] = rng.standard_normal(k.shape), rng.standard_normal(v.shape)
+    lengths = np.array([5, 9])
+    table[0, 2] = 99                                     # past sequence 0's two pages: never followed
+    q = rng.standard_normal((B, H, 1, D))
+    want = kvcache.gather(validate_kvcache(q, k, v, lengths, block_table=table))
+    got = kvcache.gather(validate_kvcache(*(torch.tensor(x) for x in (q, k, v, lengths)),
+                                          block_table=torch.tensor(table)))
+    for w, g, cache in zip(want, got, (k, v)):
+        assert isinstance(g, torch.Tensor) and tuple(g.shape) == w.shape == (B, Hkv, 3 * P, cache.shape[-1])
+        assert np.array_equal(g.numpy(), w)
+        for b in range(B):
+            assert np.array_equal(w[b, :, :lengths[b]], read(cache, table, b, lengths[b], P))
+
+
+@pytest.mark.parametrize("name", ["num_pages", "page_size", "kv_heads", "head_dim"])
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "3", None])
+def test_paged_cache_sizes_are_positive_ints_named(name, bad):
+    """Each size of a PagedCache is a positive int: 0 (a pool without pages, pages of no
+    keys), a bool, a float or a string is a ValueError naming that size — not a pool
+    that cannot hold a key, or an error in NumPy's words at the first append."""
+    sizes = dict(num_pages=2, page_size=2, kv_heads=1, head_dim=2)
+    sizes[name] = bad
+    with pytest.raises(ValueError, match=rf"^{name}: expected a positive int, got {re.escape(repr(bad))}$"):
+        attnkit.PagedCache(**sizes)
+    assert attnkit.PagedCache(num_pages=1, page_size=1, kv_heads=1, head_dim=1).k.shape == (1, 1, 1, 1)
+
+
+def test_paged_cache_on_torch_tensors_like_its_numpy_twin():
+    """``like=`` a tensor: k and v are tensors of its dtype (v with value_dim), the
+    block table and lengths are tensors, and a prefill per sequence then two decoding
+    steps give the bits of the same cache in NumPy. Without the torch allocation the
+    cache has no arrays (or NumPy ones beside torch queries)."""
+    torch = pytest.importorskip("torch")
+    sizes = dict(num_pages=6, page_size=3, kv_heads=2, head_dim=4, value_dim=5)
+    tc = attnkit.PagedCache(**sizes, like=torch.zeros((), dtype=torch.float64))
+    nc = attnkit.PagedCache(**sizes, dtype="float64")
+    assert all(isinstance(x, torch.Tensor) and x.dtype == torch.float64 for x in (tc.k, tc.v))
+    assert tuple(tc.k.shape) == nc.k.shape == (6, 2, 3, 4) and tuple(tc.v.shape) == nc.v.shape == (6, 2, 3, 5)
+    ts, ns = [tc.add_sequence() for _ in range(2)], [nc.add_sequence() for _ in range(2)]
+    rng = RNG(12)
+    steps = [([0], 4), ([1], 1), ([0, 1], 1), ([0, 1], 1)]    # (which sequences, new keys)
+    for which, n in steps:
+        q = rng.standard_normal((len(which), 4, n, 4))
+        kn, vn = rng.standard_normal((len(which), 2, n, 4)), rng.standard_normal((len(which), 2, n, 5))
+        got = tc.attend(torch.tensor(q), [ts[i] for i in which], k_new=torch.tensor(kn), v_new=torch.tensor(vn),
+                        causal=True)
+        want = nc.attend(q, [ns[i] for i in which], k_new=kn, v_new=vn, causal=True)
+        assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), want)
+    table, lengths = tc.block_table(ts), tc.lengths(ts)
+    assert isinstance(table, torch.Tensor) and isinstance(lengths, torch.Tensor)
+    assert table.tolist() == nc.block_table(ns).tolist() == [[0, 1], [2, 0]] and lengths.tolist() == [6, 3]
+    assert np.array_equal(tc.k.numpy(), nc.k) and np.array_equal(tc.v.numpy(), nc.v)
+
+
+def test_paged_cache_hands_out_each_page_once_and_takes_it_back():
+    """Pages go out 0, 1, 2 … and each to one sequence; the last free page can be taken
+    (need == free), one more is refused naming ``n``; a freed sequence's pages go to
+    the next sequence, in order; reserving room a sequence has takes nothing."""
+    cache = attnkit.PagedCache(num_pages=3, page_size=2, kv_heads=1, head_dim=2, dtype="float64")
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.reserve(a, 3)                                  # two pages
+    cache.reserve(b, 2)                                  # the last page
+    cache.reserve(a, 4)                                  # a has room for 4 already
+    assert cache.block_table([a, b]).tolist() == [[0, 1], [2, 0]]
+    with pytest.raises(ValueError, match=r"^n: 3 more keys need 1 more pages, 0 are free"):
+        cache.reserve(b, 3)
+    cache.free(a)
+    c = cache.add_sequence()
+    cache.reserve(c, 4)
+    assert cache.block_table([c, b]).tolist() == [[0, 1], [2, 0]]
+
+
+def test_sequence_ids_count_from_zero_and_are_never_reused():
+    """add_sequence hands out 0, 1, 2, … in order (a loop that keeps its own lists per
+    sequence indexes them by these ids); a freed id is not handed out again, so a stale
+    id never addresses a newer sequence."""
+    cache = attnkit.PagedCache(num_pages=4, page_size=2, kv_heads=1, head_dim=2)
+    assert [cache.add_sequence() for _ in range(3)] == [0, 1, 2]
+    cache.free(1)
+    assert cache.add_sequence() == 3
+    with pytest.raises(ValueError, match=r"^seq: no sequence 1 in this cache"):
+        cache.length(1)
+
+
+@pytest.mark.parametrize("shape", [(3, 2), (1, 3, 2)], ids=["2-D", "3-D"])
+def test_attend_with_new_keys_of_the_wrong_rank_is_named_and_keeps_no_page(shape):
+    """PagedCache.attend counts the new keys (``k_new.shape[-2]``) before
+    attention_kvcache checks k_new: a k_new without its batch (and head) dim is
+    attention_kvcache's ValueError naming k_new — not an IndexError from counting
+    along a dim it lacks — and the pages taken for it are given back."""
+    cache = attnkit.PagedCache(num_pages=4, page_size=2, kv_heads=1, head_dim=2, dtype="float64")
+    s = cache.add_sequence()
+    with pytest.raises(ValueError, match=r"^k_new: expected shape \(B, Hkv, L_new, D\)"):
+        cache.attend(np.ones((1, 1, 1, 2)), s, k_new=np.ones(shape), v_new=np.ones(shape))
+    assert cache.length(s) == 0 and cache.block_table([s]).tolist() == [[0]]
+    cache.reserve(s, 8)                                  # all four pages are still free
+    assert max_error(cache.block_table([s]), np.arange(4)[None]) == 0
