@@ -193,6 +193,7 @@ R_PIECE1 = "without a step the range is one piece [a, z) whatever step larger th
 R_SMALL = ("a tuning constant: where auto hands NumPy and torch CPU calls from the small rung to the flash "
            "rung (both within 1e-12 of the reference): speed and the order of sums only; the rule at each "
            "limit (at most, every dim counted, both limits) is pinned by a test")
+R_KNEW = "k_new was validated as (B, Hkv, L_new, D): index 2 is index -2"
 R_PROTO = ("a default in the Rung Protocol, which only types the rungs: no call runs its methods (every rung "
            "module and the torch op's bound rungs have their own signatures and defaults)")
 _SMALL_FWD = ("def rung_forward(spec: Spec, need_weights: bool = False) -> tuple[np.ndarray, np.ndarray, "
@@ -563,10 +564,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("backends.py", "SMALL_KV = 1 << 21", "`1` -> `2`"): R_SMALL,
     ("backends.py", "SMALL_KV = 1 << 21", "`21` -> `20`"): R_SMALL,
     ("backends.py", "SMALL_KV = 1 << 21", "`21` -> `22`"): R_SMALL,
-    ("kvcache.py", "L_new = kv.k_new.shape[-2]", "drop `-`"):
-        "k_new was validated as (B, Hkv, L_new, D): index 2 is index -2",
-    ("kvcache.py", "if kv.k_new is None or kv.k_new.shape[-2] == 0:", "drop `-`"):
-        "k_new was validated as (B, Hkv, L_new, D): index 2 is index -2",
+    ("kvcache.py", "L_new = kv.k_new.shape[-2]", "drop `-`"): R_KNEW,
+    ("kvcache.py", "if kv.k_new is None or kv.k_new.shape[-2] == 0:", "drop `-`"): R_KNEW,
     ("kvcache.py", "b = _xp_arange(xp_new, pos.shape[0]).reshape(-1, 1) + 0 * pos", "`+` -> `-`"):
         "0 * pos is all zeros (it only broadcasts the row index to pos's shape): adding or subtracting it is the same",
     ("kvcache.py", "width = max((len(self._pages[self._check(s)]) for s in seqs), default=0)", "`0` -> `1`"):
