@@ -116,7 +116,7 @@ TARGETS: dict[str, list[str]] = {
                    "tests/torch/test_op.py"],
     "api.py": ["tests/test_api.py", "tests/test_kvcache.py", "tests/test_merge.py", "tests/test_backends.py",
                "tests/torch/test_op.py", "tests/spec/test_options.py"],
-    "torch/mha.py": ["tests/torch/test_mha.py", "tests/torch/test_op.py"],
+    "torch/mha.py": ["tests/torch/test_mha.py", "tests/torch/test_mha_cases.py", "tests/torch/test_op.py"],
 }
 # Tests that fail or flake on the unmutated tree whatever the mutant (another change in
 # progress, timing): never run, so that they can neither kill nor save a mutant.
