@@ -475,7 +475,7 @@ def test_a_seen_signature_with_array_keywords_checks_and_takes_the_new_arrays(li
         full = v_mod._validate(q, k, v, "auto", True, dict(causal=True, **opts))
         for name in got.__dataclass_fields__:
             assert _same(getattr(got, name), getattr(full, name)), name
-    assert all(getattr(s, n) is None for s in v_mod._SEEN.values() for n in v_mod._ARRAY_FIELDS)
+    assert all(getattr(s, n) is None for s in v_mod._SEEN.values() for n in v_mod._TENSOR_OPTIONS)
     name = next(iter(kw))
     if packed or "lengths" in name:                      # values checked every call (a seen signature)
         bad = dict(opts, **{name: conv(np.array([0, 6, 5]) if packed else np.array([7, 1]))})

@@ -108,7 +108,7 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
         if chunk >= n:
             return
         nk, g = u.nk, u.g
-        cache: dict[int, tuple[np.ndarray, np.ndarray, bool, float]] = {}
+        cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, bool, float]] = {}
         dq_c = dq[chunk][u.b]
         slot = slice(u.h0, u.h0 + nk * g, g)             # a GQA group's sum goes to its first head
         for c0, c1 in blocks[chunk * len(blocks) // n:(chunk + 1) * len(blocks) // n]:
@@ -125,9 +125,10 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
                 if r0 not in cache:
                     q_t, do_t = call.q_tile(u, r0, r1), _rows3(call, dout, u, r0, r1)
                     delta_t = call.rows(delta, u, r0, r1)
-                    cache[r0] = (q_t, do_t, all_finite(q_t, delta_t) and not np.isnan(call.rows(lse, u, r0, r1)).any(),
+                    cache[r0] = (q_t, do_t, delta_t,
+                                 all_finite(q_t, delta_t) and not np.isnan(call.rows(lse, u, r0, r1)).any(),
                                  _norm(do_t) if np.abs(delta_t).max(initial=0) < big else math.inf)
-                q_t, do_t, rows_finite, do_norm = cache[r0]
+                q_t, do_t, delta_t, rows_finite, do_norm = cache[r0]
                 # NaN/inf in this tile's operands (q, k, v; a non-finite dout row makes its
                 # delta non-finite; a NaN lse): the exempt products (attnkit.nonfinite);
                 # checked here, on the workers
@@ -149,7 +150,7 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
                     dv_j += pzT @ do_t if vis is None else exempt_matmul(pzT, do_t, vis.transpose(0, 2, 1))
                 ds = np.matmul(do_t, v_t.transpose(0, 2, 1))   # dp = dout vᵀ
                 call.dropout(ds, u, r0, r1, c0)
-                kern.ds_tile(p.reshape(nk * R, bn), ds.reshape(nk * R, bn), call.rows(delta, u, r0, r1))
+                kern.ds_tile(p.reshape(nk * R, bn), ds.reshape(nk * R, bn), delta_t)
                 if vis is not None:
                     ds[~vis] = 0.0                       # excluded keys get no gradient, NaN or not
                 elif not do_norm * v_norm < big and not all_finite(ds):

@@ -149,8 +149,6 @@ def _grad_enabled() -> bool:
 # decoding step repeats one signature in every layer, a padded batch one per layer.
 _SEEN: dict[tuple[Any, ...], Spec] = {}
 _SEEN_MAX = 256
-_ARRAY_FIELDS = ("keep", "drop", "bias", "alibi_slopes", "sinks", "q_lengths", "kv_lengths", "cu_seqlens_q",
-                 "cu_seqlens_k")
 
 
 def _typed(x: Any) -> Any:
@@ -196,7 +194,6 @@ def _signature(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict
 
 
 _NUMBERS = (bool, int, float, np.bool_, np.integer, np.floating)
-_TENSOR_SET = frozenset(_TENSOR_OPTIONS)
 
 
 def torch_numbers(q: Any, options: dict) -> dict:
@@ -205,7 +202,7 @@ def torch_numbers(q: Any, options: dict) -> dict:
     as in a NumPy call, on q's device: bools bool, ints int64, floats in the
     accumulation dtype (float64 for float64 q, else float32). Arrays stay as given
     (a NumPy array with torch tensors is still refused: one library per call)."""
-    numbers_given = [n for n, x in options.items() if n in _TENSOR_SET and isinstance(x, _NUMBERS)]
+    numbers_given = [n for n, x in options.items() if n in _TENSOR_OPTIONS and isinstance(x, _NUMBERS)]
     if not numbers_given:
         return options
     import torch
@@ -239,7 +236,7 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
     if key is not None:
         if len(_SEEN) >= _SEEN_MAX:
             _SEEN.clear()
-        _SEEN[key] = spec.replace(q=None, k=None, v=None, **dict.fromkeys(_ARRAY_FIELDS))
+        _SEEN[key] = spec.replace(q=None, k=None, v=None, **dict.fromkeys(_TENSOR_OPTIONS))
     return spec
 
 
