@@ -117,6 +117,7 @@ TARGETS: dict[str, list[str]] = {
     "api.py": ["tests/test_api.py", "tests/test_kvcache.py", "tests/test_merge.py", "tests/test_backends.py",
                "tests/torch/test_op.py", "tests/spec/test_options.py"],
     "torch/mha.py": ["tests/torch/test_mha.py", "tests/torch/test_mha_cases.py", "tests/torch/test_op.py"],
+    "hf.py": ["tests/test_hf.py", "tests/test_hf_cases.py"],
 }
 # Tests that fail or flake on the unmutated tree whatever the mutant (another change in
 # progress, timing): never run, so that they can neither kill nor save a mutant.

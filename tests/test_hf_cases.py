@@ -219,6 +219,27 @@ def test_weights_when_the_collector_records_them(key):
     assert w is not None and w.shape == (1, 2, 5, 5)
 
 
+def test_weights_on_a_static_cache_span_the_cache_as_eagers():
+    """A static cache's keys are cut to the tokens so far before attending; the weights
+    still come back over the whole cache (0 on its empty slots), prefill and decoding
+    alike, as eager's do."""
+    ids, mask = batch(2, 10)
+    got = {}
+    for impl in ("eager", "attnkit"):
+        model = decoder("llama", impl)
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            first = model(input_ids=ids, attention_mask=mask, cache=cache, output_attentions=True).attentions
+            step = model(input_ids=ids[:, :1], attention_mask=torch.cat([mask, mask[:, :1]], 1), cache=cache,
+                         output_attentions=True).attentions
+        got[impl] = (first[0], step[0])
+    for ours, eager, rows in zip(got["attnkit"], got["eager"], (mask.bool(), torch.ones(2, 1, dtype=torch.bool))):
+        assert ours.shape == eager.shape
+        real = rows[:, None, :, None].expand_as(eager)   # eager's left-padded rows: an average, or NaN
+        assert (ours - eager)[real].abs().max() <= 1e-6  # (eager's softmax runs in float32)
+        assert (ours[..., 11:] == 0).all()
+
+
 # --- the mask builder
 
 def attend_with(m, q, k, v, module):

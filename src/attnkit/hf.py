@@ -42,7 +42,10 @@ How the model's arguments map:
   (B, H, L, 1)) are supported; ``dropout`` (training) uses attnkit's dropout with a
   seed from torch's generator (``torch.manual_seed`` makes a step reproducible).
 - Attention weights: returned (exact, detached) when transformers records them
-  (``output_attentions=True``); otherwise None, like SDPA.
+  (``output_attentions=True``); otherwise None, like SDPA. On a static cache they span
+  the whole cache (0 on its empty slots), as eager's. A model whose layers neither
+  pass ``output_attentions`` down nor record through transformers' output collector
+  (Falcon) gets None, as from SDPA: nothing tells the attention function to make them.
 - Any other keyword that can change the result raises ``ValueError`` naming it; the
   harmless ones are listed in :data:`HARMLESS`.
 - Fully masked query rows (e.g. left padding under a causal mask) give 0 where
@@ -253,6 +256,7 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}: head masks are not supported by attnkit")
     L, S = query.shape[-2], key.shape[-2]
+    S_all = S
     if kwargs.get("indices") is not None:
         attention_mask = _with_selected_keys(torch, attention_mask, kwargs["indices"], S)
     is_causal = kwargs.get("is_causal")
@@ -288,7 +292,7 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     elif attention_mask.dim() == 2:                       # the padding mask of a plain layer
         T = attention_mask.shape[-1]
         if T < S:                                         # a static cache: slots past T are empty
-            key, value, S = key[..., :T, :], value[..., :T, :], T
+            key, value, S = key[..., :T, :], value[..., :T, :], T      # (weights padded back below)
             if opts.get("bias") is not None and opts["bias"].shape[-1] > T:
                 opts["bias"] = opts["bias"][..., :T]      # T5's position bias spans the cache too
         opts.update(causal=causal and L > 1, align="bottom_right")
@@ -304,6 +308,8 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     want = bool(kwargs.get("output_attentions")) or _recording_attentions()
     res = api.attention(query, key, value, return_weights=want, **opts)
     out, weights = res if want else (res, None)
+    if weights is not None and weights.shape[-1] < S_all:  # a static cache's empty slots: weight 0,
+        weights = torch.nn.functional.pad(weights, (0, S_all - weights.shape[-1]))   # as eager's
     return out.transpose(1, 2).contiguous(), weights
 
 
