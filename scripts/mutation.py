@@ -118,6 +118,8 @@ TARGETS: dict[str, list[str]] = {
                "tests/torch/test_op.py", "tests/spec/test_options.py"],
     "torch/mha.py": ["tests/torch/test_mha.py", "tests/torch/test_mha_cases.py", "tests/torch/test_op.py"],
     "hf.py": ["tests/test_hf.py", "tests/test_hf_cases.py"],
+    "distributed/ring.py": ["tests/distributed/test_ring.py"],
+    "distributed/layout.py": ["tests/distributed/test_ring.py", "tests/spec/test_geometry.py"],
 }
 # Tests that fail or flake on the unmutated tree whatever the mutant (another change in
 # progress, timing): never run, so that they can neither kill nor save a mutant.

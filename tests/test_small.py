@@ -68,6 +68,23 @@ def test_the_nan_rule(where):
         assert np.isnan(o1[0, :, 3:]).all() and not np.isnan(o1[0, :, :3]).any() and not np.isnan(o1[1]).any()
 
 
+def test_row_bounds_kept_per_geometry_never_serve_another():
+    """The small rung keeps each geometry's row bounds: calls of one shape in a row with
+    other bands, alignments or key counts each get their own, the second round from
+    the kept ones."""
+    q, k, v = make_qkv((2, 4, 6, 8), (2, 2, 9, 8), seed=5)
+    short = [x[..., :7, :] for x in (k, v)]                # the same rows, fewer keys
+    calls = [(k, v, dict(causal=True)), (k, v, dict(causal=True, align="top_left")),
+             (k, v, dict(window=(2, 1))), (k, v, dict(window=(2, 1), causal=True)),
+             (k, v, dict(causal=True, window=(3, None))), (*short, dict(causal=True))]
+    for _ in range(2):
+        for kk, vv, kw in calls:
+            spec = validate(q, kk, vv, **kw)
+            o1, l1, _ = small.rung_forward(spec)
+            o0, l0, _ = reference.rung_forward(spec)
+            assert max_error(o1, o0) <= 1e-12 and max_error(l1, l0) <= 1e-12, kw
+
+
 def test_padding_rows_and_fully_masked_rows():
     """Padding rows (i >= q_lengths) give out 0 and lse −inf even with a sink; a row with
     no visible key gives out 0 and lse = its sink (or −inf without one)."""

@@ -34,6 +34,7 @@ the reference's gathered keys. No packed sequences or blocks of a larger problem
 
 from __future__ import annotations
 
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,30 @@ def _sink_state(spec: Spec, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
     return m, np.exp(m - shift).astype(dtype)          # a +inf or NaN sink: NaN
 
 
+# each row's key bounds by the call's geometry, for calls without lengths (a prefill
+# repeats its geometry in every layer): (lse shape, S, causal, window, align) -> (lo, hi)
+_BOUNDS: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
+_BOUNDS_ROWS = 1 << 16     # rows of a call whose bounds are kept (two int64 arrays each)
+
+
+def _row_bounds(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi): the keys [lo, hi) each query row sees, flat in (..., H, L) order; made
+    once per geometry when the call gives no lengths (22 of a 32 × 32 causal call's
+    146 µs), else every call. The kernel only reads them."""
+    key = None
+    if spec.q_lengths is None and spec.kv_lengths is None and prod(spec.lse_shape) <= _BOUNDS_ROWS:
+        key = (spec.lse_shape, spec.S, spec.causal, spec.window, spec.align)
+        hit = _BOUNDS.get(key)
+        if hit is not None:
+            return hit
+    lo, hi = (np.ascontiguousarray(np.broadcast_to(x, spec.lse_shape)).ravel() for x in geo.dense_row_bounds(spec))
+    if key is not None:
+        if len(_BOUNDS) >= 64:
+            _BOUNDS.clear()
+        _BOUNDS[key] = (lo, hi)
+    return lo, hi
+
+
 def forward(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse) in the accumulation dtype, shapes (..., H, L, Dv) and (..., H, L)."""
     acc = spec.acc_dtype
@@ -97,8 +122,7 @@ def forward(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
     m, l = _sink_state(spec, rows.dtype)
     kern = for_dtype(rows.dtype)
     if spec.has_index_mask or spec.varlen:
-        lo, hi = (np.ascontiguousarray(np.broadcast_to(x, spec.lse_shape)).ravel()
-                  for x in geo.dense_row_bounds(spec))
+        lo, hi = _row_bounds(spec)
         kern.softmax_tile_bounded(rows, m, l, lo, hi, 0)
     else:
         kern.softmax_tile(rows, m, l)
