@@ -217,6 +217,12 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
     aligned bottom-right per sequence (the last query sees the last key). Keys past a
     sequence's length are never read, so unused cache slots may hold anything.
 
+    Sequences with different numbers of new tokens (prefill chunks next to single
+    decoding steps, speculative drafts of different lengths) pass ``q_lengths`` (B,):
+    sequence b's first q_lengths[b] query rows are real, the rest padding (out 0,
+    lse −inf); with k_new (then L_new = L) it appends its first q_lengths[b] new keys,
+    so it sees cache_lengths[b] + q_lengths[b] keys, its last real query the last.
+
     Parameters
     ----------
     q : array (B, H, L, D)
@@ -229,7 +235,8 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
     block_table : ints (B, max_pages), optional
         Page indices of each sequence (a paged cache).
     k_new, v_new : arrays (B, Hkv, L_new, D[v]), optional
-        Keys and values to append.
+        Keys and values to append (all L_new of them, or with ``q_lengths`` the
+        first q_lengths[b] of sequence b).
     return_lse : bool
         Also return lse (B, H, L).
     backend : str
@@ -249,6 +256,20 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
     >>> q = np.array([[[[1.0, 0.0]]]])
     >>> attnkit.attention_kvcache(q, k_cache, v_cache, np.array([2])).round(2)
     array([[[[6.7, 3.3]]]])
+
+    Two sequences, one bringing two new tokens and one bringing one (its second row
+    is padding); each appends its own:
+
+    >>> kc, vc = np.zeros((2, 1, 8, 2)), np.zeros((2, 1, 8, 2))
+    >>> q = np.ones((2, 1, 2, 2)); k_new = np.ones((2, 1, 2, 2)); v_new = np.arange(8.0).reshape(2, 1, 2, 2)
+    >>> out = attnkit.attention_kvcache(q, kc, vc, 3, k_new=k_new, v_new=v_new, q_lengths=np.array([2, 1]),
+    ...                                 causal=True)
+    >>> out[1, 0].round(2)                  # sequence 1: its token, then a padding row
+    array([[2.31, 2.89],
+           [0.  , 0.  ]])
+    >>> kc[:, 0, 3:6, 0]                     # the keys appended: two, and one
+    array([[1., 1., 0.],
+           [1., 0., 0.]])
     """
     check_flags(return_lse=return_lse)
     if compiling():                  # torch.compile: one op, checked and run when the graph runs

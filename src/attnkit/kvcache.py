@@ -26,6 +26,7 @@ import numpy as np
 
 from .spec import FLOAT_DTYPES
 from .spec.kvcache import KVCall, check_paged_attend
+from .spec.validate import host_ints
 
 
 def _xp_arange(like: Any, n: int) -> Any:
@@ -35,30 +36,41 @@ def _xp_arange(like: Any, n: int) -> Any:
     return torch.arange(n, device=like.device)
 
 
-def _positions(kv: KVCall) -> tuple[Any, Any]:
-    """(row index, slot index) of every new key: arrays (B, L_new) indexing the cache's
-    first and third axes."""
+def _positions(kv: KVCall) -> tuple[Any, Any, Any]:
+    """(row index, slot index, taken) of the new keys: arrays (B, L_new) indexing the
+    cache's first and third axes, and None (every new key is written) or a boolean
+    (B, L_new) of the keys written (the first new_lengths[b] of each sequence; the
+    others' positions are 0, inside the first page)."""
     lengths = kv.cache_lengths
     L_new = kv.k_new.shape[-2]
     xp_new = kv.k_new
-    pos = lengths.reshape(-1, 1) + _xp_arange(xp_new, L_new).reshape(1, -1)     # (B, L_new)
+    t = _xp_arange(xp_new, L_new).reshape(1, -1)
+    pos = lengths.reshape(-1, 1) + t                     # (B, L_new)
+    taken = None if kv.new_lengths is None else t < kv.new_lengths.reshape(-1, 1)
+    if taken is not None:
+        pos = pos * taken
     if not kv.paged:
         b = _xp_arange(xp_new, pos.shape[0]).reshape(-1, 1) + 0 * pos
-        return b, pos
+        return b, pos, taken
     P = kv.page_size
     pages = kv.block_table[_xp_arange(xp_new, pos.shape[0]).reshape(-1, 1), pos // P]
-    return pages, pos % P
+    return pages, pos % P, taken
 
 
 def append(kv: KVCall) -> None:
-    """Write k_new / v_new into the cache in place at positions cache_lengths[b] …
-    (validated beforehand, writability too: the cache is untouched when a call is
-    rejected)."""
-    if kv.k_new is None or kv.k_new.shape[-2] == 0:
+    """Write k_new / v_new into the cache in place at positions cache_lengths[b] … (all
+    L_new of them, or the first new_lengths[b]), validated beforehand, writability
+    too: the cache is untouched when a call is rejected."""
+    if kv.k_new is None or kv.k_new.shape[-2] == 0 or (kv.new_lengths is not None and not bool(
+            (kv.new_lengths > 0).any())):
         return
-    rows, slots = _positions(kv)
+    rows, slots, taken = _positions(kv)
     for cache, new in ((kv.k_cache, kv.k_new), (kv.v_cache, kv.v_new)):
-        cache[rows, :, slots] = new.transpose(1, 2) if not isinstance(new, np.ndarray) else new.transpose(0, 2, 1, 3)
+        rows_new = new.transpose(1, 2) if not isinstance(new, np.ndarray) else new.transpose(0, 2, 1, 3)
+        if taken is None:
+            cache[rows, :, slots] = rows_new
+        else:
+            cache[rows[taken], :, slots[taken]] = rows_new[taken]
 
 
 def gather(kv: KVCall) -> tuple[Any, Any]:
@@ -200,19 +212,22 @@ class PagedCache:
             Keys and values to append first.
         **kwargs
             Passed to :func:`attnkit.attention_kvcache` (causal, window, softcap,
-            alibi_slopes, sinks, dropout, seed, scale, return_lse, backend).
+            alibi_slopes, sinks, q_lengths, dropout, seed, scale, return_lse, backend).
+            With ``q_lengths`` each sequence appends the first q_lengths[b] new keys
+            (a batch of prefill chunks and single decoding steps).
         """
         from .api import attention_kvcache
         seqs = [seqs] if isinstance(seqs, int) else list(seqs)
         check_paged_attend(q, seqs, self.k)
         n = 0 if k_new is None else int(k_new.shape[-2])
-        need = sum(self._need(s, n) for s in seqs)      # all or nothing: no sequence grows alone
+        grow = self._appended(kwargs.get("q_lengths"), n, len(seqs))
+        need = sum(self._need(s, g) for s, g in zip(seqs, grow))   # all or nothing: no sequence grows alone
         if need > len(self._free):
-            raise ValueError(f"k_new: {n} more keys for {len(seqs)} sequences need {need} more pages, "
+            raise ValueError(f"k_new: {sum(grow)} more keys for {len(seqs)} sequences need {need} more pages, "
                              f"{len(self._free)} are free")
         held = {s: len(self._pages[s]) for s in seqs}
-        for s in seqs:
-            self.reserve(s, n)
+        for s, g in zip(seqs, grow):
+            self.reserve(s, g)
         try:
             res = attention_kvcache(q, self.k, self.v, self.lengths(seqs), block_table=self.block_table(seqs),
                                     k_new=k_new, v_new=v_new, **kwargs)
@@ -221,9 +236,23 @@ class PagedCache:
                 self._free.extend(reversed(self._pages[s][n_held:]))
                 del self._pages[s][n_held:]
             raise
-        for s in seqs:
-            self._lengths[s] += n
+        for s, g in zip(seqs, grow):
+            self._lengths[s] += g
         return res
+
+    @staticmethod
+    def _appended(q_lengths: Any, n: int, B: int) -> list[int]:
+        """Keys each of B sequences appends: n, or with q_lengths its own count (clipped
+        to [0, n] here: attention_kvcache names a bad value, after which the pages are
+        given back)."""
+        if q_lengths is None or n == 0:
+            return [n] * B
+        try:
+            counts = np.broadcast_to(host_ints("q_lengths", q_lengths) if hasattr(q_lengths, "shape")
+                                     else np.asarray(q_lengths), (B,))
+            return [min(max(int(c), 0), n) for c in counts]
+        except (TypeError, ValueError):                  # not B lengths: attention_kvcache says so
+            return [0] * B
 
     def _check(self, seq: int) -> int:
         if seq not in self._pages:

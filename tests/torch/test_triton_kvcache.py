@@ -153,6 +153,20 @@ def test_paged_dropout_across_splits():
     assert (out - plain).abs().max() > 0.1              # something was dropped
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_ragged_queries(layout):
+    """q_lengths: sequence b's first q_lengths[b] query rows are real and append that
+    many of the new keys; the other rows are padding (out 0, lse −inf, no sink); causal
+    and ALiBi align to each sequence's own last key; one sequence has no query."""
+    cache = (paged(3, 2, 6, 16, 16, 16, "float32", seed=11) if layout == "paged" else
+             contiguous(3, 2, 96, 16, 16, "float32", seed=11))
+    kw = dict(causal=True, q_lengths=torch.tensor([3, 0, 1]), softcap=2.5,
+              alibi_slopes=torch.tensor([0.2, 0.4, 0.1, 0.3]), sinks=torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    out, lse = check(queries(3, 4, 3, 16, "float32"), cache, torch.tensor([5, 40, 90]), 3, **kw)
+    assert (out[1] == 0).all() and (lse[1] == -INF).all()
+    assert (out[2, :, 1:] == 0).all() and (lse[2, :, 1:] == -INF).all() and (lse[2, :, 0] > -INF).all()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision(dtype):
     """Half types by the 2× rule: paged (page 16) GQA and contiguous MQA."""
@@ -325,6 +339,20 @@ def test_gpu_kvcache(dtype, D, page, L):
     kw = dict(causal=True, softcap=30.0, alibi_slopes=torch.linspace(0.01, 0.1, 32),
               sinks=torch.linspace(-1, 1, 32)) if L == 4 else dict(window=(1000, 0))
     check(queries(4, 32, L, D, dtype), cache, torch.tensor([0, 1, 3000, 4096 - L]), L, device="cuda", **kw)
+
+
+@gpu
+@pytest.mark.parametrize("dtype,D", [("bfloat16", 128), ("float32", 64)])
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "page16"])
+def test_gpu_ragged_queries(dtype, D, page):
+    """q_lengths on the GPU: 4, 1, 0 and 3 new tokens of 4 rows, each appending its
+    own, every term, against 4096-key caches."""
+    cache = contiguous(4, 8, 4096, D, D, dtype, seed=12) if page is None else \
+        paged(4, 8, 4096 // page, page, D, D, dtype, seed=12)
+    kw = dict(causal=True, softcap=30.0, alibi_slopes=torch.linspace(0.01, 0.1, 32), sinks=torch.linspace(-1, 1, 32),
+              q_lengths=torch.tensor([4, 1, 0, 3]))
+    out, lse = check(queries(4, 32, 4, D, dtype), cache, torch.tensor([0, 7, 3000, 4093]), 4, device="cuda", **kw)
+    assert (out[2] == 0).all() and (lse[2] == -INF).all() and (out[1, :, 1:] == 0).all()
 
 
 @gpu

@@ -6,7 +6,9 @@ sequence b lives in page ``block_table[b, p // page_size]`` at slot ``p % page_s
 ``cache_lengths[b]`` keys are valid; ``k_new``/``v_new`` (B, Hkv, L_new, D) are written
 at positions cache_lengths[b] … cache_lengths[b] + L_new − 1 before the queries attend,
 so the attention sees ``cache_lengths[b] + L_new`` keys per sequence, aligned
-bottom-right per sequence (the last query sees the last key).
+bottom-right per sequence (the last query sees the last key). With ``q_lengths``
+sequence b has q_lengths[b] real query rows and appends that many of the new keys
+(L_new = L).
 
 Every check runs before the cache is touched: a rejected call leaves it as it was.
 """
@@ -20,7 +22,7 @@ import numpy as np
 
 from .core import Spec, dtype_name, is_torch
 from .options import BY_NAME, NAMES
-from .validate import FLOAT_DTYPES, as_array, compiling, dtype_kind, host_ints, validate
+from .validate import FLOAT_DTYPES, as_array, check_lengths, compiling, dtype_kind, host_ints, validate
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class KVCall:
     page_size: int              # S_max for a contiguous cache
     k_new: Any
     v_new: Any
+    # keys appended per sequence, (B,), when they differ (q_lengths with k_new: the
+    # first q_lengths[b] rows of k_new); None: all L_new rows for every sequence
+    new_lengths: Any = None
 
     @property
     def paged(self) -> bool:
@@ -145,6 +150,10 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
         if block_table.shape[0] != B:
             raise ValueError(f"block_table: expected {B} rows (q's batch), got shape {tuple(block_table.shape)}")
         capacity = np.full(B, int(block_table.shape[1]) * P, dtype=np.int64)
+    q_lengths = options.pop("q_lengths", None)
+    if q_lengths is not None:                            # (B,), checked as attention checks it
+        q_lengths = check_lengths("q_lengths", _one_per_sequence(q_lengths, B, q, want_torch), want_torch, (B,),
+                                  L, "L")
     L_new = 0
     if (k_new is None) != (v_new is None):
         raise ValueError(f"{'v_new' if v_new is None else 'k_new'}: k_new and v_new come together")
@@ -158,6 +167,9 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
                 raise ValueError(f"{name}: expected shape (B, Hkv, L_new, D) = {want}, got {tuple(x.shape)}")
             if dtype_name(x) != dtype_name(q):
                 raise TypeError(f"{name}: dtype {dtype_name(x)} differs from q's dtype {dtype_name(q)}")
+        if q_lengths is not None and L_new != L:
+            raise ValueError(f"k_new: with q_lengths, sequence b appends the first q_lengths[b] of the new keys "
+                             f"(one per query row): expected L_new = L = {L}, got shape {tuple(k_new.shape)}")
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)) if L_new > 0 else ():
             strides = c.stride() if want_torch else c.strides
             if any(st == 0 and n > 1 for st, n in zip(strides, c.shape)):   # torch would write every slot
@@ -169,22 +181,26 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
             if not writable:
                 raise ValueError(f"{name}: the cache is read-only here (a NumPy array that is not writeable, "
                                  "or an inference tensor outside inference mode) and cannot take k_new / v_new")
+    ragged = q_lengths is not None and L_new > 0         # appends of q_lengths[b] keys each
+    new_lengths = q_lengths if ragged else None
     if want_torch and compiling():   # values cannot be read while torch.compile traces: the op
         S_cap = P if block_table is None else int(block_table.shape[1]) * P   # checks them when it runs
         spec = validate(q, _zeros_view(q, (B, Hkv, S_cap, D)), _zeros_view(q, (B, Hkv, S_cap, Dv)),
-                        backend=backend, kv_lengths=lengths.long() + L_new, **options)
+                        backend=backend, kv_lengths=lengths.long() + (q_lengths.long() if ragged else L_new),
+                        q_lengths=q_lengths, **options)
         return KVCall(spec=spec, k_cache=k_cache, v_cache=v_cache, cache_lengths=lengths, lengths=None,
-                      block_table=block_table, page_size=P, k_new=k_new, v_new=v_new)
+                      block_table=block_table, page_size=P, k_new=k_new, v_new=v_new, new_lengths=new_lengths)
     h_len = host_ints("cache_lengths", lengths).astype(np.int64)
     if h_len.size and h_len.min() < 0:
         raise ValueError(f"cache_lengths: expected non-negative lengths, got {h_len.tolist()[:16]}")
-    total = h_len + L_new
+    added = host_ints("q_lengths", q_lengths).astype(np.int64) if ragged else L_new
+    total = h_len + added
     over = np.flatnonzero(total > capacity)
     if over.size:
         b = int(over[0])
         what = "the append overflows" if L_new else "beyond"
-        raise ValueError(f"cache_lengths: sequence {b} holds {int(h_len[b])} keys + {L_new} new = {int(total[b])}, "
-                         f"{what} its capacity of {int(capacity[b])} keys")
+        raise ValueError(f"cache_lengths: sequence {b} holds {int(h_len[b])} keys + {int(total[b] - h_len[b])} new = "
+                         f"{int(total[b])}, {what} its capacity of {int(capacity[b])} keys")
     if block_table is not None:
         bt = host_ints("block_table", block_table).astype(np.int64)
         used = np.arange(bt.shape[1]) < -(-total // P)[:, None]     # the pages each sequence touches
@@ -198,9 +214,9 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
     dummy_k = _zeros_view(q, (B, Hkv, max(S_cap, 1), D))
     dummy_v = _zeros_view(q, (B, Hkv, max(S_cap, 1), Dv))
     total_arr = total if not want_torch else _torch_ints(total, q)
-    spec = validate(q, dummy_k, dummy_v, backend=backend, kv_lengths=total_arr, **options)
+    spec = validate(q, dummy_k, dummy_v, backend=backend, kv_lengths=total_arr, q_lengths=q_lengths, **options)
     return KVCall(spec=spec, k_cache=k_cache, v_cache=v_cache, cache_lengths=lengths, lengths=total_arr,
-                  block_table=block_table, page_size=P, k_new=k_new, v_new=v_new)
+                  block_table=block_table, page_size=P, k_new=k_new, v_new=v_new, new_lengths=new_lengths)
 
 
 def _zeros_view(like: Any, shape: tuple[int, ...]) -> Any:

@@ -57,7 +57,7 @@ OPTIONS: tuple[Option, ...] = (
            "to (..., H, L); joins the softmax denominator only"),
     Option("q_lengths", None, "Tensor?",
            "ints broadcastable to the batch dims: rows i ≥ q_lengths[b] are padding "
-           "(out 0, lse −inf)", kvcache=False),
+           "(out 0, lse −inf)"),
     Option("kv_lengths", None, "Tensor?",
            "ints broadcastable to the batch dims: keys j ≥ kv_lengths[b] are excluded",
            kvcache=False),

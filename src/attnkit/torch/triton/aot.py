@@ -115,9 +115,9 @@ def compile_decode_only(capability, dtype, D, Dv=None, *, group=4, rows=None, ca
         _, consts = split_constexprs(cfg, group=group, D=D, Dv=Dv, dtype=dtype, rows=rows,
                                      band=(window, causal or window), softcap=softcap, alibi=terms,
                                      dropout=terms, paged=paged,
-                                     bottom_right=True, interpret=False, precision="ieee")
+                                     bottom_right=True, qlens=terms, interpret=False, precision="ieee")
         kernels_.append(("decode/paged" if paged else "decode", k._decode_split, cfg, consts))
-    _, consts = combine_constexprs(ccfg, group=group, Dv=Dv, rows=rows, sinks=terms, interpret=False)
+    _, consts = combine_constexprs(ccfg, group=group, Dv=Dv, rows=rows, sinks=terms, qlens=terms, interpret=False)
     kernels_.append(("decode_combine", k._decode_combine, ccfg, consts))
     return _compile(kernels_, cap, dtype, "float32", frontend_only, usage)
 

@@ -61,7 +61,7 @@ from .device import (
 )
 from .jit import constexpr, tl
 
-JIT = ("_cache_tile", "_decode_split", "_decode_combine")
+JIT = ("_cache_tile", "_query_length", "_decode_split", "_decode_combine")
 
 
 def _cache_tile(C, Table, b, hk, cols, col_ok, offs, stride_p, stride_h, stride_n, stride_d, stride_tb, stride_tp,
@@ -82,14 +82,22 @@ def _cache_tile(C, Table, b, hk, cols, col_ok, offs, stride_p, stride_h, stride_
     return tile                                     # one return: compiled Triton types every return alike
 
 
-def _decode_split(q_op, k_op, v_op, table_op, lens_op, slopes_op, part_o_op, part_m_op, PartL,
+def _query_length(QLen, stride_qlen, b, L, HAS_QLENS: constexpr):
+    """Sequence b's query rows: q_lengths[b] (rows past it are padding), else L."""
+    Lq = L + b * 0
+    if HAS_QLENS:
+        Lq = tl.load(QLen + b * stride_qlen).to(Lq.dtype)
+    return Lq
+
+
+def _decode_split(q_op, k_op, v_op, table_op, lens_op, qlen_op, slopes_op, part_o_op, part_m_op, PartL,
                   HKV, L, BH, PAGE, NUM_SPLITS, sm_scale, softcap, LEFT, RIGHT,
                   seed_lo, seed_hi, drop_threshold, drop_scale,
                   GROUP: constexpr, HEAD_D: constexpr, HEAD_DV: constexpr,
                   BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
                   HAS_LEFT: constexpr, HAS_RIGHT: constexpr, HAS_SOFTCAP: constexpr, HAS_ALIBI: constexpr,
                   HAS_DROPOUT: constexpr, PAGED: constexpr, BOTTOM_RIGHT: constexpr, SPLIT: constexpr,
-                  INTERPRET: constexpr, PRECISION: constexpr):
+                  HAS_QLENS: constexpr, INTERPRET: constexpr, PRECISION: constexpr):
     """The partial (acc, m, l) of one key split for one block of a GQA group's rows.
     Each ``*_op`` is a tensor's (pointer, strides) (``launch.op``); PartL has PartM's."""
     Q, stride_qb, stride_qh, stride_qm, stride_qd = q_op
@@ -97,6 +105,7 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, slopes_op, part_o_op, par
     V, stride_vp, stride_vh, stride_vn, stride_vd = v_op
     Table, stride_tb, stride_tp = table_op
     Lens, stride_len = lens_op
+    QLen, stride_qlen = qlen_op
     Slopes, stride_slope_b, stride_slope_h = slopes_op
     PartO, stride_pb, stride_ps, stride_pm, stride_pd = part_o_op
     PartM, stride_mb, stride_ms, stride_mm = part_m_op
@@ -116,10 +125,11 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, slopes_op, part_o_op, par
     q = tl.load(Q + b * stride_qb + h[:, None] * stride_qh + i[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
     Lk = tl.load(Lens + b * stride_len)             # the sequence's keys, on the device
+    Lq = _query_length(QLen, stride_qlen, b, L, HAS_QLENS)   # its query rows (past them: padding)
     offset = pid * 0                                # diag(i) = i + offset (geometry.Segment)
     if BOTTOM_RIGHT:
-        offset = Lk - L
-    geo = (L, Lk, offset, LEFT, RIGHT)
+        offset = Lk - Lq
+    geo = (Lq, Lk, offset, LEFT, RIGHT)
     masks = ((Q, 0, 0), (Q, 0, 0), (Q, 0, 0))      # no keep / drop / bias for a cache
     slope = sm_scale * 0.0
     if HAS_ALIBI:                                   # one slope per row's head, in log2 units
@@ -198,10 +208,11 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, slopes_op, part_o_op, par
     tl.store(PartL + part, l_i, mask=row_ok)
 
 
-def _decode_combine(part_o_op, part_m_op, PartL, sinks_op, out_op, lse_op, HKV, L, NUM_SPLITS, ROW_BLOCKS,
-                    GROUP: constexpr, HEAD_DV: constexpr, BLOCK_M: constexpr, BLOCK_DV: constexpr,
-                    HAS_SINKS: constexpr, INTERPRET: constexpr):
+def _decode_combine(part_o_op, part_m_op, PartL, sinks_op, qlen_op, out_op, lse_op, HKV, L, NUM_SPLITS,
+                    ROW_BLOCKS, GROUP: constexpr, HEAD_DV: constexpr, BLOCK_M: constexpr, BLOCK_DV: constexpr,
+                    HAS_SINKS: constexpr, HAS_QLENS: constexpr, INTERPRET: constexpr):
     """out and lse of one block of a GQA group's rows from the splits' partials."""
+    QLen, stride_qlen = qlen_op
     PartO, stride_pb, stride_ps, stride_pm, stride_pd = part_o_op
     PartM, stride_mb, stride_ms, stride_mm = part_m_op
     Sinks, stride_sink_b, stride_sink_h, stride_sink_m = sinks_op
@@ -232,8 +243,9 @@ def _decode_combine(part_o_op, part_m_op, PartL, sinks_op, out_op, lse_op, HKV, 
         o = tl.load(PartO + part[:, None] + s * stride_ps + offs_dv[None, :] * stride_pd,
                     mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.0)
         acc = acc + w[:, None] * o
-    if HAS_SINKS:                                   # the sink joins once, after every split
-        sink = tl.load(Sinks + b * stride_sink_b + h * stride_sink_h + i * stride_sink_m, mask=row_ok,
+    if HAS_SINKS:                                   # the sink joins once, after every split (not
+        real = row_ok & (i < _query_length(QLen, stride_qlen, b, L, HAS_QLENS))   # on padding rows)
+        sink = tl.load(Sinks + b * stride_sink_b + h * stride_sink_h + i * stride_sink_m, mask=real,
                        other=float("-inf")) * LOG2E
         acc, l_i, m_i = _join_sink(acc, l_i, m_i, sink)
     out, lse = _finish(acc, l_i, m_i)

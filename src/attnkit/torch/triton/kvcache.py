@@ -27,7 +27,7 @@ from .launch import _capability, _device_guard, _dropout_scalars, _next_pow2, _p
 
 
 def split_constexprs(cfg, *, group, D, Dv, dtype, rows, band, softcap, alibi, dropout, paged, bottom_right,
-                     interpret, precision):
+                     qlens, interpret, precision):
     """(BLOCK_M, the compile-time parameters of _decode_split): BLOCK_M is the table's
     at most, fewer for a small group (rows = H / Hkv · L)."""
     block_m = min(cfg["BLOCK_M"], _next_pow2(rows))
@@ -35,14 +35,14 @@ def split_constexprs(cfg, *, group, D, Dv, dtype, rows, band, softcap, alibi, dr
                          BLOCK_D=_next_pow2(D), BLOCK_DV=_next_pow2(Dv), HAS_LEFT=band[0], HAS_RIGHT=band[1],
                          HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, HAS_DROPOUT=dropout, PAGED=paged,
                          BOTTOM_RIGHT=bottom_right, SPLIT=bool(cfg["SPLIT"]) and dtype != "float32",
-                         INTERPRET=interpret, PRECISION=precision)
+                         HAS_QLENS=qlens, INTERPRET=interpret, PRECISION=precision)
 
 
-def combine_constexprs(cfg, *, group, Dv, rows, sinks, interpret):
+def combine_constexprs(cfg, *, group, Dv, rows, sinks, qlens, interpret):
     """(BLOCK_M, the compile-time parameters of _decode_combine)."""
     block_m = min(cfg["BLOCK_M"], _next_pow2(rows))
     return block_m, dict(GROUP=group, HEAD_DV=Dv, BLOCK_M=block_m, BLOCK_DV=_next_pow2(Dv), HAS_SINKS=sinks,
-                         INTERPRET=interpret)
+                         HAS_QLENS=qlens, INTERPRET=interpret)
 
 
 def plan(spec, cap):
@@ -70,7 +70,7 @@ def kvcache(kv):
     lse = torch.empty((B, H, L), dtype=torch.float32, device=dev)
     if lse.numel() == 0:
         return out, lse
-    slopes, sinks, _, lens = _terms(spec)           # lens: the lengths after the append, int32 on the device
+    slopes, sinks, qlens, lens = _terms(spec)       # lens: the lengths after the append, int32 on the device
     k, v = kv.k_cache, kv.v_cache
     if kv.paged:
         table = kv.block_table if kv.block_table.dtype == torch.int32 else kv.block_table.to(torch.int32)
@@ -84,21 +84,24 @@ def kvcache(kv):
     block_m, consts = split_constexprs(
         cfg, group=spec.group, D=D, Dv=Dv, dtype=spec.dtype, rows=rows, band=(left is not None, right is not None),
         softcap=spec.softcap is not None, alibi=slopes is not None, dropout=spec.dropout > 0, paged=kv.paged,
-        bottom_right=spec.align == "bottom_right", interpret=interpreting(), precision=_precision(spec))
+        bottom_right=spec.align == "bottom_right", qlens=qlens is not None, interpret=interpreting(),
+        precision=_precision(spec))
     row_blocks = triton.cdiv(rows, block_m)
     part_o = torch.empty((bh, splits, rows, Dv), dtype=torch.float32, device=dev)
     part_ml = torch.empty((2, bh, splits, rows), dtype=torch.float32, device=dev)
     kern = kernels()
     with _device_guard(q):
         kern._decode_split[(row_blocks * bh * splits,)](
-            op(q), op(k), op(v), (table, *table_strides), op(lens), op(slopes, 2, part_o), op(part_o),
+            op(q), op(k), op(v), (table, *table_strides), op(lens), op(qlens, 1, lens), op(slopes, 2, part_o),
+            op(part_o),
             op(part_ml[0]), part_ml[1], Hkv, L, bh, page, splits, spec.scale, spec.softcap or 1.0, left or 0,
             right or 0, *_dropout_scalars(spec), **consts,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **FP_FUSION)
         block_c, cconsts = combine_constexprs(ccfg, group=spec.group, Dv=Dv, rows=rows, sinks=sinks is not None,
-                                              interpret=interpreting())
+                                              qlens=qlens is not None, interpret=interpreting())
         blocks_c = triton.cdiv(rows, block_c)
         kern._decode_combine[(bh * blocks_c,)](
-            op(part_o), op(part_ml[0]), part_ml[1], op(sinks, 3, part_o), op(out), op(lse), Hkv, L, splits,
+            op(part_o), op(part_ml[0]), part_ml[1], op(sinks, 3, part_o), op(qlens, 1, lens), op(out), op(lse),
+            Hkv, L, splits,
             blocks_c, **cconsts, num_warps=ccfg["num_warps"], num_stages=ccfg["num_stages"], **FP_FUSION)
     return out, lse
