@@ -179,3 +179,22 @@ def test_paged_cache_runs_prefill_chunks_next_to_decoding_steps():
     with pytest.raises(ValueError, match="^q_lengths"):
         cache.attend(rng.standard_normal((2, 4, 3, 8)), seqs, k_new=kn, v_new=vn, q_lengths=np.array([1, 2, 3]))
     assert len(cache._free) == free and [cache.length(s) for s in seqs] == [11, 5]
+
+
+MORE = [dict(dropout=0.3, seed=5, causal=True), dict(window=(2, 1), align="top_left"),
+        dict(sinks=np.linspace(-1, 1, 3 * 4 * 4).reshape(3, 4, 4), causal=True)]
+
+
+@pytest.mark.parametrize("kw", MORE, ids=["dropout", "top_left-window", "row-sinks"])
+@pytest.mark.parametrize("backend", ["flash", "small"])
+def test_dropout_top_left_and_row_sinks_as_the_reference(kw, backend):
+    """The rungs against the reference (the definition, checked above) on the same
+    ragged call: dropout's draws, a top-left window, per-row sinks on padding rows."""
+    results = []
+    for b in (backend, "reference"):
+        q, k, v, table, lengths, new = ragged_case(True, 16, seed=4)
+        results.append(attnkit.attention_kvcache(q, k, v, lengths, block_table=table, q_lengths=np.array([2, 4, 0]),
+                                                 return_lse=True, backend=b, **new, **kw))
+    (out, lse), (want, want_lse) = results
+    assert max_error(out, want) <= 1e-12 and max_error(lse, want_lse) <= 1e-12
+    assert (lse[0, :, 2:] == -np.inf).all() and (lse[2] == -np.inf).all()

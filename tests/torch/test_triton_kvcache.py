@@ -153,15 +153,21 @@ def test_paged_dropout_across_splits():
     assert (out - plain).abs().max() > 0.1              # something was dropped
 
 
+RAGGED = {"causal-terms": dict(causal=True, softcap=2.5, alibi_slopes=torch.tensor([0.2, 0.4, 0.1, 0.3]),
+                                sinks=torch.tensor([0.1, 0.2, 0.3, 0.4])),
+          "dropout-top_left": dict(dropout=0.3, seed=7, window=(2, 1), align="top_left",
+                                   sinks=torch.linspace(-1, 1, 3 * 4 * 3).reshape(3, 4, 3))}
+
+
+@pytest.mark.parametrize("terms", list(RAGGED))
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
-def test_ragged_queries(layout):
+def test_ragged_queries(layout, terms):
     """q_lengths: sequence b's first q_lengths[b] query rows are real and append that
     many of the new keys; the other rows are padding (out 0, lse −inf, no sink); causal
     and ALiBi align to each sequence's own last key; one sequence has no query."""
     cache = (paged(3, 2, 6, 16, 16, 16, "float32", seed=11) if layout == "paged" else
              contiguous(3, 2, 96, 16, 16, "float32", seed=11))
-    kw = dict(causal=True, q_lengths=torch.tensor([3, 0, 1]), softcap=2.5,
-              alibi_slopes=torch.tensor([0.2, 0.4, 0.1, 0.3]), sinks=torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    kw = dict(RAGGED[terms], q_lengths=torch.tensor([3, 0, 1]))
     out, lse = check(queries(3, 4, 3, 16, "float32"), cache, torch.tensor([5, 40, 90]), 3, **kw)
     assert (out[1] == 0).all() and (lse[1] == -INF).all()
     assert (out[2, :, 1:] == 0).all() and (lse[2, :, 1:] == -INF).all() and (lse[2, :, 0] > -INF).all()
