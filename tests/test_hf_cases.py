@@ -308,3 +308,58 @@ def test_a_static_cache_compiles_whole():
             run(input_ids=ids[:, :6], cache=cache)
             outs.append(run(input_ids=ids[:, 6:8], cache=cache).logits)
     assert (outs[0] - outs[1]).abs().max() <= 1e-5
+
+
+# --- helpers pinned down (mutation run of hf.py, 2026-12-05)
+
+def test_packed_offsets_from_one_row_of_restarting_positions():
+    offsets = attnkit.hf._packed_offsets
+    assert torch.equal(offsets(torch, torch.tensor([[0, 1, 2, 0, 1, 2, 3]])), torch.tensor([0, 3, 7]))
+    assert torch.equal(offsets(torch, torch.tensor([[0, 0, 1]])), torch.tensor([0, 1, 3]))
+    for not_packed in (None, torch.tensor([0, 1, 0, 1]), torch.tensor([[0, 1, 0], [0, 1, 0]]),
+                       torch.tensor([[0]]), torch.tensor([[3, 4, 5, 6]])):
+        assert offsets(torch, not_packed) is None
+
+
+def test_block_causal_masks_with_a_window_that_is_not_symmetric():
+    """A non-causal layer with a one-sided window (2 keys back, none ahead)."""
+    cu = torch.tensor([0, 3, 7])
+    seq = torch.repeat_interleave(torch.arange(2), torch.diff(cu))
+    i = torch.arange(7)
+    mask = ((seq[:, None] == seq[None, :]) & (i[None, :] >= i[:, None] - 2) & (i[None, :] <= i[:, None]))[None, None]
+    assert attnkit.hf._is_block_causal(torch, mask, cu, False, (2, 0))
+    assert not attnkit.hf._is_block_causal(torch, mask, cu, False, (2, 2))
+
+
+def test_indices_without_a_four_dimensional_mask_are_named():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="^indices: .* need the layer's 4-D mask, got None"):
+        attnkit.hf.attention_forward(layer(), q, k, v, None, indices=torch.zeros(1, 5, 2, dtype=torch.long))
+
+
+def test_without_transformers_collector_weights_follow_the_keyword_only(monkeypatch):
+    monkeypatch.setattr(attnkit.hf, "_COLLECTOR", [None])   # another transformers version: no collector
+    assert attnkit.hf._recording_attentions() is False
+    q, k, v = qkv()
+    assert attnkit.hf.attention_forward(layer(), q, k, v, None)[1] is None
+    assert attnkit.hf.attention_forward(layer(), q, k, v, None, output_attentions=True)[1].shape == (1, 2, 5, 5)
+
+
+def test_a_padding_mask_is_read_once_until_it_changes(monkeypatch):
+    """Every layer of a forward gets the same 2-D mask: it is read once; a write through
+    .data (which bumps no version) is not seen, an in-place change is."""
+    monkeypatch.setattr(attnkit.hf, "_LAST_PADDING", [None])
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    assert attnkit.hf._padding(mask, True)["kv_lengths"].tolist() == [6, 4]
+    mask.data[1, 4] = 1                                  # the same memory, the same version
+    assert attnkit.hf._padding(mask, True)["kv_lengths"].tolist() == [6, 4]
+    assert "keep" in attnkit.hf._padding(mask, False)    # another question: read again
+    mask[1, 4] = 1                                       # a new version: read again
+    assert attnkit.hf._padding(mask, True)["kv_lengths"].tolist() == [6, 5]
+    with torch.inference_mode():                         # no version counter: read every time
+        m = torch.ones(2, 6, dtype=torch.long)
+        m[1, 3:] = 0
+        assert attnkit.hf._padding(m, True)["kv_lengths"].tolist() == [6, 3]
+        m[1, 3] = 1
+        assert attnkit.hf._padding(m, True)["kv_lengths"].tolist() == [6, 4]
