@@ -95,7 +95,7 @@ TARGETS: dict[str, list[str]] = {
                        "tests/torch/test_mha.py", "tests/torch/test_op.py"],
     "spec/options.py": ["tests/spec/test_options.py", "tests/test_api.py", "tests/spec/test_validate.py",
                         "tests/test_kvcache.py"],
-    "spec/kvcache.py": ["tests/test_kvcache.py"],
+    "spec/kvcache.py": ["tests/test_kvcache.py", "tests/test_kvcache_ragged.py"],
     "reference.py": ["tests/test_reference.py", "tests/test_nonfinite.py", "tests/test_api.py",
                      "tests/flash/test_varlen.py", "tests/test_kvcache.py", "tests/torch/test_terms.py"] + _EXPLAIN,
     "flash/plan.py": _FLASH_TESTS + ["tests/flash/test_plan.py", "tests/flash/test_runtime.py",
@@ -112,8 +112,8 @@ TARGETS: dict[str, list[str]] = {
     "small.py": ["tests/test_small.py", "tests/test_nonfinite.py", "tests/test_backends.py", "tests/test_api.py",
                  "tests/test_kvcache.py"],
     "backends.py": ["tests/test_backends.py", "tests/test_api.py", "tests/test_small.py"],
-    "kvcache.py": ["tests/test_kvcache.py", "tests/test_kvcache_cases.py", "tests/test_examples.py",
-                   "tests/torch/test_op.py"],
+    "kvcache.py": ["tests/test_kvcache.py", "tests/test_kvcache_cases.py", "tests/test_kvcache_ragged.py",
+                   "tests/test_examples.py", "tests/torch/test_op.py"],
     "api.py": ["tests/test_api.py", "tests/test_kvcache.py", "tests/test_merge.py", "tests/test_backends.py",
                "tests/torch/test_op.py", "tests/spec/test_options.py"],
     "torch/mha.py": ["tests/torch/test_mha.py", "tests/torch/test_mha_cases.py", "tests/torch/test_op.py"],
@@ -132,6 +132,8 @@ DESELECT = ["tests/torch/test_op.py::test_cpu_tensors_run_the_flash_rung_when_he
 # character column of the replaced span, as --list shows it) to name one.
 R_BLOCK = ("a tuning constant: the default tile sizes only change how rows and keys are cut into tiles "
            "(the order of sums), never a result beyond rounding")
+R_PRETRAINED = ("the default is never read: _model_classes returns PreTrainedModel subclasses, and PreTrainedModel "
+                "sets _supports_sdpa and _supports_attention_backend (False)")
 # line texts of flash/plan.py's tuning constants (the keys below)
 _PLAN_BWD = 'return (256, 256) if D <= 128 else (128, 256)'
 _PLAN_FWD = 'return (1024, 512) if D <= 128 else (512, 512)'
@@ -569,7 +571,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("backends.py", "SMALL_KV = 1 << 21", "`21` -> `20`"): R_SMALL,
     ("backends.py", "SMALL_KV = 1 << 21", "`21` -> `22`"): R_SMALL,
     ("kvcache.py", "L_new = kv.k_new.shape[-2]", "drop `-`"): R_KNEW,
-    ("kvcache.py", "if kv.k_new is None or kv.k_new.shape[-2] == 0:", "drop `-`"): R_KNEW,
+    ("kvcache.py", "if kv.k_new is None or kv.k_new.shape[-2] == 0 or (kv.new_lengths is not None and not bool(",
+     "drop `-`"): R_KNEW,
     ("kvcache.py", "b = _xp_arange(xp_new, pos.shape[0]).reshape(-1, 1) + 0 * pos", "`+` -> `-`"):
         "0 * pos is all zeros (it only broadcasts the row index to pos's shape): adding or subtracting it is the same",
     ("kvcache.py", "width = max((len(self._pages[self._check(s)]) for s in seqs), default=0)", "`0` -> `1`"):
@@ -577,6 +580,10 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("api.py", "if sys.version_info >= (3, 11):     # at run time too: typing.get_type_hints (pydantic, beartype)",
      "`>=` -> `>`"):
         "sys.version_info has five fields, so it is > (3, 11) exactly when it is >= (3, 11)",
+    ("hf.py", 'trusted = _TRUSTED[kind] = all(bool(getattr(c, "_supports_attention_backend", False)',
+     "`False` -> `True`"): R_PRETRAINED,
+    ("hf.py", 'or getattr(c, "_supports_sdpa", False)) for c in _model_classes(kind))', "`False` -> `True`"):
+        R_PRETRAINED,
 }
 
 

@@ -294,6 +294,19 @@ def test_layers_are_trusted_only_when_every_model_class_supports_sdpa(monkeypatc
     assert attnkit.hf._trusts_layers(family(monkeypatch, "transformers_modules.fake.configuration_fake", [False]))
 
 
+def test_only_the_classes_of_the_configs_own_model_decide(monkeypatch):
+    """A family module whose classes belong to two configs (a text model next to its
+    vision model): the config's own classes decide, not the others'."""
+    name = "transformers.models.twofam.configuration_twofam"
+    cfg = family(monkeypatch, name, [True])
+    mod = sys.modules[name.replace(".configuration_", ".modeling_")]
+    other = type("OtherModel", (transformers.PreTrainedModel,), {
+        "__module__": mod.__name__, "_supports_sdpa": False, "config_class": object})
+    mod.OtherModel = other
+    assert attnkit.hf._model_classes(type(cfg)) == [mod.Model0]
+    assert attnkit.hf._trusts_layers(cfg)
+
+
 # --- torch.compile with a static cache
 
 def test_a_static_cache_compiles_whole():

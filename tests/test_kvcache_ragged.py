@@ -198,3 +198,18 @@ def test_dropout_top_left_and_row_sinks_as_the_reference(kw, backend):
     (out, lse), (want, want_lse) = results
     assert max_error(out, want) <= 1e-12 and max_error(lse, want_lse) <= 1e-12
     assert (lse[0, :, 2:] == -np.inf).all() and (lse[2] == -np.inf).all()
+
+
+def test_paged_cache_names_bad_lengths_before_counting_pages():
+    """Lengths that are not one per sequence reserve nothing: the error names them even
+    when the pool could not hold L new keys per sequence."""
+    cache = attnkit.PagedCache(num_pages=2, page_size=4, kv_heads=1, head_dim=4, dtype="float64")
+    seqs = [cache.add_sequence() for _ in range(2)]
+    cache.attend(np.ones((2, 1, 4, 4)), seqs, k_new=np.ones((2, 1, 4, 4)), v_new=np.ones((2, 1, 4, 4)))
+    with pytest.raises(ValueError, match="^q_lengths"):
+        cache.attend(np.ones((2, 1, 3, 4)), seqs, k_new=np.ones((2, 1, 3, 4)), v_new=np.ones((2, 1, 3, 4)),
+                     q_lengths=np.array([0, 0, 0]))
+    with pytest.raises(ValueError, match="^k_new: 2 more keys for 2 sequences need 2 more pages, 0 are free"):
+        cache.attend(np.ones((2, 1, 3, 4)), seqs, k_new=np.ones((2, 1, 3, 4)), v_new=np.ones((2, 1, 3, 4)),
+                     q_lengths=np.array([1, 1]))
+    assert [cache.length(s) for s in seqs] == [4, 4]
