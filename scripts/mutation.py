@@ -132,6 +132,9 @@ DESELECT = ["tests/torch/test_op.py::test_cpu_tensors_run_the_flash_rung_when_he
 # character column of the replaced span, as --list shows it) to name one.
 R_BLOCK = ("a tuning constant: the default tile sizes only change how rows and keys are cut into tiles "
            "(the order of sums), never a result beyond rounding")
+R_ONE_ROW = "one query row aligned bottom-right sees every key: causal changes nothing at L = 1"
+R_2D_MASK = "the padding mask read here is 2-D (B, S): axis 1 is axis -1"
+R_4D = "transformers hands its attention functions 4-D (B, H, L, D) queries and keys: axis 2 is axis -2"
 R_PRETRAINED = ("the default is never read: _model_classes returns PreTrainedModel subclasses, and PreTrainedModel "
                 "sets _supports_sdpa and _supports_attention_backend (False)")
 # line texts of flash/plan.py's tuning constants (the keys below)
@@ -175,7 +178,7 @@ _P_STACK1 = "Lq, Sk = seg.q1 - seg.q0, max(seg.k1 - seg.k0, 1)"
 _P_STACK2 = "if stackable and G * Lq <= self.BLOCK_M:"
 _P_STACK3 = "per_head = G * Lq * Sk"
 _P_STACK4 = "nk = max(1, min(Hkv, SMALL_TILE // per_head)) if Sk <= self.BLOCK_N else 1"
-_P_DEC = "if self.stream and G * Lq <= DECODE_ROWS and self.pages is not None:"
+_P_DEC = "if self.stream and G * Lq <= DECODE_ROWS and ("
 _P_ROWB = "if u.g > 1 or u.nk > 1:"
 _P_KW1 = "if not self.tuned or rows >= self.BLOCK_M:"
 _P_KW2 = "return max(self.BLOCK_N, (self.BLOCK_M * self.BLOCK_N // max(rows, 1)) // self.BLOCK_N * self.BLOCK_N)"
@@ -494,7 +497,6 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("flash/plan.py", _P_DEC, "`*` -> `/`"): R_STACK,
     ("flash/plan.py", _P_DEC, "`<=` -> `<`"): R_STACK,
     ("flash/plan.py", _P_DEC, "`and` -> `or` @61"): R_STACK,
-    ("flash/plan.py", _P_DEC, "`is not` -> `is`"): R_STACK,
     ("flash/plan.py", "nk = Hkv", "remove the statement"): R_STACK,
     ("flash/plan.py", _P_ROWB, "`1` -> `2` @29"): R_ROWB,
     ("flash/plan.py", _P_ROWB, "`or` -> `and`"): R_ROWB,
@@ -580,6 +582,19 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("api.py", "if sys.version_info >= (3, 11):     # at run time too: typing.get_type_hints (pydantic, beartype)",
      "`>=` -> `>`"):
         "sys.version_info has five fields, so it is > (3, 11) exactly when it is >= (3, 11)",
+    ("hf.py", "if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1 or "
+              "position_ids.shape[1] < 2:", "`2` -> `1` @112"):
+        "one position has no restart to find: the next lines return None for it as well",
+    ("hf.py", "if square and bool((pad.int().diff(dim=-1) <= 0).all()):", "drop `-`"): R_2D_MASK,
+    ("hf.py", 'res = dict(kv_lengths=pad.sum(-1), align="top_left")', "drop `-`"): R_2D_MASK,
+    ("hf.py", "L, S = query.shape[-2], key.shape[-2]", "drop `-` @23"): R_4D,
+    ("hf.py", "L, S = query.shape[-2], key.shape[-2]", "drop `-` @38"): R_4D,
+    ("hf.py", "window = None if sliding is None else (int(sliding) - 1, 0 if causal else int(sliding) - 1)",
+     "`0` -> `1`"):
+        "the right side is read only with causal=True, whose band keeps min(right, 0) = 0 (the packed mask's "
+        "check as well: causal's tril already hides what tril(1) would add)",
+    ("hf.py", 'opts.update(causal=causal and L > 1, align="bottom_right")', "`>` -> `>=`"): R_ONE_ROW,
+    ("hf.py", 'opts.update(causal=causal and L > 1, align="bottom_right")', "`1` -> `0`"): R_ONE_ROW,
     ("hf.py", 'trusted = _TRUSTED[kind] = all(bool(getattr(c, "_supports_attention_backend", False)',
      "`False` -> `True`"): R_PRETRAINED,
     ("hf.py", 'or getattr(c, "_supports_sdpa", False)) for c in _model_classes(kind))', "`False` -> `True`"):
@@ -1229,6 +1244,10 @@ def _select(args: argparse.Namespace) -> list[Mutant]:
         only = {r["ident"] for r in prev["mutants"] if r["status"] == "survived"}
     for mod in modules:
         ms = generate(mod)
+        stale = _stale_equivalents(mod, ms)
+        if stale:
+            print(f"{mod}: EQUIVALENT entries that match no mutant (their line changed; update or remove "
+                  f"them): {stale}", flush=True)
         if only is not None:
             ms = [m for m in ms if m.ident in only]
         if args.kinds:
@@ -1243,6 +1262,13 @@ def _select(args: argparse.Namespace) -> list[Mutant]:
         print(f"{mod}: {total} mutants" + (f", {len(ms)} sampled" if len(ms) < total else ""), flush=True)
         chosen += ms
     return chosen
+
+
+def _stale_equivalents(module: str, mutants: list[Mutant]) -> list[tuple[str, str]]:
+    """(line, mutation) of the module's EQUIVALENT entries that none of its mutants
+    matches: a listed line that was edited since."""
+    used = {m.key for m in mutants} | {(m.module, m.original, f"{m.what} @{m.start[1]}") for m in mutants}
+    return [(line, what) for mod, line, what in EQUIVALENT if mod == module and (mod, line, what) not in used]
 
 
 def _report(mutants: list[Mutant]) -> dict[str, dict[str, int]]:

@@ -329,6 +329,7 @@ def test_packed_offsets_from_one_row_of_restarting_positions():
     offsets = attnkit.hf._packed_offsets
     assert torch.equal(offsets(torch, torch.tensor([[0, 1, 2, 0, 1, 2, 3]])), torch.tensor([0, 3, 7]))
     assert torch.equal(offsets(torch, torch.tensor([[0, 0, 1]])), torch.tensor([0, 1, 3]))
+    assert torch.equal(offsets(torch, torch.tensor([[0, 0]])), torch.tensor([0, 1, 2]))   # two one-token sequences
     for not_packed in (None, torch.tensor([0, 1, 0, 1]), torch.tensor([[0, 1, 0], [0, 1, 0]]),
                        torch.tensor([[0]]), torch.tensor([[3, 4, 5, 6]])):
         assert offsets(torch, not_packed) is None
@@ -376,3 +377,15 @@ def test_a_padding_mask_is_read_once_until_it_changes(monkeypatch):
         assert attnkit.hf._padding(m, True)["kv_lengths"].tolist() == [6, 3]
         m[1, 3] = 1
         assert attnkit.hf._padding(m, True)["kv_lengths"].tolist() == [6, 4]
+
+
+@pytest.mark.parametrize("L", [1, 3])
+def test_per_token_sinks_with_or_without_their_last_axis(L):
+    """Per-token sink logits as (B, H, L, 1) (their last axis dropped) or already (B, H, L),
+    a decoding step (L = 1) too."""
+    q, k, v = qkv(L=L, S=6)
+    sinks = torch.randn(1, 2, L, 1, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    four = attnkit.hf.attention_forward(layer(), q, k, v, None, sinks=sinks)[0]
+    three = attnkit.hf.attention_forward(layer(), q, k, v, None, sinks=sinks[..., 0])[0]
+    want = attnkit.attention(q, k, v, causal=L > 1, sinks=sinks[..., 0]).transpose(1, 2)
+    assert torch.equal(four, three) and (four - want).abs().max() <= 1e-12

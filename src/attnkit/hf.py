@@ -286,7 +286,6 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     if cu_q is not None:                                  # FlashAttention's keywords: its window too
         opts.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k if cu_k is not None else cu_q,
                     causal=causal, align="bottom_right", window=window)
-        attention_mask = None
     elif attention_mask is None:
         opts.update(causal=causal and L > 1, align="bottom_right")
     elif attention_mask.dim() == 2:                       # the padding mask of a plain layer
