@@ -389,3 +389,14 @@ def test_per_token_sinks_with_or_without_their_last_axis(L):
     three = attnkit.hf.attention_forward(layer(), q, k, v, None, sinks=sinks[..., 0])[0]
     want = attnkit.attention(q, k, v, causal=L > 1, sinks=sinks[..., 0]).transpose(1, 2)
     assert torch.equal(four, three) and (four - want).abs().max() <= 1e-12
+
+
+def test_two_new_tokens_against_earlier_keys_are_causal():
+    """L = 2 queries after 3 earlier keys (a speculative step): causal, bottom-right,
+    without a mask and with a 2-D padding mask."""
+    q, k, v = qkv(L=2, S=5)
+    causal = bottom_right(2, 5)
+    assert (attnkit.hf.attention_forward(layer(), q, k, v, None)[0] - sdpa(q, k, v, causal)).abs().max() <= 1e-12
+    pad = torch.tensor([[0, 1, 1, 1, 1]])
+    got = attnkit.hf.attention_forward(layer(), q, k, v, pad)[0]
+    assert (got - sdpa(q, k, v, causal & pad.bool()[:, None, None, :])).abs().max() <= 1e-12
