@@ -593,6 +593,12 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "`0` -> `1`"):
         "the right side is read only with causal=True, whose band keeps min(right, 0) = 0 (the packed mask's "
         "check as well: causal's tril already hides what tril(1) would add)",
+    ("hf.py", "T = attention_mask.shape[-1]", "drop `-`"): R_2D_MASK,
+    ("hf.py", "if T < S:                                         # a static cache: slots past T are empty",
+     "`<` -> `<=`"):
+        "at T = S the cut keeps every key and the bias whole, and the weights need no padding: the same call",
+    ("hf.py", 'if opts.get("bias") is not None and opts["bias"].shape[-1] > T:', "`>` -> `>=`"):
+        "a bias of exactly T keys cut to its first T is the same bias",
     ("hf.py", 'opts.update(causal=causal and L > 1, align="bottom_right")', "`>` -> `>=`"): R_ONE_ROW,
     ("hf.py", 'opts.update(causal=causal and L > 1, align="bottom_right")', "`1` -> `0`"): R_ONE_ROW,
     ("hf.py", 'trusted = _TRUSTED[kind] = all(bool(getattr(c, "_supports_attention_backend", False)',

@@ -213,3 +213,13 @@ def test_paged_cache_names_bad_lengths_before_counting_pages():
         cache.attend(np.ones((2, 1, 3, 4)), seqs, k_new=np.ones((2, 1, 3, 4)), v_new=np.ones((2, 1, 3, 4)),
                      q_lengths=np.array([1, 1]))
     assert [cache.length(s) for s in seqs] == [4, 4]
+
+
+def test_no_new_key_to_write_reads_no_page():
+    """Every sequence appends nothing (q_lengths 0) into a block table without columns:
+    no table entry is looked up, the rows are all padding."""
+    q, new = np.ones((2, 1, 2, 4)), np.ones((2, 1, 2, 4))
+    kc, vc = np.zeros((3, 1, 4, 4)), np.zeros((3, 1, 4, 4))
+    out, lse = attnkit.attention_kvcache(q, kc, vc, 0, block_table=np.zeros((2, 0), np.int64), k_new=new,
+                                         v_new=new, q_lengths=0, return_lse=True)
+    assert (out == 0).all() and (lse == -np.inf).all() and not kc.any()
