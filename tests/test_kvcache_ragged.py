@@ -173,12 +173,19 @@ def test_paged_cache_runs_prefill_chunks_next_to_decoding_steps():
                                      backend="reference")
             assert max_error(out[b, :, :n], want) <= 1e-12 and (out[b, :, n:] == 0).all(), (step, b)
     assert [cache.length(s) for s in seqs] == [11, 5]
+    q = rng.standard_normal((2, 4, 1, 8))                  # a decoding step of the second sequence only
+    kn, vn = rng.standard_normal((2, 2, 1, 8)), rng.standard_normal((2, 2, 1, 8))
+    out = cache.attend(q, seqs, k_new=kn, v_new=vn, q_lengths=[0, 1], causal=True)
+    ks[1].append(kn[1]), vs[1].append(vn[1])
+    want = attnkit.attention(q[1], np.concatenate(ks[1], 1), np.concatenate(vs[1], 1), backend="reference")
+    assert max_error(out[1], want) <= 1e-12 and (out[0] == 0).all()
+    assert [cache.length(s) for s in seqs] == [11, 6]
     free = len(cache._free)
     with pytest.raises(ValueError, match="^q_lengths"):   # refused: no page kept
         cache.attend(rng.standard_normal((2, 4, 3, 8)), seqs, k_new=kn, v_new=vn, q_lengths=np.array([3, 4]))
     with pytest.raises(ValueError, match="^q_lengths"):
         cache.attend(rng.standard_normal((2, 4, 3, 8)), seqs, k_new=kn, v_new=vn, q_lengths=np.array([1, 2, 3]))
-    assert len(cache._free) == free and [cache.length(s) for s in seqs] == [11, 5]
+    assert len(cache._free) == free and [cache.length(s) for s in seqs] == [11, 6]
 
 
 MORE = [dict(dropout=0.3, seed=5, causal=True), dict(window=(2, 1), align="top_left"),

@@ -248,8 +248,7 @@ class PagedCache:
         if q_lengths is None or n == 0:
             return [n] * B
         try:
-            counts = np.broadcast_to(host_ints("q_lengths", q_lengths) if hasattr(q_lengths, "shape")
-                                     else np.asarray(q_lengths), (B,))
+            counts = np.broadcast_to(host_ints("q_lengths", q_lengths), (B,))
             return [min(max(int(c), 0), n) for c in counts]
         except (TypeError, ValueError):                  # not B lengths: attention_kvcache says so
             return [0] * B
