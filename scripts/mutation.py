@@ -95,7 +95,8 @@ TARGETS: dict[str, list[str]] = {
                        "tests/torch/test_mha.py", "tests/torch/test_op.py"],
     "spec/options.py": ["tests/spec/test_options.py", "tests/test_api.py", "tests/spec/test_validate.py",
                         "tests/test_kvcache.py"],
-    "spec/kvcache.py": ["tests/test_kvcache.py", "tests/test_kvcache_ragged.py"],
+    "spec/kvcache.py": ["tests/test_kvcache.py", "tests/test_kvcache_ragged.py", "tests/test_kvcache_cases.py",
+                        "tests/torch/test_op.py"],
     "reference.py": ["tests/test_reference.py", "tests/test_nonfinite.py", "tests/test_api.py",
                      "tests/flash/test_varlen.py", "tests/test_kvcache.py", "tests/torch/test_terms.py"] + _EXPLAIN,
     "flash/plan.py": _FLASH_TESTS + ["tests/flash/test_plan.py", "tests/flash/test_runtime.py",
@@ -132,6 +133,9 @@ DESELECT = ["tests/torch/test_op.py::test_cpu_tensors_run_the_flash_rung_when_he
 # character column of the replaced span, as --list shows it) to name one.
 R_BLOCK = ("a tuning constant: the default tile sizes only change how rows and keys are cut into tiles "
            "(the order of sums), never a result beyond rounding")
+R_TRACED = ("while torch.compile traces, the stand-in keys and their lengths are only shape-checked (values "
+            "are read by the eager call inside the op, which gets the user's arguments): any size or value here "
+            "traces the same graph")
 R_ONE_ROW = "one query row aligned bottom-right sees every key: causal changes nothing at L = 1"
 R_2D_MASK = "the padding mask read here is 2-D (B, S): axis 1 is axis -1"
 R_4D = "transformers hands its attention functions 4-D (B, H, L, D) queries and keys: axis 2 is axis -2"
@@ -597,6 +601,12 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("hf.py", "if T < S:                                         # a static cache: slots past T are empty",
      "`<` -> `<=`"):
         "at T = S the cut keeps every key and the bias whole, and the weights need no padding: the same call",
+    ("spec/kvcache.py", "S_cap = P if block_table is None else int(block_table.shape[1]) * P   # checks them "
+                        "when it runs", "`1` -> `0`"): R_TRACED,
+    ("spec/kvcache.py", "backend=backend, kv_lengths=lengths.long() + (q_lengths.long() if ragged else L_new),",
+     "`+` -> `-`"): R_TRACED,
+    ("spec/kvcache.py", "backend=backend, kv_lengths=lengths.long() + (q_lengths.long() if ragged else L_new),",
+     "negate the condition"): R_TRACED,
     ("hf.py", 'if opts.get("bias") is not None and opts["bias"].shape[-1] > T:', "`>` -> `>=`"):
         "a bias of exactly T keys cut to its first T is the same bias",
     ("hf.py", 'opts.update(causal=causal and L > 1, align="bottom_right")', "`>` -> `>=`"): R_ONE_ROW,

@@ -124,3 +124,12 @@ def test_attend_with_new_keys_of_the_wrong_rank_is_named_and_keeps_no_page(shape
     assert cache.length(s) == 0 and cache.block_table([s]).tolist() == [[0]]
     cache.reserve(s, 8)                                  # all four pages are still free
     assert max_error(cache.block_table([s]), np.arange(4)[None]) == 0
+
+
+def test_new_keys_without_their_batch_dim_are_named_with_l_new_unknown():
+    """A 3-D k_new has no L_new to quote: the expected shape says L_new, not a number."""
+    k = np.zeros((2, 1, 8, 4))
+    with pytest.raises(ValueError, match=re.escape("k_new: expected shape (B, Hkv, L_new, D) = (2, 1, L_new, 4), "
+                                                   "got (1, 3, 4)")):
+        attnkit.attention_kvcache(np.zeros((2, 2, 1, 4)), k, k.copy(), 0, k_new=np.ones((1, 3, 4)),
+                                  v_new=np.ones((1, 3, 4)))
