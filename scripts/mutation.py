@@ -133,6 +133,9 @@ DESELECT = ["tests/torch/test_op.py::test_cpu_tensors_run_the_flash_rung_when_he
 # character column of the replaced span, as --list shows it) to name one.
 R_BLOCK = ("a tuning constant: the default tile sizes only change how rows and keys are cut into tiles "
            "(the order of sums), never a result beyond rounding")
+R_KEPT = ("how many rows a call may have, or how many geometries, for the small rung's row bounds to be kept: "
+          "memory and speed only (a test pins that they are kept for small calls and that the store is bounded)")
+_SMALL_ROWS = "_BOUNDS_ROWS = 1 << 16     # rows of a call whose bounds are kept (two int64 arrays each)"
 R_TRACED = ("while torch.compile traces, the stand-in keys and their lengths are only shape-checked (values "
             "are read by the eager call inside the op, which gets the user's arguments): any size or value here "
             "traces the same graph")
@@ -601,6 +604,12 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("hf.py", "if T < S:                                         # a static cache: slots past T are empty",
      "`<` -> `<=`"):
         "at T = S the cut keeps every key and the bias whole, and the weights need no padding: the same call",
+    ("small.py", _SMALL_ROWS, "`1` -> `2`"): R_KEPT,
+    ("small.py", _SMALL_ROWS, "`16` -> `15`"): R_KEPT,
+    ("small.py", _SMALL_ROWS, "`16` -> `17`"): R_KEPT,
+    ("small.py", "if spec.q_lengths is None and spec.kv_lengths is None and prod(spec.lse_shape) <= _BOUNDS_ROWS:",
+     "`<=` -> `<`"): R_KEPT,
+    ("small.py", "if len(_BOUNDS) >= 64:", "`64` -> `63`"): R_KEPT,
     ("spec/kvcache.py", "S_cap = P if block_table is None else int(block_table.shape[1]) * P   # checks them "
                         "when it runs", "`1` -> `0`"): R_TRACED,
     ("spec/kvcache.py", "backend=backend, kv_lengths=lengths.long() + (q_lengths.long() if ragged else L_new),",

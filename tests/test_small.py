@@ -77,12 +77,26 @@ def test_row_bounds_kept_per_geometry_never_serve_another():
     calls = [(k, v, dict(causal=True)), (k, v, dict(causal=True, align="top_left")),
              (k, v, dict(window=(2, 1))), (k, v, dict(window=(2, 1), causal=True)),
              (k, v, dict(causal=True, window=(3, None))), (*short, dict(causal=True))]
+    calls += [(k, v, dict(causal=True, **{name: np.array(n)})) for name, n in
+              (("q_lengths", [6, 3]), ("q_lengths", [2, 6]), ("kv_lengths", [9, 4]), ("kv_lengths", [5, 9]))]
     for _ in range(2):
         for kk, vv, kw in calls:
             spec = validate(q, kk, vv, **kw)
             o1, l1, _ = small.rung_forward(spec)
             o0, l0, _ = reference.rung_forward(spec)
             assert max_error(o1, o0) <= 1e-12 and max_error(l1, l0) <= 1e-12, kw
+
+
+def test_row_bounds_are_kept_and_the_store_stays_bounded(monkeypatch):
+    """A geometry's second call reads the kept arrays; more geometries than the store
+    holds start it again (it never grows past 64)."""
+    monkeypatch.setattr(small, "_BOUNDS", {})
+    q, k, v = make_qkv((2, 2, 5, 4), (2, 2, 7, 4), seed=1)
+    first = small._row_bounds(validate(q, k, v, causal=True))
+    assert small._row_bounds(validate(q, k, v, causal=True))[0] is first[0]
+    for n in range(1, 70):
+        small._row_bounds(validate(q, k, v, window=(n, 0)))
+        assert len(small._BOUNDS) <= 64
 
 
 def test_padding_rows_and_fully_masked_rows():
