@@ -400,3 +400,12 @@ def test_two_new_tokens_against_earlier_keys_are_causal():
     pad = torch.tensor([[0, 1, 1, 1, 1]])
     got = attnkit.hf.attention_forward(layer(), q, k, v, pad)[0]
     assert (got - sdpa(q, k, v, causal & pad.bool()[:, None, None, :])).abs().max() <= 1e-12
+
+
+def test_the_mask_builder_defaults_are_transformers_own():
+    """Called with fewer arguments, the builder assumes what transformers' sdpa_mask does."""
+    import inspect
+    ours, theirs = (inspect.signature(f).parameters for f in (attnkit.hf.attention_mask, mu.sdpa_mask))
+    for name in ("q_offset", "kv_offset", "attention_mask", "local_size", "allow_is_causal_skip",
+                 "allow_is_bidirectional_skip"):
+        assert ours[name].default == theirs[name].default, name
