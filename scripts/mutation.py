@@ -601,6 +601,9 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "the right side is read only with causal=True, whose band keeps min(right, 0) = 0 (the packed mask's "
         "check as well: causal's tril already hides what tril(1) would add)",
     ("hf.py", "T = attention_mask.shape[-1]", "drop `-`"): R_2D_MASK,
+    ("hf.py", "and (attention_mask is None or attention_mask.shape[-1] <= kv_length):", "drop `-`"): R_2D_MASK,
+    ("hf.py", "if attention_mask.shape[-1] == kv_length and not _compiling() and bool(attention_mask.all()):",
+     "drop `-`"): R_2D_MASK,
     ("hf.py", "if T < S:                                         # a static cache: slots past T are empty",
      "`<` -> `<=`"):
         "at T = S the cut keeps every key and the bias whole, and the weights need no padding: the same call",

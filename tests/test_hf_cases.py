@@ -409,3 +409,17 @@ def test_the_mask_builder_defaults_are_transformers_own():
     for name in ("q_offset", "kv_offset", "attention_mask", "local_size", "allow_is_causal_skip",
                  "allow_is_bidirectional_skip"):
         assert ours[name].default == theirs[name].default, name
+
+
+def test_the_mask_builder_on_a_static_cache_gives_the_tokens_so_far():
+    """A causal layer on a static cache of 4 slots: a 2-D mask of 3 tokens stays a mask
+    (even when the batch is also 4: the slots past it are empty), and without a mask the
+    tokens so far are ones — also when the offset is a tensor (a static cache's)."""
+    cfg = decoder("llama", "attnkit").config
+    causal = mu.causal_mask_function
+    m = attnkit.hf.attention_mask(4, 1, 4, q_offset=2, mask_function=causal,
+                                  attention_mask=torch.ones(4, 3, dtype=torch.long), config=cfg)
+    assert m is not None and m.dtype == torch.bool and m.shape == (4, 3) and bool(m.all())
+    for offset in (5, torch.tensor(5)):
+        m = attnkit.hf.attention_mask(2, 1, 16, q_offset=offset, mask_function=causal, config=cfg)
+        assert m is not None and m.shape == (2, 6) and bool(m.all()), offset
