@@ -423,3 +423,4 @@ def test_the_mask_builder_on_a_static_cache_gives_the_tokens_so_far():
     for offset in (5, torch.tensor(5)):
         m = attnkit.hf.attention_mask(2, 1, 16, q_offset=offset, mask_function=causal, config=cfg)
         assert m is not None and m.shape == (2, 6) and bool(m.all()), offset
+        assert attnkit.hf.attention_mask(2, 1, 6, q_offset=offset, mask_function=causal, config=cfg) is None
