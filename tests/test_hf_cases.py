@@ -424,3 +424,9 @@ def test_the_mask_builder_on_a_static_cache_gives_the_tokens_so_far():
         m = attnkit.hf.attention_mask(2, 1, 16, q_offset=offset, mask_function=causal, config=cfg)
         assert m is not None and m.shape == (2, 6) and bool(m.all()), offset
         assert attnkit.hf.attention_mask(2, 1, 6, q_offset=offset, mask_function=causal, config=cfg) is None
+
+
+def test_register_without_torch_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)      # import torch fails
+    with pytest.raises(ImportError, match=r"^attnkit.hf needs torch and transformers: pip install 'attnkit\[hf\]'"):
+        attnkit.hf.register()
