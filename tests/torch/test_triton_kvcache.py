@@ -173,6 +173,29 @@ def test_ragged_queries(layout, terms):
     assert (out[2, :, 1:] == 0).all() and (lse[2, :, 1:] == -INF).all() and (lse[2, :, 0] > -INF).all()
 
 
+@pytest.mark.parametrize("kw", [{}, dict(causal=True)], ids=["plain", "causal"])
+def test_ragged_padding_rows_stay_zero_next_to_non_finite_values(kw, device="cpu"):
+    """Padding rows share row blocks with real rows: a NaN or inf value in a tile every
+    real row sees makes those rows' columns NaN (the reference's), never a padding row's."""
+    q = queries(2, 4, 3, 16, "float32")
+    for k_cache, v_cache, table in (contiguous(2, 2, 112, 16, 16, "float32", seed=9),
+                                    paged(2, 2, 7, 16, 16, 16, "float32", seed=9)):
+        for (b, h, j, d), x in {(0, 0, 10, 3): NAN, (1, 1, 40, 5): INF}.items():
+            page, slot = (b, j) if table is None else (int(table[b, j // 16]), j % 16)
+            v_cache[page, h, slot, d] = x
+        args = (q, k_cache, v_cache, torch.tensor([112, 96]), table)
+        on = [x if x is None else x.to(device) for x in args]
+        got = [x.cpu() for x in decode("triton", *on, q_lengths=torch.tensor([1, 2], device=device), **kw)[:2]]
+        want = decode("reference", *args, q_lengths=torch.tensor([1, 2]), **kw)[:2]
+        for a, w in zip(got, want):
+            assert torch.equal(torch.isnan(a), torch.isnan(w))
+            fin = torch.isfinite(w)
+            assert torch.equal(fin, torch.isfinite(a)) and max_error(a[fin], w[fin]) < 1e-5
+        out = got[0]
+        assert torch.isnan(out[0, :2, 0, 3]).all() and torch.isnan(out[1, 2:, :2, 5]).all()
+        assert (out[0, :, 1:] == 0).all() and (out[1, :, 2:] == 0).all()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision(dtype):
     """Half types by the 2× rule: paged (page 16) GQA and contiguous MQA."""
@@ -359,6 +382,12 @@ def test_gpu_ragged_queries(dtype, D, page):
               q_lengths=torch.tensor([4, 1, 0, 3]))
     out, lse = check(queries(4, 32, 4, D, dtype), cache, torch.tensor([0, 7, 3000, 4093]), 4, device="cuda", **kw)
     assert (out[2] == 0).all() and (lse[2] == -INF).all() and (out[1, :, 1:] == 0).all()
+
+
+@gpu
+@pytest.mark.parametrize("kw", [{}, dict(causal=True)], ids=["plain", "causal"])
+def test_gpu_ragged_padding_rows_stay_zero_next_to_non_finite_values(kw):
+    test_ragged_padding_rows_stay_zero_next_to_non_finite_values(kw, device="cuda")
 
 
 @gpu

@@ -126,6 +126,7 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, qlen_op, slopes_op, part_
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
     Lk = tl.load(Lens + b * stride_len)             # the sequence's keys, on the device
     Lq = _query_length(QLen, stride_qlen, b, L, HAS_QLENS)   # its query rows (past them: padding)
+    real = row_ok & (i < Lq)
     offset = pid * 0                                # diag(i) = i + offset (geometry.Segment)
     if BOTTOM_RIGHT:
         offset = Lk - Lq
@@ -189,7 +190,7 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, qlen_op, slopes_op, part_
             if part != 1:                           # non-finite values as 0: excluded keys never reach a row
                 v, bad = _exempt(v, INTERPRET)
             else:                                   # an infinite q or k can still exclude a key here
-                neg = neg | ((s == float("-inf")) & col_ok[None, :] & row_ok[:, None])
+                neg = neg | ((s == float("-inf")) & col_ok[None, :] & real[:, None])   # (padding rows see none)
             if HAS_DROPOUT:                         # out = dropout(weights) v; l (and lse) count every weight
                 p = p * _dropout_scale(i[:, None], cols[None, :], rng)
             acc = _mm_lowp(p, v, acc * alpha[:, None], SPLIT, INTERPRET, PRECISION)
@@ -199,6 +200,7 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, qlen_op, slopes_op, part_
     # every row saw every key of the middle tiles, which ran unchecked: a non-finite value
     # there reached its column of every row as NaN, or ±inf (p > 0), made NaN here
     acc = tl.where(tl.abs(acc) < float("inf"), acc, float("nan"))
+    acc = tl.where(real[:, None], acc, 0.0)         # padding rows see no key: no value reaches them
 
     part = bh.to(tl.int64) * stride_pb + split * stride_ps + r * stride_pm
     tl.store(PartO + part[:, None] + offs_dv[None, :] * stride_pd, acc,
