@@ -230,3 +230,17 @@ def test_no_new_key_to_write_reads_no_page():
     out, lse = attnkit.attention_kvcache(q, kc, vc, 0, block_table=np.zeros((2, 0), np.int64), k_new=new,
                                          v_new=new, q_lengths=0, return_lse=True)
     assert (out == 0).all() and (lse == -np.inf).all() and not kc.any()
+
+
+@pytest.mark.parametrize("backend", ["flash", "reference"])
+def test_one_new_token_for_some_sequences_and_none_for_others(backend):
+    """L = 1: a decoding step for sequence 0 and none for sequence 1, whose cache and
+    length stay as they were."""
+    q, k, v, table, lengths, new = ragged_case(True, 16, L=1, seed=6)
+    before_k = k.copy()
+    out = attnkit.attention_kvcache(q, k, v, lengths, block_table=table, q_lengths=np.array([1, 0, 1]),
+                                     backend=backend, **new)
+    assert (out[1] == 0).all() and not (out[0] == 0).all()
+    write(before_k, table, 0, [lengths[0]], new["k_new"][0], 16)
+    write(before_k, table, 2, [lengths[2]], new["k_new"][2], 16)
+    assert np.array_equal(k, before_k, equal_nan=True)          # sequence 1's slot not written
