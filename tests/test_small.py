@@ -94,6 +94,9 @@ def test_row_bounds_are_kept_and_the_store_stays_bounded(monkeypatch):
     q, k, v = make_qkv((2, 2, 5, 4), (2, 2, 7, 4), seed=1)
     first = small._row_bounds(validate(q, k, v, causal=True))
     assert small._row_bounds(validate(q, k, v, causal=True))[0] is first[0]
+    other = small._row_bounds(validate(q, k, v, window=(1, 1)))   # a second geometry keeps the first
+    assert small._row_bounds(validate(q, k, v, causal=True))[0] is first[0]
+    assert small._row_bounds(validate(q, k, v, window=(1, 1)))[0] is other[0]
     for n in range(1, 70):
         small._row_bounds(validate(q, k, v, window=(n, 0)))
         assert len(small._BOUNDS) <= 64
