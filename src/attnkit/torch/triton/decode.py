@@ -126,7 +126,9 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, qlen_op, slopes_op, part_
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
     Lk = tl.load(Lens + b * stride_len)             # the sequence's keys, on the device
     Lq = _query_length(QLen, stride_qlen, b, L, HAS_QLENS)   # its query rows (past them: padding)
-    real = row_ok & (i < Lq)
+    real = row_ok
+    if HAS_QLENS:                                   # (without q_lengths every row is real: the same code)
+        real = row_ok & (i < Lq)
     offset = pid * 0                                # diag(i) = i + offset (geometry.Segment)
     if BOTTOM_RIGHT:
         offset = Lk - Lq
@@ -200,7 +202,8 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, qlen_op, slopes_op, part_
     # every row saw every key of the middle tiles, which ran unchecked: a non-finite value
     # there reached its column of every row as NaN, or ±inf (p > 0), made NaN here
     acc = tl.where(tl.abs(acc) < float("inf"), acc, float("nan"))
-    acc = tl.where(real[:, None], acc, 0.0)         # padding rows see no key: no value reaches them
+    if HAS_QLENS:                                   # padding rows see no key: no value reaches them
+        acc = tl.where(real[:, None], acc, 0.0)
 
     part = bh.to(tl.int64) * stride_pb + split * stride_ps + r * stride_pm
     tl.store(PartO + part[:, None] + offs_dv[None, :] * stride_pd, acc,
