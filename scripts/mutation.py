@@ -246,10 +246,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "v_new is not None in this branch (k_new and v_new come together), so required never applies",
     ("spec/kvcache.py", "L_new = int(k_new.shape[-2]) if k_new.ndim == 4 else -1", "drop `-` @32"):
         "k_new.ndim == 4 in that branch: index 2 is index -2",
-    ("spec/kvcache.py", "L_new = int(k_new.shape[-2]) if k_new.ndim == 4 else -1", "`1` -> `0`"):
-        "a k_new that is not 4-D fails the shape check whatever L_new; the message prints max(L_new, 0) = 0 either way",
     ("spec/kvcache.py", "L_new = int(k_new.shape[-2]) if k_new.ndim == 4 else -1", "`1` -> `2`"):
-        "a k_new that is not 4-D fails the shape check whatever L_new; the message prints max(L_new, 0) = 0 either way",
+        "a k_new that is not 4-D fails the shape check whatever L_new, and any negative L_new is printed as 'L_new'",
     ("spec/kvcache.py", "S_cap = int(capacity.max()) if B else 0", "`.max` -> `.min`"):
         "capacity is np.full(B, ...): every entry is the same",
     ("spec/kvcache.py", "S_cap = int(capacity.max()) if B else 0", "`0` -> `1`"):
