@@ -2,11 +2,16 @@ import pytest
 
 from attnkit.flash import kernels as _kernels
 
-KERNELS = ["numpy"] + (["numba"] if _kernels.compiled_kernels() is not None else [])
+_compiled = _kernels.compiled_kernels()
+KERNELS = ["numpy"] + (["numba"] if _compiled is not None else []) + (
+    ["numba-python-loop"] if _compiled is not None and _compiled.tile_loop is not None else [])
 
 
 @pytest.fixture(params=KERNELS)
 def kernels(request, monkeypatch):
-    """Runs a float32 test once on the NumPy tiles and once on the numba kernels."""
-    monkeypatch.setattr(_kernels, "USE_COMPILED", request.param == "numba")
+    """Runs a float32 test on the NumPy tiles, on the numba kernels (the forward's
+    tile loop compiled, where NumPy's sgemm is found) and on the numba kernels with
+    the tile loop in Python."""
+    monkeypatch.setattr(_kernels, "USE_COMPILED", request.param != "numpy")
+    monkeypatch.setattr(_kernels, "USE_LOOP", request.param == "numba")
     return request.param

@@ -184,18 +184,23 @@ def test_decoding_copies_a_strided_cache_once_and_a_broadcast_one_never(monkeypa
         assert sum(copied) <= {"strided": k.nbytes + v.nbytes, "broadcast": 0}[name], (name, copied)
 
 
-def test_the_forward_checks_products_not_values(monkeypatch):
+@pytest.mark.parametrize("loop", [False, True])
+def test_the_forward_checks_products_not_values(monkeypatch, loop):
     """The forward's NaN/inf check reads each tile's p v (hot, just made), never the
     values themselves (reading them again per strip cost 2–3% of a causal call, and a
-    KV cache's read doubles what decoding reads), and it still finds a NaN value."""
+    KV cache's read doubles what decoding reads), and it still finds a NaN value — in
+    the Python loop and in the compiled one (kernels' tile_loop), which checks its
+    products itself."""
+    monkeypatch.setattr(flash.kernels, "USE_LOOP", loop)
     seen = []
     real = forward.all_finite
     monkeypatch.setattr(forward, "all_finite", lambda *xs: seen.extend(xs) or real(*xs))
     q, k, v = make_qkv((1, 2, 2048, 64), (1, 2, 2048, 64), dtype="float32", seed=1)
     with flash.threads(1):
         flash.rung_forward(validate(q, k, v, causal=True))
-    assert seen and not any(np.shares_memory(x, v) for x in seen)
+    assert not any(np.shares_memory(x, v) for x in seen)
     assert all(x.shape[-1] == v.shape[-1] and x.shape[-2] <= 1024 for x in seen)
+    assert bool(seen) != (loop and flash.compiled_kernels().tile_loop is not None)
     v[0, 1, 100, 3] = np.nan
     out, _, _ = flash.rung_forward(validate(q, k, v, causal=True))
     assert np.isnan(out[0, 1, 100:, 3]).all() and np.isfinite(out[0, 1, :100]).all()

@@ -2,8 +2,9 @@
 threaded, forward and backward from lse, exact weights for chosen rows.
 
 Modules: ``runtime`` (worker threads, BLAS held to one thread, fork and interrupt
-safety), ``kernels`` / ``numba_kernels`` (the tile kernels), ``plan`` (units, tiles,
-split-KV: the tile planner), ``forward`` and ``backward``.
+safety), ``kernels`` / ``numba_kernels`` (the tile kernels, and the forward's tile
+loop compiled with ``blas``: NumPy's own sgemm), ``plan`` (units, tiles, split-KV: the
+tile planner), ``forward`` and ``backward``.
 
 >>> import numpy as np
 >>> from attnkit import flash

@@ -56,6 +56,11 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: 
     m_i, l_i = _init(call, u, r0, r1, with_sink)
     if want_out and call.streams(u, r0, r1):
         return _stream(call, u, q_t, r0, r1, m_i, l_i, lo, hi)
+    if want_out and call.loop:
+        state = _compiled_loop(call, u, q_t, r0, r1, buf, m_i, l_i, lo, hi)
+        if state is not None:
+            return state
+        m_i, l_i = _init(call, u, r0, r1, with_sink)     # a NaN or inf product: start over
     tiles = call.tiles(u, r0, r1, lo, hi)
     acc = pv = None
     if want_out:                                         # one tile covering every row: its
@@ -93,6 +98,22 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: 
                 kern.rescale_add(acc.reshape(nk * n_rows, -1), alpha, pv.reshape(nk * n_rows, -1))
             else:                                        # nk = 1 here: acc[0, rows] is a 2-D view
                 kern.rescale_add(acc_s[0], alpha, pv_s[0])
+    return m_i, l_i, acc
+
+
+def _compiled_loop(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, buf: np.ndarray, m_i: np.ndarray,
+                   l_i: np.ndarray, lo: int | None, hi: int | None) -> State | None:
+    """online_softmax's loop as one compiled call (float32, plain scores: the kernels'
+    ``tile_loop``), or None when a product p v is not finite."""
+    spec = call.spec
+    tiles = call.flat_tiles(u, r0, r1, lo, hi)
+    R = u.g * (r1 - r0)
+    one = len(tiles) == 1 and tiles[0, 0] == 0 and tiles[0, 1] == R
+    acc = (np.empty if one else np.zeros)((u.nk, R, spec.Dv), dtype=call.acc)
+    k, v = call.kv(u, 0, spec.S)
+    lo_b, hi_b = call.bounds(u, r0, r1)
+    if not call.kern.tile_loop(q_t, k, v, tiles, lo_b, hi_b, buf, m_i, l_i, acc, one):
+        return None
     return m_i, l_i, acc
 
 

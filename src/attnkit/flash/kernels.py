@@ -112,6 +112,9 @@ NUMPY = SimpleNamespace(name="numpy", softmax_tile=_np_softmax_tile,
 
 # Set to False to force the NumPy kernels everywhere (tests use it for the fallback).
 USE_COMPILED = True
+# Set to False to keep the compiled kernels but run the forward's tile loop in Python
+# (the path without NumPy's sgemm; tests use it).
+USE_LOOP = True
 _compiled: list[Any] = []   # [] not tried yet; [None] numba missing; [kernels]
 
 
@@ -137,9 +140,18 @@ def _probed(nk: Any) -> Any:
         nk.WIDE_ATTRIBUTES = attrs
         try:
             nk.rescale_add(one.copy(), one[0], one)
-            return nk.KERNELS
         except Exception:                   # noqa: BLE001 — any compile error: try without
             continue
+        if nk.KERNELS.tile_loop is not None:
+            try:                            # the loop calls BLAS through a pointer: should this
+                q = np.ones((1, 1, 1), dtype=np.float32)   # numba refuse it, the tiles stay in Python
+                nk.KERNELS.tile_loop(q, q, q, np.array([[0, 1, 0, 1, 0]]), np.zeros(1, dtype=np.int64),
+                                     np.ones(1, dtype=np.int64), np.empty(1, dtype=np.float32),
+                                     np.full(1, -np.inf, dtype=np.float32), np.zeros(1, dtype=np.float32),
+                                     np.empty((1, 1, 1), dtype=np.float32), True)
+            except Exception:               # noqa: BLE001
+                nk.KERNELS.tile_loop = None
+        return nk.KERNELS
     return None
 
 

@@ -13,6 +13,7 @@ machine has them (``_wide``): the row softmax, the causal diagonal and decoding 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import numba
 import numpy as np
@@ -20,6 +21,9 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from . import blas
+from .blas import NO_TRANS, ROW_MAJOR, TRANS
 
 ORDERED = dict(nogil=True, cache=True, error_model="numpy", fastmath={"nsz", "arcp", "contract", "afn"})
 REDUCE = dict(ORDERED, fastmath={"reassoc", "nsz", "arcp", "contract", "afn"})
@@ -111,9 +115,18 @@ def _row_done(i, m_new, shift, total, m_i, l_i, alpha):
     m_i[i] = m_new
 
 
+# The kernels that tile_loop also runs are written once as inline="always" bodies
+# (inlined by numba, not LLVM): a call from one compiled kernel into another may run
+# either function's own machine code depending on which was loaded first in the process
+# (seen as different bits of the same tile loop), so tile_loop calls none.
 @numba.njit(**REDUCE)
 def _softmax_tile(s, m_i, l_i, alpha):
     _wide()
+    _softmax_rows(s, m_i, l_i, alpha)
+
+
+@numba.njit(**REDUCE, inline="always")
+def _softmax_rows(s, m_i, l_i, alpha):
     for i in range(s.shape[0]):
         _softmax_span(s, i, 0, s.shape[1], m_i, l_i, alpha)
 
@@ -121,6 +134,11 @@ def _softmax_tile(s, m_i, l_i, alpha):
 @numba.njit(**REDUCE)
 def _softmax_tile_bounded(s, m_i, l_i, alpha, lo, hi, c0):
     _wide()
+    _softmax_rows_bounded(s, m_i, l_i, alpha, lo, hi, c0)
+
+
+@numba.njit(**REDUCE, inline="always")
+def _softmax_rows_bounded(s, m_i, l_i, alpha, lo, hi, c0):
     # row i limited to the keys [lo[i], hi[i]); the other columns get weight 0 and never
     # reach the max or the sum (NaN or inf there cannot leak into the row). Each row's
     # visible columns are taken as a view, looped from 0: a loop from a bound read per
@@ -152,6 +170,11 @@ def _softmax_tile_bounded(s, m_i, l_i, alpha, lo, hi, c0):
 @numba.njit(**ORDERED)
 def rescale_add(o, alpha, pv):
     _wide()
+    _rescale_add(o, alpha, pv)
+
+
+@numba.njit(**ORDERED, inline="always")
+def _rescale_add(o, alpha, pv):
     n = o.shape[1]
     for i in range(o.shape[0]):                          # (element-wise indexing: no row views)
         a = alpha[i]
@@ -468,6 +491,64 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
             j0 = j1
 
 
+@numba.njit(**REDUCE)
+def tile_loop(gemm, q, k, v, tiles, lo, hi, s, pv, alpha, m_i, l_i, acc, one):
+    # online_softmax's loop over a task's tiles when its scores are plain (no mask
+    # arrays, bias, softcap, ALiBi or dropout), in one call without the GIL; both
+    # products by ``gemm`` (.blas.sgemm), the calls np.matmul makes on the same tiles.
+    # q (nk, R, D) C order; k (nk, S, D), v (nk, S, Dv) with unit stride on the last
+    # axis; tiles (n, 5): rows [f0, f1) of each of the nk heads' R rows × keys [c0, c1),
+    # and whether the band cuts it (row i then keeps keys [lo[i], hi[i]); lo, hi, m_i,
+    # l_i flat over nk·R rows). acc (nk, R, Dv) is zero, or (one: a single tile of
+    # every row) the product itself. False as soon as a product p v is not finite (the
+    # state is then partly updated): the caller starts over on the general loop, whose
+    # exempt product gives NaN and inf values their meaning. REDUCE: the inlined row
+    # max and sum take the caller's flags
+    _wide()
+    nk, R, D = q.shape
+    Dv = v.shape[2]
+    # leading dims as BLAS checks them (≥ the row length, ≥ 1): a single key's row
+    # stride may be anything
+    ldk = max(k.strides[1] // k.itemsize, D, 1) if k.shape[1] > 1 else max(D, 1)
+    ldv = max(v.strides[1] // v.itemsize, Dv, 1) if v.shape[1] > 1 else max(Dv, 1)
+    ldo = max(Dv, 1)
+    for t in range(tiles.shape[0]):
+        f0, f1, c0, c1 = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+        n, w = f1 - f0, c1 - c0
+        st = s[:n * w].reshape((n, w))
+        for h in range(nk):
+            r = h * R + f0
+            gemm(ROW_MAJOR, NO_TRANS, TRANS, n, w, D, f32(1.0), q[h, f0:].ctypes.data, D,
+                 k[h, c0:].ctypes.data, ldk, f32(0.0), st.ctypes.data, w)
+            if tiles[t, 4]:
+                _softmax_rows_bounded(st, m_i[r:r + n], l_i[r:r + n], alpha, lo[r:r + n], hi[r:r + n], c0)
+            else:
+                _softmax_rows(st, m_i[r:r + n], l_i[r:r + n], alpha)
+            out = acc[h, f0:f1] if one else pv[:n]
+            gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, n, Dv, w, f32(1.0), st.ctypes.data, w,
+                 v[h, c0:].ctypes.data, ldv, f32(0.0), out.ctypes.data, ldo)
+            for i in range(n):
+                for j in range(Dv):
+                    if not np.isfinite(out[i, j]):
+                        return False
+            if not one:
+                _rescale_add(acc[h, f0:f1], alpha, out)
+    return True
+
+
+def _tile_loop_kernel() -> Any:
+    """tile_loop bound to NumPy's sgemm, or None without one (see .blas)."""
+    gemm = blas.sgemm()
+    if gemm is None:
+        return None
+
+    def run(q, k, v, tiles, lo, hi, s, m_i, l_i, acc, one):
+        R, Dv = q.shape[1], v.shape[2]
+        return tile_loop(gemm, q, k, v, tiles, lo, hi, s, np.empty((R, Dv), dtype=f32),
+                         np.empty(R, dtype=f32), m_i, l_i, acc, one)
+    return run
+
+
 def _with_alpha(kernel):
     def run(s, m_i, l_i, *bounds):
         alpha = np.empty_like(m_i)
@@ -480,4 +561,4 @@ KERNELS = SimpleNamespace(name="numba", softmax_tile=_with_alpha(_softmax_tile),
                           softmax_tile_bounded=_with_alpha(_softmax_tile_bounded), rescale_add=rescale_add,
                           normalize_into=normalize_into, normalize=normalize,
                           exp_from_lse=exp_from_lse, ds_tile=ds_tile, alibi_tile=alibi_tile,
-                          dropout_tile=dropout_tile, decode_part=decode_part)
+                          dropout_tile=dropout_tile, decode_part=decode_part, tile_loop=_tile_loop_kernel())

@@ -1,0 +1,160 @@
+"""The forward's compiled tile loop (numba_kernels.tile_loop: one call per task, both
+products by NumPy's own sgemm) against the same loop in Python (np.matmul and the
+compiled tile kernels): the same BLAS calls on the same tiles, so the same bits."""
+
+import numpy as np
+import pytest
+
+from attnkit import flash, reference
+from attnkit.flash import blas, kernels, plan
+from attnkit.spec import validate
+from attnkit.testing import error_budget, make_qkv, max_error
+
+LOOP = kernels.compiled_kernels() is not None and kernels.compiled_kernels().tile_loop is not None
+pytestmark = pytest.mark.skipif(kernels.compiled_kernels() is None, reason="numba is not installed")
+
+
+def _packed():
+    q, k, v = make_qkv((3, 300, 32), (3, 300, 32), dtype="float32", seed=5)
+    return (q, k, v), dict(causal=True, cu_seqlens_q=np.array([0, 17, 160, 300]),
+                           cu_seqlens_k=np.array([0, 17, 160, 300]))
+
+
+def _layout():                                            # transformers' (B, S, H, D) as (B, H, S, D)
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in make_qkv((2, 150, 4, 32), (2, 170, 4, 32), dtype="float32"))
+    return (q, k, v), dict(causal=True)
+
+
+def _one_key():                                           # S = 1: any row stride (BLAS's leading dim)
+    q, k, v = make_qkv((2, 4, 90, 16), (2, 4, 1, 16), dtype="float32", seed=3)
+    wide = np.zeros((2, 4, 1, 48), dtype=np.float32)
+    wide[..., :16] = k
+    return (q, wide[..., :16], v), {}
+
+
+CASES = {
+    "causal, row strips": lambda: (make_qkv((2, 3, 700, 32), (2, 3, 700, 32), dtype="float32"), dict(causal=True)),
+    "GQA causal, each head in strips": lambda: (make_qkv((4, 8, 256, 32), (4, 2, 256, 32), dtype="float32"),
+                                                dict(causal=True)),
+    "small heads side by side": lambda: (make_qkv((3, 12, 100, 16), (3, 12, 80, 16), dtype="float32"), {}),
+    "L != S, window, sinks": lambda: (make_qkv((2, 4, 300, 32), (2, 4, 900, 32), 24, dtype="float32", seed=1),
+                                      dict(causal=True, window=(100, 0), sinks=np.linspace(-1, 1, 4))),
+    "lengths, one empty": lambda: (make_qkv((3, 2, 200, 32), (3, 2, 260, 32), dtype="float32", seed=2),
+                                   dict(causal=True, kv_lengths=np.array([0, 77, 260]),
+                                        q_lengths=np.array([5, 60, 200]))),
+    "packed": _packed,
+    "(B, S, H, D) views": _layout,
+    "one key": _one_key,
+}
+
+
+def _forward(monkeypatch, spec, loop, **blocks):
+    monkeypatch.setattr(kernels, "USE_LOOP", loop)
+    calls = []
+    kern = kernels.compiled_kernels()
+    real = kern.tile_loop
+    if real is not None:
+        monkeypatch.setattr(kern, "tile_loop", lambda *a: calls.append(1) or real(*a))
+    out, lse, _ = flash.rung_forward(spec, **blocks)
+    return out, lse, len(calls)
+
+
+@pytest.mark.skipif(not LOOP, reason="NumPy's sgemm was not found: the tile loop stays in Python")
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_loop_gives_the_python_loops_bits(monkeypatch, case):
+    """With the Python loop's strip height the two loops make the same products and
+    give the same bits (but for a single key, whose scores np.matmul makes without
+    BLAS); with its own (LOOP_SUB_M) the loop is as close to the float64 reference as
+    the reference's own float32 is."""
+    (q, k, v), kw = CASES[case]()
+    spec = validate(q, k, v, **kw)
+    out, lse, n = _forward(monkeypatch, spec, True)
+    oracle = reference.rung_forward(validate(*(x.astype(np.float64) for x in (q, k, v)), **kw))
+    same = reference.rung_forward(spec)
+    assert n > 0
+    assert max_error(out, oracle[0]) <= error_budget(oracle[0], same[0])
+    assert max_error(lse, oracle[1]) <= error_budget(oracle[1], same[1])
+    monkeypatch.setattr(plan, "LOOP_SUB_M", plan.SUB_M)
+    out, lse, n = _forward(monkeypatch, spec, True)
+    want_out, want_lse, none = _forward(monkeypatch, spec, False)
+    assert n > 0 and none == 0
+    if case == "one key":
+        assert max_error(out, want_out) <= 1e-6 and max_error(lse, want_lse) <= 1e-6
+    else:
+        assert np.array_equal(out, want_out) and np.array_equal(lse, want_lse)
+
+
+@pytest.mark.skipif(not LOOP, reason="NumPy's sgemm was not found")
+def test_compiled_loop_same_bits_on_one_and_two_threads(monkeypatch):
+    q, k, v = make_qkv((2, 8, 300, 32), (2, 2, 300, 32), dtype="float32", seed=7)
+    spec = validate(q, k, v, causal=True)
+    outs = []
+    for n in (1, 2):
+        with flash.threads(n):
+            outs.append(_forward(monkeypatch, spec, True)[:2])
+    assert all(np.array_equal(a, b) for a, b in zip(*outs))
+
+
+@pytest.mark.skipif(not LOOP, reason="NumPy's sgemm was not found")
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_compiled_loop_hands_a_nonfinite_product_to_the_python_loop(monkeypatch, bad):
+    """A NaN or inf value makes its column of p v non-finite: the compiled loop stops
+    and the task starts over on the Python loop (whose exempt product keeps rows that
+    cannot see the key finite)."""
+    q, k, v = make_qkv((1, 2, 400, 32), (1, 2, 400, 32), dtype="float32", seed=1)
+    v[0, 1, 150, 3] = bad
+    spec = validate(q, k, v, causal=True)
+    out, lse, n = _forward(monkeypatch, spec, True)
+    want_out, want_lse, _ = _forward(monkeypatch, spec, False)
+    assert n > 0
+    assert np.array_equal(out, want_out, equal_nan=True) and np.array_equal(lse, want_lse)
+    assert np.isfinite(out[0, 1, :150]).all() and np.isnan(out[0, 1, 150:, 3]).all()
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True, softcap=5.0), dict(alibi_slopes=np.array([0.1, 0.2])),
+                                dict(dropout=0.2, seed=3), dict(keep=np.tri(100, 50, 5, dtype=bool))])
+def test_terms_inside_the_scores_keep_the_python_loop(monkeypatch, kw):
+    """softcap, ALiBi, dropout and mask arrays change the scores between the two
+    products: those calls take the Python loop."""
+    q, k, v = make_qkv((2, 100, 16), (2, 50, 16), dtype="float32")
+    assert _forward(monkeypatch, validate(q, k, v, **kw), True)[2] == 0
+    assert (_forward(monkeypatch, validate(q, k, v), True)[2] > 0) == LOOP
+
+
+def test_flat_tiles_cover_each_visible_pair_once():
+    """The compiled loop's tiles of a GQA unit: every (row, key) pair the band lets a
+    row see lies in exactly one tile, and the strips keep what else is computed small
+    (the causal triangle of each strip)."""
+    q, k, v = make_qkv((1, 8, 256, 32), (1, 2, 256, 32), dtype="float32")
+    call = plan.Call(validate(q, k, v, causal=True), None, None)
+    u = call.units[0]
+    assert u.g == 4
+    tiles = call.flat_tiles(u, 0, 256)
+    seen = np.zeros((4 * 256, 256), dtype=int)
+    for f0, f1, c0, c1, _ in tiles:
+        seen[f0:f1, c0:c1] += 1
+    visible = np.tile(np.tri(256, 256, dtype=bool), (4, 1))
+    assert (seen[visible] == 1).all() and seen.max() == 1
+    assert (seen > 0).sum() - visible.sum() <= 4 * 256 * plan.LOOP_SUB_M // 2 + 4 * 256
+
+
+def test_sgemm_is_numpys_product():
+    """The BLAS function the loop calls computes what np.matmul does, bit for bit."""
+    f = blas.sgemm()
+    if f is None:
+        pytest.skip("this NumPy's BLAS has no 64-bit-integer cblas_sgemm")
+    a, b, _ = make_qkv((70, 33), (50, 33), dtype="float32")
+    c = np.empty((70, 50), dtype=np.float32)
+    f(blas.ROW_MAJOR, blas.NO_TRANS, blas.TRANS, 70, 50, 33, 1.0, a.ctypes.data, 33, b.ctypes.data, 33, 0.0,
+      c.ctypes.data, 50)
+    assert np.array_equal(c, a @ b.T)
+
+
+def test_without_numpys_sgemm_the_loop_stays_in_python(monkeypatch):
+    """A NumPy whose library exports no known sgemm: no compiled loop, and calls still
+    run (on the Python loop)."""
+    monkeypatch.setattr(blas, "_found", [])
+    monkeypatch.setattr(blas, "_numpy_library", lambda: object())
+    assert blas.sgemm() is None
+    from attnkit.flash import numba_kernels
+    assert numba_kernels._tile_loop_kernel() is None
