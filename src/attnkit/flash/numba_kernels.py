@@ -492,14 +492,15 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
 
 
 @numba.njit(**REDUCE)
-def tile_loop(gemm, q, k, v, tiles, lo, hi, s, pv, alpha, m_i, l_i, acc, one):
+def tile_loop(gemm, q, qscale, k, v, tiles, lo, hi, s, pv, alpha, m_i, l_i, acc, one):
     # online_softmax's loop over a task's tiles when its scores are plain (no mask
     # arrays, bias, softcap, ALiBi or dropout), in one call without the GIL; both
     # products by ``gemm`` (.blas.sgemm), the calls np.matmul makes on the same tiles.
-    # q (nk, R, D) C order; k (nk, S, D), v (nk, S, Dv) with unit stride on the last
-    # axis; tiles (n, 5): rows [f0, f1) of each of the nk heads' R rows × keys [c0, c1),
-    # and whether the band cuts it (row i then keeps keys [lo[i], hi[i]); lo, hi, m_i,
-    # l_i flat over nk·R rows). acc (nk, R, Dv) is zero, or (one: a single tile of
+    # q (nk, R, D) times qscale (the scale, by the first product: 1 for q already
+    # scaled); q, k (nk, S, D) and v (nk, S, Dv) with unit stride on the last axis;
+    # tiles (n, 5): rows [f0, f1) of each of the nk heads' R rows × keys [c0, c1), and
+    # whether the band cuts it (row i then keeps keys [lo[i], hi[i]); lo, hi, m_i, l_i
+    # flat over nk·R rows). acc (nk, R, Dv) is zero, or (one: a single tile of
     # every row) the product itself. False as soon as a product p v is not finite (the
     # state is then partly updated): the caller starts over on the general loop, whose
     # exempt product gives NaN and inf values their meaning. REDUCE: the inlined row
@@ -512,13 +513,14 @@ def tile_loop(gemm, q, k, v, tiles, lo, hi, s, pv, alpha, m_i, l_i, acc, one):
     ldk = max(k.strides[1] // k.itemsize, D, 1) if k.shape[1] > 1 else max(D, 1)
     ldv = max(v.strides[1] // v.itemsize, Dv, 1) if v.shape[1] > 1 else max(Dv, 1)
     ldo = max(Dv, 1)
+    ldq = max(q.strides[1] // q.itemsize, D, 1) if R > 1 else max(D, 1)
     for t in range(tiles.shape[0]):
         f0, f1, c0, c1 = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
         n, w = f1 - f0, c1 - c0
         st = s[:n * w].reshape((n, w))
         for h in range(nk):
             r = h * R + f0
-            gemm(ROW_MAJOR, NO_TRANS, TRANS, n, w, D, f32(1.0), q[h, f0:].ctypes.data, D,
+            gemm(ROW_MAJOR, NO_TRANS, TRANS, n, w, D, qscale, q[h, f0:].ctypes.data, ldq,
                  k[h, c0:].ctypes.data, ldk, f32(0.0), st.ctypes.data, w)
             if tiles[t, 4]:
                 _softmax_rows_bounded(st, m_i[r:r + n], l_i[r:r + n], alpha, lo[r:r + n], hi[r:r + n], c0)
@@ -542,9 +544,9 @@ def _tile_loop_kernel() -> Any:
     if gemm is None:
         return None
 
-    def run(q, k, v, tiles, lo, hi, s, m_i, l_i, acc, one):
+    def run(q, qscale, k, v, tiles, lo, hi, s, m_i, l_i, acc, one):
         R, Dv = q.shape[1], v.shape[2]
-        return tile_loop(gemm, q, k, v, tiles, lo, hi, s, np.empty((R, Dv), dtype=f32),
+        return tile_loop(gemm, q, f32(qscale), k, v, tiles, lo, hi, s, np.empty((R, Dv), dtype=f32),
                          np.empty(R, dtype=f32), m_i, l_i, acc, one)
     return run
 

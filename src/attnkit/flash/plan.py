@@ -79,11 +79,16 @@ def tile_ready(x: Any, dtype: Any) -> np.ndarray:
     at least a row apart: transformers' (B, S, H, D) → (B, H, S, D) view qualifies);
     copies only when needed, and never expands broadcast batch dims."""
     x = np.asarray(x)
-    it = np.dtype(dtype).itemsize
-    if x.dtype == dtype and x.strides[-1] == it and (x.shape[-2] == 1 or (
-            x.strides[-2] >= x.shape[-1] * it and x.strides[-2] % it == 0)):
+    if x.dtype == dtype and not plan_unready(x):
         return x
     return np.ascontiguousarray(x, dtype=dtype)
+
+
+def plan_unready(x: np.ndarray) -> bool:
+    """Whether BLAS cannot read x's last two dims in place (see :func:`tile_ready`)."""
+    it = x.dtype.itemsize
+    return not (x.strides[-1] == it and (x.shape[-2] == 1 or (
+        x.strides[-2] >= x.shape[-1] * it and x.strides[-2] % it == 0)))
 
 
 def _c_sequences(x: np.ndarray) -> np.ndarray:
@@ -291,13 +296,28 @@ class Call:
         return plan
 
     # ---- operands of a tile -----------------------------------------------------
-    def q_tile(self, u: Unit, r0: int, r1: int) -> np.ndarray:
-        """(nk, g·rows, D): q of the unit's heads times qs, in the accumulation dtype."""
+    def q_tile(self, u: Unit, r0: int, r1: int, scaled: bool = True) -> np.ndarray:
+        """(nk, g·rows, D): q of the unit's heads times qs (or not), in the
+        accumulation dtype."""
         m, D = r1 - r0, self.spec.D
         x = self.q[u.b][u.heads, r0:r1].reshape(u.nk, u.g, m, D)
         out = np.empty((u.nk, u.g * m, D), dtype=self.acc)
-        np.multiply(x, self.qs, out=out.reshape(u.nk, u.g, m, D), dtype=self.acc)
+        np.multiply(x, self.qs if scaled else 1, out=out.reshape(u.nk, u.g, m, D), dtype=self.acc)
         return out
+
+    def q_rows(self, u: Unit, r0: int, r1: int) -> np.ndarray | None:
+        """q's rows [r0, r1) of the unit's heads as an (nk, g·rows, D) view that BLAS
+        can read in place (float32, unit stride, rows at least a row apart, a GQA
+        group's heads one after the other), or None where only a copy has that shape."""
+        x = self.q[u.b][u.heads, r0:r1]
+        if x.dtype != self.acc or plan_unready(x):
+            return None
+        v = x.view()
+        try:
+            v.shape = (u.nk, u.g * (r1 - r0), x.shape[-1])
+        except AttributeError:                           # heads not one after the other
+            return None
+        return v
 
     def kv(self, u: Unit, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(nk, keys, D) and (nk, keys, Dv) views of the unit's kv heads (GQA: shared, no
