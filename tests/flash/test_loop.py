@@ -161,3 +161,20 @@ def test_without_numpys_sgemm_the_loop_stays_in_python(monkeypatch):
     assert blas.sgemm() is None
     from attnkit.flash import numba_kernels
     assert numba_kernels._tile_loop_kernel() is None
+
+
+@pytest.mark.parametrize("layout", ["C order", "(B, L, H, D)", "float16"])
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_q_rows_are_q_in_place_where_blas_can_read_them(layout, kv_heads):
+    """q_rows: the unit's rows of q, unscaled, as the compiled loop reads them —
+    q's own memory where BLAS can read it (a GQA group of a (B, L, H, D) layout as
+    one block of rows per query head), a copy where they need converting."""
+    q, k, v = make_qkv((2, 8, 50, 16), (2, kv_heads, 50, 16), dtype="float16" if layout == "float16" else "float32")
+    if layout == "(B, L, H, D)":
+        q = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    call = plan.Call(validate(q, k, v), None, None)
+    for u in call.units:
+        got = call.q_rows(u, 0, 50)
+        assert got.shape == ((u.nk, u.g, 50, 16) if layout == "(B, L, H, D)" else (u.nk, 1, u.g * 50, 16))
+        assert np.shares_memory(got, q) == (layout != "float16")
+        assert np.array_equal(got.reshape(u.nk, u.g * 50, 16), call.q_tile(u, 0, 50, scaled=False))

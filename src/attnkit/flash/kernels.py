@@ -145,7 +145,7 @@ def _probed(nk: Any) -> Any:
         if nk.KERNELS.tile_loop is not None:
             try:                            # the loop calls BLAS through a pointer: should this
                 q = np.ones((1, 1, 1), dtype=np.float32)   # numba refuse it, the tiles stay in Python
-                nk.KERNELS.tile_loop(q, 1.0, q, q, np.array([[0, 1, 0, 1, 0]]), np.zeros(1, dtype=np.int64),
+                nk.KERNELS.tile_loop(q[None], 1.0, q, q, np.array([[0, 1, 0, 1, 0]]), np.zeros(1, dtype=np.int64),
                                      np.ones(1, dtype=np.int64), np.empty(1, dtype=np.float32),
                                      np.full(1, -np.inf, dtype=np.float32), np.zeros(1, dtype=np.float32),
                                      np.empty((1, 1, 1), dtype=np.float32), True)

@@ -496,45 +496,50 @@ def tile_loop(gemm, q, qscale, k, v, tiles, lo, hi, s, pv, alpha, m_i, l_i, acc,
     # online_softmax's loop over a task's tiles when its scores are plain (no mask
     # arrays, bias, softcap, ALiBi or dropout), in one call without the GIL; both
     # products by ``gemm`` (.blas.sgemm), the calls np.matmul makes on the same tiles.
-    # q (nk, R, D) times qscale (the scale, by the first product: 1 for q already
-    # scaled); q, k (nk, S, D) and v (nk, S, Dv) with unit stride on the last axis;
-    # tiles (n, 5): rows [f0, f1) of each of the nk heads' R rows × keys [c0, c1), and
-    # whether the band cuts it (row i then keeps keys [lo[i], hi[i]); lo, hi, m_i, l_i
-    # flat over nk·R rows). acc (nk, R, Dv) is zero, or (one: a single tile of
-    # every row) the product itself. False as soon as a product p v is not finite (the
-    # state is then partly updated): the caller starts over on the general loop, whose
-    # exempt product gives NaN and inf values their meaning. REDUCE: the inlined row
-    # max and sum take the caller's flags
+    # q (nk, G, M, D): for each of the nk kv heads, R = G·M rows stacked (G blocks of
+    # M rows: a GQA group's query heads where their rows are not evenly spaced in
+    # memory, else one block), times qscale by the first product; q, k (nk, S, D) and
+    # v (nk, S, Dv) with unit stride on the last axis. tiles (n, 5): stacked rows
+    # [f0, f1) of each kv head × keys [c0, c1), and whether the band cuts it (row i
+    # then keeps keys [lo[i], hi[i]); lo, hi, m_i, l_i flat over nk·R rows); a tile
+    # is one product per block of rows it covers. acc (nk, R, Dv) is zero, or (one: a
+    # single tile of every row) the product itself. False as soon as a product p v is
+    # not finite (the state is then partly updated): the caller starts over on the
+    # general loop, whose exempt product gives NaN and inf values their meaning.
+    # REDUCE: the inlined row max and sum take the caller's flags
     _wide()
-    nk, R, D = q.shape
+    nk, G, M, D = q.shape
+    R = G * M
     Dv = v.shape[2]
-    # leading dims as BLAS checks them (≥ the row length, ≥ 1): a single key's row
-    # stride may be anything
+    # leading dims as BLAS checks them (≥ the row length, ≥ 1): a single row's stride
+    # may be anything
+    ldq = max(q.strides[2] // q.itemsize, D, 1) if M > 1 else max(D, 1)
     ldk = max(k.strides[1] // k.itemsize, D, 1) if k.shape[1] > 1 else max(D, 1)
     ldv = max(v.strides[1] // v.itemsize, Dv, 1) if v.shape[1] > 1 else max(Dv, 1)
     ldo = max(Dv, 1)
-    ldq = max(q.strides[1] // q.itemsize, D, 1) if R > 1 else max(D, 1)
     for t in range(tiles.shape[0]):
         f0, f1, c0, c1 = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
-        n, w = f1 - f0, c1 - c0
-        st = s[:n * w].reshape((n, w))
+        w = c1 - c0
         for h in range(nk):
-            r = h * R + f0
-            gemm(ROW_MAJOR, NO_TRANS, TRANS, n, w, D, qscale, q[h, f0:].ctypes.data, ldq,
-                 k[h, c0:].ctypes.data, ldk, f32(0.0), st.ctypes.data, w)
-            if tiles[t, 4]:
-                _softmax_rows_bounded(st, m_i[r:r + n], l_i[r:r + n], alpha, lo[r:r + n], hi[r:r + n], c0)
-            else:
-                _softmax_rows(st, m_i[r:r + n], l_i[r:r + n], alpha)
-            out = acc[h, f0:f1] if one else pv[:n]
-            gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, n, Dv, w, f32(1.0), st.ctypes.data, w,
-                 v[h, c0:].ctypes.data, ldv, f32(0.0), out.ctypes.data, ldo)
-            for i in range(n):
-                for j in range(Dv):
-                    if not np.isfinite(out[i, j]):
-                        return False
-            if not one:
-                _rescale_add(acc[h, f0:f1], alpha, out)
+            for j in range(f0 // M, (f1 + M - 1) // M):
+                a, b = max(f0, j * M), min(f1, (j + 1) * M)
+                n, r = b - a, h * R + a
+                st = s[:n * w].reshape((n, w))
+                gemm(ROW_MAJOR, NO_TRANS, TRANS, n, w, D, qscale, q[h, j, a - j * M:].ctypes.data, ldq,
+                     k[h, c0:].ctypes.data, ldk, f32(0.0), st.ctypes.data, w)
+                if tiles[t, 4]:
+                    _softmax_rows_bounded(st, m_i[r:r + n], l_i[r:r + n], alpha, lo[r:r + n], hi[r:r + n], c0)
+                else:
+                    _softmax_rows(st, m_i[r:r + n], l_i[r:r + n], alpha)
+                out = acc[h, a:b] if one else pv[:n]
+                gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, n, Dv, w, f32(1.0), st.ctypes.data, w,
+                     v[h, c0:].ctypes.data, ldv, f32(0.0), out.ctypes.data, ldo)
+                for i in range(n):
+                    for d in range(Dv):
+                        if not np.isfinite(out[i, d]):
+                            return False
+                if not one:
+                    _rescale_add(acc[h, a:b], alpha, out)
     return True
 
 
@@ -545,7 +550,7 @@ def _tile_loop_kernel() -> Any:
         return None
 
     def run(q, qscale, k, v, tiles, lo, hi, s, m_i, l_i, acc, one):
-        R, Dv = q.shape[1], v.shape[2]
+        R, Dv = q.shape[1] * q.shape[2], v.shape[2]
         return tile_loop(gemm, q, f32(qscale), k, v, tiles, lo, hi, s, np.empty((R, Dv), dtype=f32),
                          np.empty(R, dtype=f32), m_i, l_i, acc, one)
     return run

@@ -305,19 +305,19 @@ class Call:
         np.multiply(x, self.qs if scaled else 1, out=out.reshape(u.nk, u.g, m, D), dtype=self.acc)
         return out
 
-    def q_rows(self, u: Unit, r0: int, r1: int) -> np.ndarray | None:
-        """q's rows [r0, r1) of the unit's heads as an (nk, g·rows, D) view that BLAS
-        can read in place (float32, unit stride, rows at least a row apart, a GQA
-        group's heads one after the other), or None where only a copy has that shape."""
+    def q_rows(self, u: Unit, r0: int, r1: int) -> np.ndarray:
+        """q's rows [r0, r1) of the unit's heads for the compiled loop, unscaled:
+        (nk, G, M, D) with the g·rows of each kv head as G blocks of M rows — one block
+        where they are evenly spaced in memory (C order), a GQA group's g heads where
+        not (transformers' (B, L, H, D) layout). A view of q itself where BLAS can read
+        its rows (float32, unit stride, rows at least a row apart); else a copy."""
         x = self.q[u.b][u.heads, r0:r1]
+        m, D = r1 - r0, x.shape[-1]
         if x.dtype != self.acc or plan_unready(x):
-            return None
-        v = x.view()
-        try:
-            v.shape = (u.nk, u.g * (r1 - r0), x.shape[-1])
-        except AttributeError:                           # heads not one after the other
-            return None
-        return v
+            return self.q_tile(u, r0, r1, scaled=False).reshape(u.nk, 1, u.g * m, D)
+        if u.g == 1 or m == 1 or x.strides[0] == m * x.strides[1]:
+            return x.reshape(u.nk, 1, u.g * m, D)
+        return x.reshape(u.nk, u.g, m, D)
 
     def kv(self, u: Unit, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(nk, keys, D) and (nk, keys, Dv) views of the unit's kv heads (GQA: shared, no
