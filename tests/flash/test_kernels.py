@@ -52,11 +52,12 @@ def test_nan_scores_make_the_row_nan_and_other_rows_exact(kernels):
     assert abs(l[1] - np.exp(np.float32([0.0, -0.1, -0.2])).sum()) < 1e-6
 
 
-def test_normalize_into_writes_each_row_over_its_sum_into_a_strided_view(kernels):
+def test_finish_into_writes_each_row_over_its_sum_into_a_strided_view(kernels):
     """out ← acc / l into an (F, R, Dv) view of another layout: exact division (the
     bits of NumPy's), rows with l = 0 get 0 whatever acc holds, an inf result is NaN,
     a NaN sum leaves NaN; nothing outside the view is written. ``normalize`` gives the
-    same in place."""
+    same in place. lse ← m + log l into a strided (F, R) view: −inf where l = 0, NaN
+    for a NaN sum."""
     kern = kernel_set(kernels)
     rng = np.random.default_rng(0)
     F, R, Dv = 3, 4, 5
@@ -71,8 +72,16 @@ def test_normalize_into_writes_each_row_over_its_sum_into_a_strided_view(kernels
     want[4, 3] = np.nan
     big = np.full((R, F + 2, Dv), 7.0, np.float32)      # out: (F, R, Dv) seen in an (R, F, Dv) buffer
     out = big[:, 1:F + 1].transpose(1, 0, 2)
+    m_i = rng.standard_normal(F * R).astype(np.float32)
+    m_i[6] = -np.inf
+    lse_big = np.full((R, F + 2), 7.0, np.float32)
+    lse = lse_big[:, 1:F + 1].T
     with quiet():
-        kern.normalize_into(acc.copy(), l_i, out)
+        kern.finish_into(acc.copy(), m_i, l_i, out, lse)
+        want_lse = np.where(l_i == 0, -np.inf, np.log(np.where(l_i == 0, 1, l_i)) + m_i)
+    got, fin = lse.reshape(-1), np.isfinite(want_lse)
+    assert np.allclose(got[fin], want_lse[fin], rtol=1e-6, atol=0) and np.all(lse_big[:, [0, F + 1]] == 7.0)
+    assert np.array_equal(got[~fin], want_lse[~fin], equal_nan=True) and np.isnan(got[9]) and got[6] == -np.inf
     assert np.array_equal(out.transpose(1, 0, 2).reshape(-1), want.reshape(F, R, Dv).transpose(1, 0, 2).reshape(-1),
                           equal_nan=True)
     assert np.all(big[:, 0] == 7.0) and np.all(big[:, F + 1] == 7.0)

@@ -23,10 +23,12 @@ import numpy as np
 
 from ..nonfinite import all_finite, exempt_matmul
 from ..spec import geometry as geo
+from ..spec.core import empty_out, heads_inner
 from . import runtime
-from .kernels import NUMPY
+from .kernels import NUMPY, lse_from
 from .plan import Call, Unit
 
+NO_BOUNDS = np.zeros(0, dtype=np.int64)
 State = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
 
 
@@ -119,7 +121,8 @@ def _compiled_loop(call: Call, u: Unit, r0: int, r1: int, buf: np.ndarray, m_i: 
     one = len(tiles) == 1 and tiles[0, 0] == 0 and tiles[0, 1] == R
     acc = (np.empty if one else np.zeros)((u.nk, R, spec.Dv), dtype=call.acc)
     k, v = call.kv(u, 0, spec.S)
-    lo_b, hi_b = call.bounds(u, r0, r1)
+    # the rows' key bounds only where the band cuts a tile (lengths alone never do)
+    lo_b, hi_b = call.bounds(u, r0, r1) if tiles[:, 4].any() else (NO_BOUNDS, NO_BOUNDS)
     if not call.kern.tile_loop(call.q_rows(u, r0, r1), call.qs, k, v, tiles, lo_b, hi_b, buf, m_i, l_i, acc, one):
         return None
     return m_i, l_i, acc
@@ -147,22 +150,13 @@ def _stream(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, m_i: np.ndar
     return m_i, l_i, acc
 
 
-def finish_lse(m_i: np.ndarray, l_i: np.ndarray) -> np.ndarray:
-    """lse from the running state: l_i = 0 (no key, no sink) gives −inf; a NaN sum
-    stays NaN."""
-    empty = l_i == 0
-    lse = np.log(l_i, out=np.full_like(l_i, -np.inf), where=~empty)
-    lse += m_i
-    return lse
-
-
 def finish(m_i: np.ndarray, l_i: np.ndarray, acc: np.ndarray | None, kern: Any = NUMPY
            ) -> tuple[np.ndarray, np.ndarray | None]:
     """(lse, out) from the running state, out normalised in place by ``kern``'s
     ``normalize`` (rows without a key or sink 0, an infinite element NaN)."""
     if acc is not None:
         kern.normalize(acc.reshape(l_i.shape[0], -1), l_i)
-    return finish_lse(m_i, l_i), acc
+    return lse_from(m_i, l_i), acc
 
 
 def merge_parts(parts: list[State]) -> State:
@@ -186,11 +180,12 @@ def _finish_store(call: Call, lse: np.ndarray, out: np.ndarray | None, u: Unit, 
     """The unit's rows of lse and out from its running state, out normalised straight
     into place (one pass): lse_i."""
     m_i, l_i, acc = state
-    lse_i = finish_lse(m_i, l_i)
-    lse[u.b][u.heads, r0:r1] = lse_i.reshape(u.nk * u.g, r1 - r0)
-    if out is not None and acc is not None:
-        call.kern.normalize_into(acc.reshape(l_i.shape[0], -1), l_i, out[u.b][u.heads, r0:r1])
-    return lse_i
+    lse_u = lse[u.b][u.heads, r0:r1]
+    if out is None or acc is None:
+        lse_u[...] = lse_from(m_i, l_i).reshape(lse_u.shape)
+    else:
+        call.kern.finish_into(acc.reshape(l_i.shape[0], -1), m_i, l_i, out[u.b][u.heads, r0:r1], lse_u)
+    return lse_u.reshape(-1)
 
 
 def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None]:
@@ -201,7 +196,9 @@ def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray 
     # every row of out is written when the blocks cover them all (no padding rows):
     # no zero fill then (a BERT batch's out is 12.6 MB, filled before the tasks start)
     covered = sum(u.nk * u.g * (r1 - r0) for u, r0, r1 in blocks) == prod(spec.lse_shape)
-    out = (np.empty if covered else np.zeros)(spec.out_shape, dtype=call.acc) if want_out else None
+    alloc = np.empty if covered else np.zeros
+    inner = spec.out_like_q and heads_inner(spec.q)
+    out = empty_out(spec.out_shape, inner, lambda sh: alloc(sh, dtype=call.acc)) if want_out else None
     weights = np.zeros(spec.score_shape, dtype=spec.dtype) if want_weights else None
     tasks: list[tuple[Any, ...]] = []
     for n_b, (u, r0, r1) in enumerate(blocks):

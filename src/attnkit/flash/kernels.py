@@ -9,9 +9,10 @@ installed). Both compute the same thing; the tests run both.
 - ``softmax_tile_bounded(s, m_i, l_i, lo, hi, c0)``: the same with row i limited to
   keys [lo[i], hi[i]) (the causal/window band fused in: no boolean tile).
 - ``rescale_add(o, alpha, pv)``: o ← alpha · o + pv.
-- ``normalize_into(acc, l, out)``: out ← acc / l row by row (acc (rows, Dv), out an
-  (F, R, Dv) view of any strides with F·R = rows): rows with l = 0 (no key, no sink) get 0, and an
-  infinite result (an inf value a row sees) NaN; acc is scratch afterwards.
+- ``finish_into(acc, m, l, out, lse)``: out ← acc / l row by row (acc (rows, Dv), out an
+  (F, R, Dv) view of any strides with F·R = rows): rows with l = 0 (no key, no sink) get
+  0, and an infinite result (an inf value a row sees) NaN; lse (F, R) ← m + log l
+  (:func:`lse_from`); acc is scratch afterwards.
 - ``normalize(acc, l)``: the same in place (acc ← acc / l).
 - ``exp_from_lse(s, lse)``: s ← exp(s − lse); keys with s = −inf and rows with
   lse = −inf give 0 (a NaN lse leaves NaN on the other keys).
@@ -70,7 +71,17 @@ def _np_normalize(acc: np.ndarray, l_i: np.ndarray) -> None:
         np.copyto(acc, np.nan, where=np.isinf(acc))
 
 
-def _np_normalize_into(acc: np.ndarray, l_i: np.ndarray, out: np.ndarray) -> None:
+def lse_from(m_i: np.ndarray, l_i: np.ndarray) -> np.ndarray:
+    """lse from the running state: l_i = 0 (no key, no sink) gives −inf; a NaN sum
+    stays NaN."""
+    empty = l_i == 0
+    lse = np.log(l_i, out=np.full_like(l_i, -np.inf), where=~empty)
+    lse += m_i
+    return lse
+
+
+def _np_finish_into(acc: np.ndarray, m_i: np.ndarray, l_i: np.ndarray, out: np.ndarray, lse: np.ndarray) -> None:
+    lse[...] = lse_from(m_i, l_i).reshape(lse.shape)
     _np_normalize(acc, l_i)
     out[...] = acc.reshape(out.shape)
 
@@ -106,7 +117,7 @@ def _np_dropout_tile(p: np.ndarray, heads: np.ndarray, r0: int, c0: int, seed: i
 
 NUMPY = SimpleNamespace(name="numpy", softmax_tile=_np_softmax_tile,
                         softmax_tile_bounded=_np_softmax_tile_bounded, rescale_add=_np_rescale_add,
-                        normalize_into=_np_normalize_into, normalize=_np_normalize,
+                        finish_into=_np_finish_into, normalize=_np_normalize,
                         exp_from_lse=_np_exp_from_lse, ds_tile=_np_ds_tile, alibi_tile=_np_alibi_tile,
                         dropout_tile=_np_dropout_tile)
 

@@ -197,16 +197,17 @@ def _normalized(x, li):
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
-def normalize_into(acc, l_i, out):
-    # out (F, R, Dv), any strides: row i = f·R + r of acc. Never out = acc: the compiler
-    # then cannot rule out an overlap and takes its scalar loop (10× slower); in place
-    # is normalize's
+def finish_into(acc, m_i, l_i, out, lse):
+    # out (F, R, Dv) and lse (F, R), any strides: row i = f·R + r of acc. Never out =
+    # acc: the compiler then cannot rule out an overlap and takes its scalar loop (10×
+    # slower); in place is normalize's
     _wide()
     F, R, Dv = out.shape
     for f in range(F):
         for r in range(R):
             i = f * R + r
             li = l_i[i]
+            lse[f, r] = (-np.inf if li == f32(0.0) else np.log(li)) + m_i[i]   # NaN stays NaN
             for d in range(Dv):
                 out[f, r, d] = _normalized(acc[i, d], li)
 
@@ -566,6 +567,6 @@ def _with_alpha(kernel):
 
 KERNELS = SimpleNamespace(name="numba", softmax_tile=_with_alpha(_softmax_tile),
                           softmax_tile_bounded=_with_alpha(_softmax_tile_bounded), rescale_add=rescale_add,
-                          normalize_into=normalize_into, normalize=normalize,
+                          finish_into=finish_into, normalize=normalize,
                           exp_from_lse=exp_from_lse, ds_tile=ds_tile, alibi_tile=alibi_tile,
                           dropout_tile=dropout_tile, decode_part=decode_part, tile_loop=_tile_loop_kernel())

@@ -72,6 +72,26 @@ def reduce_to(grad: Any, shape: tuple[int, ...]) -> Any:
     return grad.reshape(shape)
 
 
+def heads_inner(x: Any) -> bool:
+    """Whether an (..., H, L, D) array or tensor has its heads closer together in memory
+    than its rows (transformers' (B, L, H, D) seen as (B, H, L, D)): the forward's out
+    then takes that layout too, as PyTorch SDPA's does, so the caller's transpose back
+    to (B, L, H, D) costs no copy."""
+    if x.ndim < 3 or x.shape[-3] < 2 or x.shape[-2] < 2:
+        return False
+    st = x.strides if isinstance(x, np.ndarray) else x.stride()
+    return bool(st[-3] < st[-2])
+
+
+def empty_out(shape: tuple[int, ...], inner: bool, new: Any) -> Any:
+    """``new(shape)`` (an empty (..., H, L, Dv) array or tensor) or, ``inner``, the
+    same shape with the heads inner in memory (an (..., L, H, Dv) buffer seen as
+    (..., H, L, Dv))."""
+    if not inner:
+        return new(shape)
+    return new(shape[:-3] + (shape[-2], shape[-3], shape[-1])).swapaxes(-3, -2)
+
+
 def prod(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -134,6 +154,10 @@ class Spec:
     # Never set by users; (0, 0) and None mean the call is the whole problem.
     origin: tuple[int, int] = (0, 0)
     extent: tuple[int, int] | None = None
+    # The flash forward writes out with its heads inner where q has them so
+    # (heads_inner): the torch path outside the custom op, whose caller (transformers)
+    # transposes out back to (B, L, H, Dv). Never set by users.
+    out_like_q: bool = False
 
     @classmethod
     def from_arrays(cls, q: Any, k: Any, v: Any, *, two_d: bool = False,

@@ -50,6 +50,7 @@ from .. import philox
 from ..backends import RUNGS, Grads, load
 from ..spec import OPTIONS, Spec, dtype_name
 from ..spec import acc_dtype as spec_acc_dtype
+from ..spec.core import heads_inner
 
 # ---- the flat argument order: the one place that knows it --------------------------------
 _ARRAY_OPTIONS = tuple(o.name for o in OPTIONS if o.schema == "Tensor?")
@@ -150,6 +151,17 @@ def _torch(a: Any, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
 
 
+def _out(out: Any, q: torch.Tensor, like_q: bool) -> torch.Tensor:
+    """The forward's out (a tensor, or a NumPy result) in q's dtype, contiguous; or,
+    ``like_q``, with its heads inner where q's are (attnkit.spec.core.heads_inner; no
+    copy when the rung wrote it so). Only calls outside the custom op take q's layout:
+    under torch.compile the op may receive q in another layout than its fake saw."""
+    t = torch.from_numpy(out).to(q.dtype) if isinstance(out, np.ndarray) else out
+    if not (like_q and heads_inner(q)):
+        return t.contiguous()
+    return t.transpose(-3, -2).contiguous().transpose(-3, -2)
+
+
 _VIEWED = tuple(n for n in ("q", "k", "v") + _ARRAY_OPTIONS if n != "seed")
 
 
@@ -181,15 +193,16 @@ def _takes_tensors(mod: Any) -> bool:
     return getattr(mod, "arrays", "numpy") == "torch"
 
 
-def _forward(mod: Any, spec: Spec, keep_acc: bool = False) -> tuple[torch.Tensor, ...]:
+def _forward(mod: Any, spec: Spec, keep_acc: bool = False, like_q: bool = False) -> tuple[torch.Tensor, ...]:
     """(out, lse) of compute rung ``mod`` as tensors (a seed already drawn); with
-    ``keep_acc`` (a NumPy rung) also out in float32, before its rounding to q's dtype."""
+    ``keep_acc`` (a NumPy rung) also out in float32, before its rounding to q's dtype;
+    ``like_q``: out in q's layout (see :func:`_out`)."""
     if _takes_tensors(mod):
         out, lse, _ = mod.rung_forward(spec)
-        return out.contiguous(), lse.contiguous()
-    npspec = numpy_spec(spec)
+        return _out(out, spec.q, like_q), lse.contiguous()
+    npspec = numpy_spec(spec).replace(out_like_q=like_q)
     out, lse, _ = mod.rung_forward(npspec.replace(dtype="float32") if keep_acc else npspec)
-    res = (_torch(out, spec.q.dtype), _torch(lse, acc_dtype(spec.q)))
+    res = (_out(out, spec.q, like_q), _torch(lse, acc_dtype(spec.q)))
     return res + (_torch(out, torch.float32),) if keep_acc else res
 
 
@@ -364,7 +377,7 @@ class TorchRung:
             drawn = seed_tensor(spec) if spec.seed is None else None     # the op's arguments' draw
             if drawn is not None:
                 spec = spec.replace(seed=int(drawn.item()) % _UINT64)
-            out, lse = _forward(self.mod, spec)
+            out, lse = _forward(self.mod, spec, like_q=True)
             w = self.rung_weights(spec, lse, None) if need_weights else None
             return out, lse, w
         args = to_op_args(spec, self.mod.name)
