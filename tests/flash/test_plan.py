@@ -204,3 +204,27 @@ def test_the_forward_checks_products_not_values(monkeypatch, loop):
     v[0, 1, 100, 3] = np.nan
     out, _, _ = flash.rung_forward(validate(q, k, v, causal=True))
     assert np.isnan(out[0, 1, 100:, 3]).all() and np.isfinite(out[0, 1, :100]).all()
+
+
+def test_small_plans_are_kept_across_calls_and_large_ones_per_call(monkeypatch):
+    """A model repeats its geometry in every layer: the second call of a geometry plans
+    nothing again; a change of band or tile sizes plans anew (the key holds them), and a
+    plan over KEPT_SIZE entries is kept for its call only."""
+    made = []
+    real = plan.Call._flat_tiles
+    monkeypatch.setattr(plan.Call, "_flat_tiles", lambda self, *a: made.append(a) or real(self, *a))
+    monkeypatch.setattr(plan, "_KEPT", {})
+    q, k, v = make_qkv((2, 4, 300, 16), (2, 2, 300, 16), dtype="float32", seed=3)
+    first = flash.rung_forward(validate(q, k, v, causal=True))[0]
+    n = len(made)
+    assert n > 0 and np.array_equal(flash.rung_forward(validate(q, k, v, causal=True))[0], first)
+    assert len(made) == n                                # kept
+    flash.rung_forward(validate(q, k, v, causal=True, window=(50, 0)))
+    flash.rung_forward(validate(q, k, v, causal=True), block_m=128, block_n=64)
+    assert len(made) >= n + 2                            # another band, other tiles: planned anew
+    monkeypatch.setattr(plan, "KEPT_SIZE", 0)
+    monkeypatch.setattr(plan, "_KEPT", {})
+    made.clear()
+    flash.rung_forward(validate(q, k, v, causal=True))
+    flash.rung_forward(validate(q, k, v, causal=True))
+    assert len(made) == 2 * n                            # not kept across calls, each made once per call

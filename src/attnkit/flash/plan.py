@@ -14,6 +14,7 @@ do not either.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,8 @@ DECODE_ROWS = 64       # units with at most this many rows stream their keys (de
 SMALL_TILE = 1 << 18   # heads whose whole score matrix is at most this many elements are batched
 MIN_TASKS = 8          # split keys (split-KV) or chunk the backward until this many tasks exist
 MIN_SPLIT = 1024       # keys per split-KV part at least
+KEPT, KEPT_SIZE = 256, 1 << 14   # plans kept across calls: how many, how large (entries)
+_KEPT: dict[tuple[Any, ...], Any] = {}
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,8 @@ class Call:
                        and (pages is None or pages[0].dtype == self.acc))
         self.units = self._units(backward)
         self._plans: dict[Any, Any] = {}
+        # what the plan's keys leave out: the band, the tile sizes and the strip heights
+        self._geom = (self.band, self.BLOCK_M, self.BLOCK_N, self.tuned, SUB_M, LOOP_SUB_M)
         if pages is None and self.stream and self.v is not None and any(
                 self.streams(u, r0, r1) for u in self.units for r0, r1 in self.row_blocks(u)):
             # the streaming kernel reads each sequence's (Hkv, S, D) in C order (copied once
@@ -229,10 +234,24 @@ class Call:
         rows are taken in strips of SUB_M: strips that see the whole key block are
         merged, the others clipped to their own key bounds. Worked out once per call
         for each (sequence, row block, range)."""
-        key = (u.seg, u.nk, u.g, r0, r1, lo, hi)
-        plan = self._plans.get(key)
+        return self._kept(("tiles", u.seg, u.nk, u.g, r0, r1, lo, hi),
+                          lambda: [t + (self.partial(u, *t),) for t in self._tiles(u, r0, r1, lo, hi)])
+
+    def _kept(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """make() for a plan key, once per call, and kept across calls where small (a
+        model repeats its geometry in every layer: a Llama layer's tasks spent 8% of
+        their time planning again): at most KEPT plans of at most KEPT_SIZE entries."""
+        key = self._geom + key
+        plan = _KEPT.get(key)
         if plan is None:
-            plan = self._plans[key] = [t + (self.partial(u, *t),) for t in self._tiles(u, r0, r1, lo, hi)]
+            plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = make()
+            size = plan.size if isinstance(plan, np.ndarray) else sum(np.size(x) for x in plan)
+            if size <= KEPT_SIZE:
+                if len(_KEPT) >= KEPT:
+                    _KEPT.clear()
+                _KEPT[key] = plan
         return plan
 
     def _tiles(self, u: Unit, r0: int, r1: int, lo: int | None, hi: int | None) -> Any:
@@ -270,30 +289,26 @@ class Call:
         B = 4, 8 query and 2 kv heads, L = 256, D = 32 took 1.8 ms against 2.3 as one
         tile per group and 2.0 in strips of 128); elsewhere a group's rows stay one
         tile."""
-        key = ("flat", u.seg, u.nk, u.g, r0, r1, lo, hi)
-        plan = self._plans.get(key)
-        if plan is None:
-            m, rows = r1 - r0, []
-            for c0, c1 in self.key_blocks(u, r0, r1, lo, hi):
-                if m <= LOOP_SUB_M or not self.partial(u, r0, r1, c0, c1):
-                    rows.append((0, u.g * m, c0, c1, self.partial(u, r0, r1, c0, c1)))
-                    continue
-                strips = list(self._strips(u, r0, r1, c0, c1, LOOP_SUB_M))
-                rows += [(a0 - r0 + j * m, a1 - r0 + j * m, s0, s1, self.partial(u, a0, a1, s0, s1))
-                         for j in range(u.g) for a0, a1, s0, s1 in strips]
-            plan = self._plans[key] = np.array(rows, dtype=np.int64).reshape(-1, 5)
-        return plan
+        return self._kept(("flat", u.seg, u.nk, u.g, r0, r1, lo, hi), lambda: self._flat_tiles(u, r0, r1, lo, hi))
+
+    def _flat_tiles(self, u: Unit, r0: int, r1: int, lo: int | None, hi: int | None) -> np.ndarray:
+        m, rows = r1 - r0, []
+        for c0, c1 in self.key_blocks(u, r0, r1, lo, hi):
+            if m <= LOOP_SUB_M or not self.partial(u, r0, r1, c0, c1):
+                rows.append((0, u.g * m, c0, c1, self.partial(u, r0, r1, c0, c1)))
+                continue
+            strips = list(self._strips(u, r0, r1, c0, c1, LOOP_SUB_M))
+            rows += [(a0 - r0 + j * m, a1 - r0 + j * m, s0, s1, self.partial(u, a0, a1, s0, s1))
+                     for j in range(u.g) for a0, a1, s0, s1 in strips]
+        return np.array(rows, dtype=np.int64).reshape(-1, 5)
 
     def query_tiles(self, u: Unit, c0: int, c1: int) -> list[tuple[int, int, bool]]:
         """[(r0, r1, partial)]: the row blocks of the unit that see any of keys [c0, c1)
         (the backward's loop; fully excluded tiles skipped)."""
-        key = ("keys", u.seg, u.g * u.nk > 1, c0, c1)
-        plan = self._plans.get(key)
-        if plan is None:
+        def make() -> list[tuple[int, int, bool]]:
             lo, hi = geo.query_range(u.seg, self.band, c0, c1)
-            plan = self._plans[key] = [(r0, r1, self.partial(u, r0, r1, c0, c1))
-                                       for r0, r1 in self.row_blocks(u) if r0 < hi and r1 > lo]
-        return plan
+            return [(r0, r1, self.partial(u, r0, r1, c0, c1)) for r0, r1 in self.row_blocks(u) if r0 < hi and r1 > lo]
+        return self._kept(("keys", u.seg, u.g * u.nk > 1, c0, c1), make)
 
     # ---- operands of a tile -----------------------------------------------------
     def q_tile(self, u: Unit, r0: int, r1: int, scaled: bool = True) -> np.ndarray:
@@ -396,12 +411,10 @@ class Call:
     def bounds(self, u: Unit, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
         """Per-row key bounds of rows [r0, r1) repeated for every head of the unit (the
         bounded softmax's lo, hi)."""
-        key = ("bounds", u.seg, u.nk * u.g, r0, r1)
-        b = self._plans.get(key)
-        if b is None:
+        def make() -> tuple[np.ndarray, np.ndarray]:
             lo, hi = geo.row_key_bounds(u.seg, self.band, r0, r1)
-            b = self._plans[key] = (np.tile(lo, u.nk * u.g), np.tile(hi, u.nk * u.g))
-        return b
+            return np.tile(lo, u.nk * u.g), np.tile(hi, u.nk * u.g)
+        return self._kept(("bounds", u.seg, u.nk * u.g, r0, r1), make)
 
     def dropout(self, p: np.ndarray, u: Unit, r0: int, r1: int, c0: int) -> None:
         """p (nk, g·rows, keys) ← dropout(p), in place."""
