@@ -78,7 +78,7 @@ PKG = Path("src/attnkit")
 # target module (under src/attnkit) -> the test files that exercise it, likeliest
 # killers first. Its own doctests run too when it has any.
 _FLASH_TESTS = ["tests/flash/test_flash.py", "tests/flash/test_kernels.py", "tests/flash/test_varlen.py",
-                "tests/test_kvcache.py", "tests/test_nonfinite.py"]
+                "tests/flash/test_loop.py", "tests/test_kvcache.py", "tests/test_nonfinite.py"]
 _EXPLAIN = ["tests/explain/test_trace.py", "tests/explain/test_text.py"]   # the reference's trace, shown
 TARGETS: dict[str, list[str]] = {
     "spec/validate.py": ["tests/spec/test_validate.py", "tests/test_api.py", "tests/flash/test_varlen.py",
@@ -89,7 +89,7 @@ TARGETS: dict[str, list[str]] = {
                          "tests/test_api.py"] + _EXPLAIN,
     "spec/core.py": ["tests/test_reference.py", "tests/test_api.py", "tests/spec/test_validate.py",
                      "tests/spec/test_geometry.py", "tests/flash/test_flash.py", "tests/flash/test_varlen.py",
-                     "tests/torch/test_op.py"] + _EXPLAIN,
+                     "tests/torch/test_op.py", "tests/torch/test_out_layout.py"] + _EXPLAIN,
     "spec/checks.py": ["tests/spec/test_checks.py", "tests/spec/test_validate.py",
                        "tests/test_api.py", "tests/test_merge.py",
                        "tests/torch/test_mha.py", "tests/torch/test_op.py"],
@@ -105,11 +105,13 @@ TARGETS: dict[str, list[str]] = {
     "flash/backward.py": _FLASH_TESTS + ["tests/torch/test_terms.py", "tests/spec/test_geometry.py"],
     "flash/kernels.py": ["tests/flash/test_kernels.py"] + [t for t in _FLASH_TESTS if "kernels" not in t],
     "flash/runtime.py": ["tests/flash/test_runtime.py", "tests/flash/test_flash.py"],
+    "flash/blas.py": ["tests/flash/test_loop.py"],
     "merge.py": ["tests/test_merge.py", "tests/test_kvcache.py", "tests/torch/test_op.py"],
     "nonfinite.py": ["tests/test_nonfinite.py", "tests/test_reference.py", "tests/flash/test_flash.py"],
     "philox.py": ["tests/test_philox.py", "tests/flash/test_flash.py", "tests/test_reference.py",
                   "tests/torch/test_terms.py", "tests/torch/test_seeds.py", "tests/torch/test_op.py"],
-    "torch/op.py": ["tests/torch/test_op.py", "tests/torch/test_terms.py", "tests/torch/test_seeds.py"],
+    "torch/op.py": ["tests/torch/test_op.py", "tests/torch/test_terms.py", "tests/torch/test_seeds.py",
+                    "tests/torch/test_out_layout.py"],
     "small.py": ["tests/test_small.py", "tests/test_nonfinite.py", "tests/test_backends.py", "tests/test_api.py",
                  "tests/test_kvcache.py"],
     "backends.py": ["tests/test_backends.py", "tests/test_api.py", "tests/test_small.py"],
@@ -1279,8 +1281,8 @@ def _select(args: argparse.Namespace) -> list[Mutant]:
         if args.kinds:
             ms = [m for m in ms if m.kind in args.kinds]
         if args.lines:
-            lo, _, hi = args.lines.partition("-")
-            ms = [m for m in ms if int(lo) <= m.line <= int(hi or lo)]
+            spans = [(int(lo), int(hi or lo)) for lo, _, hi in (r.partition("-") for r in args.lines.split(","))]
+            ms = [m for m in ms if any(lo <= m.line <= hi for lo, hi in spans)]
         total = len(ms)
         if args.max and len(ms) > args.max:
             rng = random.Random(f"{args.seed}:{mod}")
@@ -1326,7 +1328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max", type=int, default=0, help="sample at most N mutants per module")
     p.add_argument("--seed", default="0", help="sampling seed")
     p.add_argument("--kinds", nargs="*", help="only these mutation kinds (compare, arith, cond, ...)")
-    p.add_argument("--lines", help="only mutants starting on these lines (N or N-M; with one target)")
+    p.add_argument("--lines", help="only mutants starting on these lines (N, N-M, or several: N-M,K; with one target)")
     p.add_argument("--jobs", type=int, default=2, help="mutants run side by side (one copy each)")
     p.add_argument("--work", type=Path, default=Path("/tmp/mutwork"), help="where the private copies live")
     p.add_argument("--json", type=Path, help="write every result here")

@@ -232,15 +232,16 @@ class Call:
         """[(a0, a1, c0, c1, partial)]: tiles covering what rows [r0, r1) can see, key
         block by key block. Where the band cuts through a block of a single head, its
         rows are taken in strips of SUB_M: strips that see the whole key block are
-        merged, the others clipped to their own key bounds. Worked out once per call
-        for each (sequence, row block, range)."""
+        merged, the others clipped to their own key bounds. Worked out once for each
+        (sequence, row block, range) and geometry (see :meth:`_kept`)."""
         return self._kept(("tiles", u.seg, u.nk, u.g, r0, r1, lo, hi),
                           lambda: [t + (self.partial(u, *t),) for t in self._tiles(u, r0, r1, lo, hi)])
 
     def _kept(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
         """make() for a plan key, once per call, and kept across calls where small (a
-        model repeats its geometry in every layer: a Llama layer's tasks spent 8% of
-        their time planning again): at most KEPT plans of at most KEPT_SIZE entries."""
+        model repeats its geometry in every layer: a Llama layer's call spent 124 of its
+        3,000 µs on one thread planning tiles and bounds again): at most KEPT plans of
+        at most KEPT_SIZE entries. Plans are only read."""
         key = self._geom + key
         plan = _KEPT.get(key)
         if plan is None:
