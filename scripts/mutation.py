@@ -156,6 +156,17 @@ _FIN = 'if a.dtype in (np.float32, np.float64) and a.flags.c_contiguous and a.si
 _EXEMPT = 'res = np.matmul(a, np.where(bad, 0, b).astype(b.dtype, copy=False), out=out)'
 _RUN = 'if blas_controller() is None or n <= 1 or getattr(_local, "worker", False):'
 _RESCALE = 'if not (alpha == 1).all():                           # the running max moved: rescale'
+_P_KEPT = "KEPT, KEPT_SIZE = 256, 1 << 14   # plans kept across calls: how many, how large (entries)"
+R_KEPT = ("how many plans are kept across calls and how large: memory and speed only (that small plans are kept, "
+          "and large ones are not, is tested)")
+_PROBE_BOUNDS = "bounds = np.zeros(1, dtype=np.int64)                 # read only where a tile is banded: none"
+_PROBE_CALL = "ok = loop(q, 1.0, kv, kv, np.array([[0, 1, 0, 1, 0]]), bounds, bounds, np.empty(1, dtype=np.float32),"
+_PROBE_STATE = "m, l_i, acc = np.full(1, -np.inf, dtype=np.float32), np.zeros(1, dtype=np.float32), np.zeros_like(kv)"
+R_PROBE = ("the probe of the compiled tile loop (flash/kernels.py _loop_works): its one tile reads the first row "
+           "of q, k and v and the first entry of m, l, acc and the scratch; larger arrays change nothing it reads")
+R_PROBE_ROWS = ("a tile of two rows over the probe's one-row arrays: the loop (numba checks no bounds) reads and "
+                "writes past them, but the first row, the checked one, is computed as before: undefined "
+                "behaviour only a bounds-checked build could show")
 _PLAN_TASKS = 'MIN_TASKS = 8          # split keys (split-KV) or chunk the backward until this many tasks exist'
 _PLAN_SPLIT = 'MIN_SPLIT = 1024       # keys per split-KV part at least'
 R_FIN = ("which finiteness check all_finite takes (Σx² by one BLAS dot, or a plain sum): either is NaN/inf "
@@ -194,7 +205,6 @@ _P_KW2 = "return max(self.BLOCK_N, (self.BLOCK_M * self.BLOCK_N // max(rows, 1))
 _P_SPL1 = "if n_tasks >= MIN_TASKS or keys < 2 * MIN_SPLIT:"
 _P_SPL2 = "return max(1, min(-(-MIN_TASKS // n_tasks), keys // MIN_SPLIT))"
 _P_STRIP = "if u.g * u.nk > 1 or r1 - r0 <= SUB_M or not self.partial(u, r0, r1, c0, c1):"
-_P_QKEY = 'key = ("keys", u.seg, u.g * u.nk > 1, c0, c1)'
 _P_STR = "return self.stream and u.g * (r1 - r0) <= DECODE_ROWS"
 _P_DENSE = "return k, v, np.zeros((1, 1), dtype=np.int64), 0, k.shape[-2]"
 _FWD_STEP = "step = call.BLOCK_M if u.g * u.nk == 1 else None"
@@ -204,8 +214,6 @@ R_PIECES = ("how attention_weights cuts the requested rows into tasks (row chunk
             "each piece writes its own rows of w — parallelism and scratch size only")
 R_ROWB = ("a stacked unit holds at most BLOCK_M rows (G·Lq <= BLOCK_M), so cutting it into BLOCK_M blocks "
           "gives the same one block")
-R_QKEY = ("part of a plan cache key: when any unit of a sequence is stacked, every unit of it holds at most "
-          "BLOCK_M rows, so stacked and single units of one sequence have the same row blocks anyway")
 R_DENSE = "a dense sequence is one page of S keys: the kernel reads only table[0, 0]"
 R_PIECE1 = "without a step the range is one piece [a, z) whatever step larger than z − a it takes"
 R_SMALL = ("a tuning constant: where auto hands NumPy and torch CPU calls from the small rung to the flash "
@@ -347,6 +355,60 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ('flash/forward.py', 'return x.astype(dtype, copy=False)',
      '`False` -> `True`'):
         'an extra copy of the result: speed only',
+    ('flash/kernels.py', 'q = np.ones((1, 1, 1, 1), dtype=np.float32)',
+     '`1` -> `2` @17'):
+        R_PROBE,
+    ('flash/kernels.py', 'q = np.ones((1, 1, 1, 1), dtype=np.float32)',
+     '`1` -> `2` @20'):
+        R_PROBE,
+    ('flash/kernels.py', 'q = np.ones((1, 1, 1, 1), dtype=np.float32)',
+     '`1` -> `2` @23'):
+        R_PROBE,
+    ('flash/kernels.py', 'q = np.ones((1, 1, 1, 1), dtype=np.float32)',
+     '`1` -> `2` @26'):
+        R_PROBE,
+    ('flash/kernels.py', 'kv = np.full((1, 1, 1), 2.0, dtype=np.float32)',
+     '`1` -> `2` @18'):
+        R_PROBE,
+    ('flash/kernels.py', 'kv = np.full((1, 1, 1), 2.0, dtype=np.float32)',
+     '`1` -> `2` @21'):
+        R_PROBE,
+    ('flash/kernels.py', 'kv = np.full((1, 1, 1), 2.0, dtype=np.float32)',
+     '`1` -> `2` @24'):
+        R_PROBE,
+    ('flash/kernels.py', _PROBE_STATE, '`1` -> `2` @26'):
+        R_PROBE,
+    ('flash/kernels.py', _PROBE_STATE, '`1` -> `2` @66'):
+        R_PROBE,
+    ('flash/kernels.py', _PROBE_BOUNDS, '`1` -> `0` @22'):
+        R_PROBE,
+    ('flash/kernels.py', _PROBE_BOUNDS, '`1` -> `2` @22'):
+        R_PROBE,
+    ('flash/kernels.py', _PROBE_CALL, '`1` -> `2` @48'):
+        R_PROBE_ROWS,
+    ('flash/kernels.py', _PROBE_CALL, '`1` -> `2` @88'):
+        R_PROBE,
+    ('flash/kernels.py', 'm, l_i, acc, True)',
+     '`True` -> `False` @31'):
+        "the probe's acc starts at 0: the product added to 0 is the product",
+    ('spec/core.py', 'if x.ndim < 3 or x.shape[-3] < 2 or x.shape[-2] < 2:',
+     '`2` -> `1` @49'):
+        "L = 1 then goes on to compare strides: a size-1 row axis has the same memory order in either layout; "
+        "D = 1 with L > 1 writes out in C order, which the op lays out as q's (a copy, not a value)",
+    ('spec/core.py', 'return False',
+     '`False` -> `True` @15'):
+        "a size-1 head or row axis has the same memory order in either layout, and below 3 dims heads_inner "
+        "is never asked (validate makes q at least 3-D)",
+    ('flash/blas.py', 'fn.restype = None',
+     'remove the statement @8'):
+        "ctypes' default restype (int) only reads a return value nothing uses",
+    ('flash/plan.py', _P_KEPT, '`256` -> `257` @18'): R_KEPT,
+    ('flash/plan.py', _P_KEPT, '`256` -> `255` @18'): R_KEPT,
+    ('flash/plan.py', _P_KEPT, '`14` -> `13` @28'): R_KEPT,
+    ('flash/plan.py', _P_KEPT, '`14` -> `15` @28'): R_KEPT,
+    ('flash/plan.py', _P_KEPT, '`1` -> `2` @23'): R_KEPT,
+    ('flash/forward.py', 'if weights is not None and q_t is not None:', '`and` -> `or`'):
+        'q_t is made exactly when weights are wanted (the test is for the type checker)',
     ('flash/forward.py', 'if acc is not None and pv is not None and v_t is not None:',
      '`and` -> `or` @27'):
         'acc and pv are both None or both arrays (want_out); v_t is None only for calls without v, which '
@@ -530,10 +592,6 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("flash/plan.py", _P_STRIP, "`-` -> `+`"): R_STRIPS,
     ("flash/plan.py", _P_STRIP, "`<=` -> `<`"): R_STRIPS,
     ("flash/plan.py", _P_STRIP, "`or` -> `and` @50"): R_STRIPS,
-    ("flash/plan.py", _P_QKEY, "`*` -> `/`"): R_QKEY,
-    ("flash/plan.py", _P_QKEY, "`>` -> `>=`"): R_QKEY,
-    ("flash/plan.py", _P_QKEY, "`1` -> `0`"): R_QKEY,
-    ("flash/plan.py", _P_QKEY, "`1` -> `2`"): R_QKEY,
     ("flash/plan.py", "g = g.transpose(1, 0, 2, 3).reshape(u.nk, (p1 - p0) * P, -1)", "`1` -> `2`"): R_NEG,
     ("flash/plan.py", "return np.asarray(arr[u.b][u.heads, r0:r1]).reshape(-1)", "`1` -> `2`"): R_NEG,
     ("flash/plan.py", "self.kern.dropout_tile(p.reshape(u.nk * u.g, r1 - r0, -1), self.flat_heads(u), r0 + r, "
@@ -546,8 +604,6 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("flash/plan.py", _P_DENSE, "`1` -> `2` @31"): R_DENSE,
     ("flash/plan.py", _P_DENSE, "`1` -> `2` @34"): R_DENSE,
     ("flash/plan.py", _P_DENSE, "drop `-`"): "k here is (1, Hkv, S, D): k.shape[2] is k.shape[-2]",
-    ("flash/plan.py", 'key = ("bounds", u.seg, u.nk * u.g, r0, r1)', "`*` -> `/`"):
-        "g is one value per call, so nk / g tells the same units apart as nk · g",
     ("flash/forward.py", _FWD_SORT, "`0` -> `1` @56"): R_SORT,
     ("flash/forward.py", _FWD_SORT, "`0` -> `1` @74"): R_SORT,
     ("flash/forward.py", _FWD_SORT, "`0` -> `1` @93"): R_SORT,

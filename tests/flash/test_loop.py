@@ -153,6 +153,28 @@ def test_sgemm_is_numpys_product():
     assert np.array_equal(c, a @ b.T)
 
 
+def _numpys_blas() -> str:
+    try:
+        return str(np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"])
+    except (TypeError, KeyError):                        # NumPy 1's show_config has no dicts
+        return ""
+
+
+@pytest.mark.skipif(_numpys_blas() != "scipy-openblas", reason="not NumPy's own OpenBLAS (a wheel's)")
+def test_numpys_wheel_sgemm_is_found_and_runs_the_loop(monkeypatch):
+    """NumPy's wheels (what pip installs, CI included) bundle OpenBLAS with 64-bit
+    integers: its sgemm is found, passes the check product, and a plain float32 call
+    takes the compiled loop by default — else every test above would skip and the
+    tile loop silently stay in Python."""
+    assert blas.sgemm() is not None and LOOP
+    kern, calls = kernels.compiled_kernels(), []
+    real = kern.tile_loop
+    monkeypatch.setattr(kern, "tile_loop", lambda *a: calls.append(1) or real(*a))
+    q, k, v = make_qkv((2, 100, 16), (2, 100, 16), dtype="float32")
+    flash.rung_forward(validate(q, k, v, causal=True))
+    assert calls
+
+
 def test_without_numpys_sgemm_the_loop_stays_in_python(monkeypatch):
     """A NumPy whose library exports no known sgemm: no compiled loop, and calls still
     run (on the Python loop)."""
@@ -178,3 +200,22 @@ def test_q_rows_are_q_in_place_where_blas_can_read_them(layout, kv_heads):
         assert got.shape == ((u.nk, u.g, 50, 16) if layout == "(B, L, H, D)" else (u.nk, 1, u.g * 50, 16))
         assert np.shares_memory(got, q) == (layout != "float16")
         assert np.array_equal(got.reshape(u.nk, u.g * 50, 16), call.q_tile(u, 0, 50, scaled=False))
+
+
+def test_a_loop_that_fails_its_check_is_not_used(monkeypatch):
+    """Where numba cannot call BLAS through a pointer, or the loop computes something
+    else, the probe says so and the kernels keep the Python loop."""
+    def wrong(q, qscale, k, v, tiles, lo, hi, s, m_i, l_i, acc, one):
+        m_i[:], l_i[:], acc[...] = 2.0, 1.0, 3.0         # a wrong value
+        return True
+
+    def refuses(*a):
+        raise TypeError("no pointer calls here")
+
+    assert kernels._loop_works(kernels.compiled_kernels().tile_loop if LOOP else wrong) == LOOP
+    assert not kernels._loop_works(wrong) and not kernels._loop_works(refuses)
+    assert not kernels._loop_works(lambda *a: False)     # stopped, as on a non-finite product
+    from types import SimpleNamespace
+    fake = SimpleNamespace(WIDE_ATTRIBUTES=(), rescale_add=lambda *a: None,
+                           KERNELS=SimpleNamespace(tile_loop=refuses))
+    assert kernels._probed(fake).tile_loop is None

@@ -23,6 +23,8 @@ def test_tile_ready_takes_c_ordered_tiles_in_place():
     one_row = a[:, :1, :2]                               # row stride 16 bytes, rows of 8
     assert one_row.strides[-2] != one_row.shape[-1] * 4
     assert np.shares_memory(plan.tile_ready(one_row, np.float32), a)
+    zero = np.lib.stride_tricks.as_strided(a, shape=(2, 1, 4), strides=(a.strides[0], 0, 4))
+    assert plan.tile_ready(zero, np.float32) is zero    # a single row: any row stride, even 0
 
 
 @pytest.mark.parametrize("view", ["(B, S, H, D) as (B, H, S, D)", "one column", "first columns"])
@@ -34,6 +36,19 @@ def test_tile_ready_takes_rows_apart_in_place(view):
          "first columns": a[..., :3]}[view]
     got = plan.tile_ready(x, np.float32)
     assert np.shares_memory(got, a) and np.array_equal(got, x)
+
+
+def test_tile_ready_copies_rows_that_overlap_or_are_misaligned():
+    """Rows closer than a row apart, or a row stride that is not a whole number of
+    elements: BLAS cannot read them in place, so they are copied (same values)."""
+    a = np.arange(40, dtype=np.float32)
+    overlap = np.lib.stride_tricks.as_strided(a, shape=(2, 3, 4), strides=(48, 8, 4))   # rows 2 elements apart
+    buf = np.zeros(2 * 3 * 18 + 16, dtype=np.uint8)
+    odd = np.ndarray((2, 3, 4), dtype=np.float32, buffer=buf, strides=(54, 18, 4))        # rows 18 bytes apart
+    odd[...] = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    for x in (overlap, odd):
+        got = plan.tile_ready(x, np.float32)
+        assert not np.shares_memory(got, x) and got.flags.c_contiguous and np.array_equal(got, x)
 
 
 @pytest.mark.parametrize("view", ["transposed", "strided columns", "transposed, one head", "float64"])

@@ -9,6 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import attnkit  # noqa: E402
+from attnkit.backends import select  # noqa: E402
+from attnkit.spec import validate  # noqa: E402
 from attnkit.spec.core import heads_inner  # noqa: E402
 
 
@@ -18,22 +20,31 @@ def _blhd(*shape):
     return torch.randn(B, L, H, D, generator=torch.Generator().manual_seed(L * H)).transpose(1, 2)
 
 
-@pytest.mark.parametrize("case", ["flash", "small", "GQA causal, lengths"])
+@pytest.mark.parametrize("case", ["flash", "small", "GQA causal, lengths", "3-D", "two heads of two rows"])
 def test_heads_inner_queries_give_out_in_their_layout_outside_the_op(case):
+    """The flash cases hold more than SMALL_TOTAL scores (the flash rung writes the
+    layout itself); "small" and the two-by-two case take the small rung (the op lays
+    its out so)."""
     kw = {}
     if case == "small":
         q, k, v = _blhd(2, 4, 6, 8), _blhd(2, 4, 6, 8), _blhd(2, 4, 6, 8)
     elif case == "flash":
-        q, k, v = _blhd(2, 4, 300, 16), _blhd(2, 4, 300, 16), _blhd(2, 4, 300, 16)
+        q, k, v = _blhd(2, 4, 600, 16), _blhd(2, 4, 600, 16), _blhd(2, 4, 600, 16)
+    elif case == "two heads of two rows":               # the smallest shape whose layouts differ
+        q, k, v = _blhd(3, 2, 2, 8), _blhd(3, 2, 2, 8), _blhd(3, 2, 2, 8)
+    elif case == "3-D":                                  # (L, H, D) seen as (H, L, D): no batch axis
+        q, k, v = _blhd(1, 4, 600, 16)[0], _blhd(1, 4, 600, 16)[0], _blhd(1, 4, 600, 16)[0]
     else:
-        q, k, v = _blhd(3, 8, 200, 16), _blhd(3, 2, 200, 16), _blhd(3, 2, 200, 16)
-        kw = dict(causal=True, kv_lengths=torch.tensor([200, 150, 7]), q_lengths=torch.tensor([200, 150, 7]))
+        q, k, v = _blhd(3, 8, 300, 16), _blhd(3, 2, 300, 16), _blhd(3, 2, 300, 16)
+        kw = dict(causal=True, kv_lengths=torch.tensor([300, 150, 7]), q_lengths=torch.tensor([300, 150, 7]))
     assert heads_inner(q)
+    spec = validate(q, k, v, **kw)
+    assert (select(spec, "auto").mod.name == "flash") == (case not in ("small", "two heads of two rows"))
     with torch.no_grad():
         out = attnkit.attention(q, k, v, **kw)
         want = attnkit.attention(*(x.contiguous() for x in (q, k, v)), **kw)
     assert heads_inner(out) and not out.is_contiguous()
-    back = out.transpose(1, 2)
+    back = out.transpose(-3, -2)
     assert back.is_contiguous() and back.contiguous().data_ptr() == out.data_ptr()   # no copy
     assert torch.equal(out, want) and want.is_contiguous()
 

@@ -153,17 +153,26 @@ def _probed(nk: Any) -> Any:
             nk.rescale_add(one.copy(), one[0], one)
         except Exception:                   # noqa: BLE001 — any compile error: try without
             continue
-        if nk.KERNELS.tile_loop is not None:
-            try:                            # the loop calls BLAS through a pointer: should this
-                q = np.ones((1, 1, 1), dtype=np.float32)   # numba refuse it, the tiles stay in Python
-                nk.KERNELS.tile_loop(q[None], 1.0, q, q, np.array([[0, 1, 0, 1, 0]]), np.zeros(1, dtype=np.int64),
-                                     np.ones(1, dtype=np.int64), np.empty(1, dtype=np.float32),
-                                     np.full(1, -np.inf, dtype=np.float32), np.zeros(1, dtype=np.float32),
-                                     np.empty((1, 1, 1), dtype=np.float32), True)
-            except Exception:               # noqa: BLE001
-                nk.KERNELS.tile_loop = None
+        if nk.KERNELS.tile_loop is not None and not _loop_works(nk.KERNELS.tile_loop):
+            nk.KERNELS.tile_loop = None     # the tiles stay in Python
         return nk.KERNELS
     return None
+
+
+def _loop_works(loop: Any) -> bool:
+    """Whether the compiled tile loop (which calls BLAS through a pointer, something a
+    numba might refuse) runs and gets one query against one key right: score 2, weight
+    1, out the key's value 2."""
+    q = np.ones((1, 1, 1, 1), dtype=np.float32)
+    kv = np.full((1, 1, 1), 2.0, dtype=np.float32)
+    m, l_i, acc = np.full(1, -np.inf, dtype=np.float32), np.zeros(1, dtype=np.float32), np.zeros_like(kv)
+    bounds = np.zeros(1, dtype=np.int64)                 # read only where a tile is banded: none
+    try:
+        ok = loop(q, 1.0, kv, kv, np.array([[0, 1, 0, 1, 0]]), bounds, bounds, np.empty(1, dtype=np.float32),
+                  m, l_i, acc, True)
+    except Exception:                       # noqa: BLE001 — any compile or call error
+        return False
+    return bool(ok) and (m[0], l_i[0], acc[0, 0, 0]) == (2.0, 1.0, 2.0)
 
 
 def for_dtype(dtype: Any) -> Any:

@@ -309,7 +309,7 @@ class Call:
         def make() -> list[tuple[int, int, bool]]:
             lo, hi = geo.query_range(u.seg, self.band, c0, c1)
             return [(r0, r1, self.partial(u, r0, r1, c0, c1)) for r0, r1 in self.row_blocks(u) if r0 < hi and r1 > lo]
-        return self._kept(("keys", u.seg, u.g * u.nk > 1, c0, c1), make)
+        return self._kept(("keys", u.seg, u.g, u.nk, c0, c1), make)
 
     # ---- operands of a tile -----------------------------------------------------
     def q_tile(self, u: Unit, r0: int, r1: int, scaled: bool = True) -> np.ndarray:
@@ -415,7 +415,7 @@ class Call:
         def make() -> tuple[np.ndarray, np.ndarray]:
             lo, hi = geo.row_key_bounds(u.seg, self.band, r0, r1)
             return np.tile(lo, u.nk * u.g), np.tile(hi, u.nk * u.g)
-        return self._kept(("bounds", u.seg, u.nk * u.g, r0, r1), make)
+        return self._kept(("bounds", u.seg, u.nk, u.g, r0, r1), make)
 
     def dropout(self, p: np.ndarray, u: Unit, r0: int, r1: int, c0: int) -> None:
         """p (nk, g·rows, keys) ← dropout(p), in place."""
