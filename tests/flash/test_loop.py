@@ -1,6 +1,7 @@
 """The forward's compiled tile loop (numba_kernels.tile_loop: one call per task, both
 products by NumPy's own sgemm) against the same loop in Python (np.matmul and the
-compiled tile kernels): the same BLAS calls on the same tiles, so the same bits."""
+compiled tile kernels): the same BLAS calls on the same tiles, so the same bits where
+the scale is a power of two (the compiled loop scales q inside its first product)."""
 
 import numpy as np
 import pytest

@@ -165,6 +165,7 @@ def _loop_works(loop: Any) -> bool:
     1, out the key's value 2."""
     q = np.ones((1, 1, 1, 1), dtype=np.float32)
     kv = np.full((1, 1, 1), 2.0, dtype=np.float32)
+    q.flags.writeable = kv.flags.writeable = False        # as a call's views are: the same compiled code
     m, l_i, acc = np.full(1, -np.inf, dtype=np.float32), np.zeros(1, dtype=np.float32), np.zeros_like(kv)
     bounds = np.zeros(1, dtype=np.int64)                 # read only where a tile is banded: none
     try:

@@ -330,7 +330,9 @@ class Call:
         x = self.q[u.b][u.heads, r0:r1]
         m, D = r1 - r0, x.shape[-1]
         if x.dtype != self.acc or plan_unready(x):
-            return self.q_tile(u, r0, r1, scaled=False).reshape(u.nk, 1, u.g * m, D)
+            copy = self.q_tile(u, r0, r1, scaled=False).reshape(u.nk, 1, u.g * m, D)
+            copy.flags.writeable = False                 # read only, as q's views: one compiled loop
+            return copy
         if u.g == 1 or m == 1 or x.strides[0] == m * x.strides[1]:
             return x.reshape(u.nk, 1, u.g * m, D)
         return x.reshape(u.nk, u.g, m, D)
