@@ -970,6 +970,16 @@ def test_an_interrupt_while_the_region_is_open_is_raised_after_it_closed(monkeyp
     team_or_skip()
     import _thread
     import signal
+    # Python's own handler, even where the process was started with SIGINT ignored (a
+    # shell's background job: interrupt_main then does nothing), put back afterwards
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_in_region(monkeypatch, _thread, signal)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _interrupt_in_region(monkeypatch, _thread, signal):
     before = signal.getsignal(signal.SIGINT)
     lib = after_the_region_opens(monkeypatch, _thread.interrupt_main)   # raised at the next bytecode boundary
     ran = []
