@@ -355,39 +355,16 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ('flash/forward.py', 'return x.astype(dtype, copy=False)',
      '`False` -> `True`'):
         'an extra copy of the result: speed only',
-    ('flash/kernels.py', 'q = np.ones((1, 1, 1, 1), dtype=np.float32)',
-     '`1` -> `2` @17'):
-        R_PROBE,
-    ('flash/kernels.py', 'q = np.ones((1, 1, 1, 1), dtype=np.float32)',
-     '`1` -> `2` @20'):
-        R_PROBE,
-    ('flash/kernels.py', 'q = np.ones((1, 1, 1, 1), dtype=np.float32)',
-     '`1` -> `2` @23'):
-        R_PROBE,
-    ('flash/kernels.py', 'q = np.ones((1, 1, 1, 1), dtype=np.float32)',
-     '`1` -> `2` @26'):
-        R_PROBE,
-    ('flash/kernels.py', 'kv = np.full((1, 1, 1), 2.0, dtype=np.float32)',
-     '`1` -> `2` @18'):
-        R_PROBE,
-    ('flash/kernels.py', 'kv = np.full((1, 1, 1), 2.0, dtype=np.float32)',
-     '`1` -> `2` @21'):
-        R_PROBE,
-    ('flash/kernels.py', 'kv = np.full((1, 1, 1), 2.0, dtype=np.float32)',
-     '`1` -> `2` @24'):
-        R_PROBE,
-    ('flash/kernels.py', _PROBE_STATE, '`1` -> `2` @26'):
-        R_PROBE,
-    ('flash/kernels.py', _PROBE_STATE, '`1` -> `2` @66'):
-        R_PROBE,
-    ('flash/kernels.py', _PROBE_BOUNDS, '`1` -> `0` @22'):
-        R_PROBE,
-    ('flash/kernels.py', _PROBE_BOUNDS, '`1` -> `2` @22'):
-        R_PROBE,
+    **{("flash/kernels.py", line, f"`1` -> `{to}` @{col}"): R_PROBE for line, to, col in (
+        ("q = np.ones((1, 1, 1, 1), dtype=np.float32)", 2, 17), ("q = np.ones((1, 1, 1, 1), dtype=np.float32)", 2, 20),
+        ("q = np.ones((1, 1, 1, 1), dtype=np.float32)", 2, 23), ("q = np.ones((1, 1, 1, 1), dtype=np.float32)", 2, 26),
+        ("kv = np.full((1, 1, 1), 2.0, dtype=np.float32)", 2, 18),
+        ("kv = np.full((1, 1, 1), 2.0, dtype=np.float32)", 2, 21),
+        ("kv = np.full((1, 1, 1), 2.0, dtype=np.float32)", 2, 24),
+        (_PROBE_STATE, 2, 26), (_PROBE_STATE, 2, 66), (_PROBE_BOUNDS, 0, 22), (_PROBE_BOUNDS, 2, 22),
+        (_PROBE_CALL, 2, 88))},
     ('flash/kernels.py', _PROBE_CALL, '`1` -> `2` @48'):
         R_PROBE_ROWS,
-    ('flash/kernels.py', _PROBE_CALL, '`1` -> `2` @88'):
-        R_PROBE,
     ('flash/kernels.py', 'm, l_i, acc, True)',
      '`True` -> `False` @31'):
         "the probe's acc starts at 0: the product added to 0 is the product",

@@ -82,12 +82,12 @@ def tile_ready(x: Any, dtype: Any) -> np.ndarray:
     at least a row apart: transformers' (B, S, H, D) → (B, H, S, D) view qualifies);
     copies only when needed, and never expands broadcast batch dims."""
     x = np.asarray(x)
-    if x.dtype == dtype and not plan_unready(x):
+    if x.dtype == dtype and not blas_cannot_read(x):
         return x
     return np.ascontiguousarray(x, dtype=dtype)
 
 
-def plan_unready(x: np.ndarray) -> bool:
+def blas_cannot_read(x: np.ndarray) -> bool:
     """Whether BLAS cannot read x's last two dims in place (see :func:`tile_ready`)."""
     it = x.dtype.itemsize
     return not (x.strides[-1] == it and (x.shape[-2] == 1 or (
@@ -329,7 +329,7 @@ class Call:
         its rows (float32, unit stride, rows at least a row apart); else a copy."""
         x = self.q[u.b][u.heads, r0:r1]
         m, D = r1 - r0, x.shape[-1]
-        if x.dtype != self.acc or plan_unready(x):
+        if x.dtype != self.acc or blas_cannot_read(x):
             copy = self.q_tile(u, r0, r1, scaled=False).reshape(u.nk, 1, u.g * m, D)
             copy.flags.writeable = False                 # read only, as q's views: one compiled loop
             return copy
