@@ -493,67 +493,90 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
 
 
 @numba.njit(**REDUCE)
-def tile_loop(gemm, q, qscale, k, v, tiles, lo, hi, s, pv, alpha, m_i, l_i, acc, one):
+def tile_loop(gemm, omatcopy, q, qscale, k, v, tiles, lo, hi, s, m_i, l_i, acc, one, small):
     # online_softmax's loop over a task's tiles when its scores are plain (no mask
     # arrays, bias, softcap, ALiBi or dropout), in one call without the GIL; both
-    # products by ``gemm`` (.blas.sgemm), the calls np.matmul makes on the same tiles.
+    # products by ``gemm`` (.blas.sgemm) on untransposed operands: each key block is
+    # first copied transposed (``omatcopy``) for all kv heads (kt (nk, D, W), W the
+    # widest tile) and kept for the next tiles from the same first key. A tile's rows
+    # are multiplied in even chunks of m·w·max(D, Dv) ≤ ``small`` multiply-adds where
+    # that leaves 16 rows or more (.blas.small_product_limit: the products OpenBLAS
+    # makes unpacked, faster here; 0: whole tiles).
     # q (nk, G, M, D): for each of the nk kv heads, R = G·M rows stacked (G blocks of
     # M rows: a GQA group's query heads where their rows are not evenly spaced in
     # memory, else one block), times qscale by the first product; q, k (nk, S, D) and
     # v (nk, S, Dv) with unit stride on the last axis. tiles (n, 5): stacked rows
     # [f0, f1) of each kv head × keys [c0, c1), and whether the band cuts it (row i
-    # then keeps keys [lo[i], hi[i]); lo, hi, m_i, l_i flat over nk·R rows); a tile
-    # is one product per block of rows it covers. acc (nk, R, Dv) is zero, or (one: a
-    # single tile of every row) the product itself. False as soon as a product p v is
-    # not finite (the state is then partly updated): the caller starts over on the
-    # general loop, whose exempt product gives NaN and inf values their meaning.
+    # then keeps keys [lo[i], hi[i]); lo, hi, m_i, l_i flat over nk·R rows). acc
+    # (nk, R, Dv) is zero, or (one: a single tile of every row) the product itself.
+    # False as soon as a product p v is not finite (the state is then partly
+    # updated): the caller starts over on the general loop, whose exempt product
+    # gives NaN and inf values their meaning.
     # REDUCE: the inlined row max and sum take the caller's flags
     _wide()
     nk, G, M, D = q.shape
     R = G * M
     Dv = v.shape[2]
+    c_end, W = 0, 1
+    for t in range(tiles.shape[0]):
+        c_end, W = max(c_end, tiles[t, 3]), max(W, tiles[t, 3] - tiles[t, 2])
+    kt = np.empty((nk, D, W), dtype=f32)
+    pv = np.empty((R, Dv), dtype=f32)
+    alpha = np.empty(R, dtype=f32)
     # leading dims as BLAS checks them (≥ the row length, ≥ 1): a single row's stride
     # may be anything
     ldq = max(q.strides[2] // q.itemsize, D, 1) if M > 1 else max(D, 1)
     ldk = max(k.strides[1] // k.itemsize, D, 1) if k.shape[1] > 1 else max(D, 1)
     ldv = max(v.strides[1] // v.itemsize, Dv, 1) if v.shape[1] > 1 else max(Dv, 1)
     ldo = max(Dv, 1)
+    K0 = K1 = 0                                          # the keys now in kt
     for t in range(tiles.shape[0]):
         f0, f1, c0, c1 = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
         w = c1 - c0
+        if c0 != K0 or c1 > K1:                          # (the causal diagonal's strips: same c0)
+            K0, K1 = c0, min(c0 + W, c_end)
+            if D > 0:
+                for h in range(nk):
+                    omatcopy(ROW_MAJOR, TRANS, K1 - K0, D, f32(1.0), k[h, K0:].ctypes.data, ldk,
+                             kt[h].ctypes.data, W)
+        cap = small // max(w * max(D, Dv), 1)            # rows per product, unpacked
         for h in range(nk):
             for j in range(f0 // M, (f1 + M - 1) // M):
                 a, b = max(f0, j * M), min(f1, (j + 1) * M)
-                n, r = b - a, h * R + a
-                st = s[:n * w].reshape((n, w))
-                gemm(ROW_MAJOR, NO_TRANS, TRANS, n, w, D, qscale, q[h, j, a - j * M:].ctypes.data, ldq,
-                     k[h, c0:].ctypes.data, ldk, f32(0.0), st.ctypes.data, w)
-                if tiles[t, 4]:
-                    _softmax_rows_bounded(st, m_i[r:r + n], l_i[r:r + n], alpha, lo[r:r + n], hi[r:r + n], c0)
-                else:
-                    _softmax_rows(st, m_i[r:r + n], l_i[r:r + n], alpha)
-                out = acc[h, a:b] if one else pv[:n]
-                gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, n, Dv, w, f32(1.0), st.ctypes.data, w,
-                     v[h, c0:].ctypes.data, ldv, f32(0.0), out.ctypes.data, ldo)
-                for i in range(n):
-                    for d in range(Dv):
-                        if not np.isfinite(out[i, d]):
-                            return False
-                if not one:
-                    _rescale_add(acc[h, a:b], alpha, out)
+                step = b - a
+                if cap >= 16 and step > cap:
+                    step = -(-step // -(-step // cap))  # even chunks of at most cap rows
+                for a2 in range(a, b, step):
+                    b2 = min(a2 + step, b)
+                    n, r = b2 - a2, h * R + a2
+                    st = s[:n * w].reshape((n, w))
+                    gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, n, w, D, qscale, q[h, j, a2 - j * M:].ctypes.data, ldq,
+                         kt[h].ctypes.data, W, f32(0.0), st.ctypes.data, w)
+                    if tiles[t, 4]:
+                        _softmax_rows_bounded(st, m_i[r:r + n], l_i[r:r + n], alpha, lo[r:r + n], hi[r:r + n], c0)
+                    else:
+                        _softmax_rows(st, m_i[r:r + n], l_i[r:r + n], alpha)
+                    out = acc[h, a2:b2] if one else pv[:n]
+                    gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, n, Dv, w, f32(1.0), st.ctypes.data, w,
+                         v[h, c0:].ctypes.data, ldv, f32(0.0), out.ctypes.data, ldo)
+                    for i in range(n):
+                        for d in range(Dv):
+                            if not np.isfinite(out[i, d]):
+                                return False
+                    if not one:
+                        _rescale_add(acc[h, a2:b2], alpha, out)
     return True
 
 
 def _tile_loop_kernel() -> Any:
-    """tile_loop bound to NumPy's sgemm, or None without one (see .blas)."""
-    gemm = blas.sgemm()
-    if gemm is None:
+    """tile_loop bound to NumPy's sgemm and somatcopy, or None without them (see .blas)."""
+    gemm, omatcopy = blas.sgemm(), blas.somatcopy()
+    if gemm is None or omatcopy is None:
         return None
 
     def run(q, qscale, k, v, tiles, lo, hi, s, m_i, l_i, acc, one):
-        R, Dv = q.shape[1] * q.shape[2], v.shape[2]
-        return tile_loop(gemm, q, f32(qscale), k, v, tiles, lo, hi, s, np.empty((R, Dv), dtype=f32),
-                         np.empty(R, dtype=f32), m_i, l_i, acc, one)
+        return tile_loop(gemm, omatcopy, q, f32(qscale), k, v, tiles, lo, hi, s, m_i, l_i, acc, one,
+                         blas.small_product_limit())
     return run
 
 
