@@ -4,7 +4,7 @@ from attnkit.flash import kernels as _kernels
 
 _compiled = _kernels.compiled_kernels()
 KERNELS = ["numpy"] + (["numba"] if _compiled is not None else []) + (
-    ["numba-python-loop"] if _compiled is not None and _compiled.tile_loop is not None else [])
+    ["numba-python-loop"] if _compiled is not None and _compiled.tile_tasks is not None else [])
 
 
 @pytest.fixture(params=KERNELS)

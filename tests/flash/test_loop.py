@@ -1,17 +1,18 @@
-"""The forward's compiled tile loop (numba_kernels.tile_loop: one call per task, both
-products by NumPy's own sgemm on a transposed copy of the keys, in row chunks that
-OpenBLAS multiplies unpacked where it can) against the float64 reference and the same
-loop in Python (np.matmul and the compiled tile kernels)."""
+"""The forward's compiled tile loop (numba_loop.tile_tasks: a call's tasks in one
+compiled call per thread, both products by NumPy's own sgemm on a transposed copy of
+the keys, in row chunks that OpenBLAS multiplies unpacked where it can) against the
+float64 reference and the same loop in Python (np.matmul and the compiled tile
+kernels)."""
 
 import numpy as np
 import pytest
 
 from attnkit import flash, reference
-from attnkit.flash import blas, kernels, plan
+from attnkit.flash import blas, forward, kernels, plan
 from attnkit.spec import validate
 from attnkit.testing import error_budget, make_qkv, max_error
 
-LOOP = kernels.compiled_kernels() is not None and kernels.compiled_kernels().tile_loop is not None
+LOOP = kernels.compiled_kernels() is not None and kernels.compiled_kernels().tile_tasks is not None
 pytestmark = pytest.mark.skipif(kernels.compiled_kernels() is None, reason="numba is not installed")
 
 
@@ -33,6 +34,26 @@ def _one_key():                                           # S = 1: any row strid
     return (q, wide[..., :16], v), {}
 
 
+def _shared_keys():                                      # k, v broadcast over the batch (not expanded)
+    q, k, v = make_qkv((3, 4, 120, 16), (1, 2, 90, 16), dtype="float32", seed=6)
+    return (q, k, v), dict(causal=True)
+
+
+def _odd_batch():                                         # batch dims that do not merge: copied once
+    q, k, v = make_qkv((2, 3, 4, 70, 16), (2, 3, 4, 90, 16), dtype="float32", seed=8)
+    return (q, k, v[:, ::-1]), dict(causal=True)
+
+
+def _split():                                             # few tasks, many keys: split-KV parts
+    q, k, v = make_qkv((1, 2, 100, 32), (1, 2, 5000, 32), dtype="float32", seed=9)
+    return (q, k, v), dict(sinks=np.array([0.5, -1.0]))
+
+
+def _decoding_next_to_prefill():                          # one sequence streams, the other loops
+    q, k, v = make_qkv((2, 4, 200, 32), (2, 4, 300, 32), dtype="float32", seed=10)
+    return (q, k, v), dict(causal=True, q_lengths=np.array([3, 200]))
+
+
 CASES = {
     "causal, row strips": lambda: (make_qkv((2, 3, 700, 32), (2, 3, 700, 32), dtype="float32"), dict(causal=True)),
     "GQA causal, each head in strips": lambda: (make_qkv((4, 8, 256, 32), (4, 2, 256, 32), dtype="float32"),
@@ -46,16 +67,21 @@ CASES = {
     "packed": _packed,
     "(B, S, H, D) views": _layout,
     "one key": _one_key,
+    "keys shared by the batch": _shared_keys,
+    "batch dims that do not merge": _odd_batch,
+    "split keys, sinks": _split,
+    "decoding rows next to a prefill": _decoding_next_to_prefill,
 }
 
 
 def _forward(monkeypatch, spec, loop, **blocks):
+    """(out, lse, calls of the compiled loop)."""
     monkeypatch.setattr(kernels, "USE_LOOP", loop)
     calls = []
     kern = kernels.compiled_kernels()
-    real = kern.tile_loop
+    real = kern.tile_tasks
     if real is not None:
-        monkeypatch.setattr(kern, "tile_loop", lambda *a: calls.append(1) or real(*a))
+        monkeypatch.setattr(kern, "tile_tasks", lambda *a: calls.append(1) or real(*a))
     out, lse, _ = flash.rung_forward(spec, **blocks)
     return out, lse, len(calls)
 
@@ -84,6 +110,25 @@ def test_compiled_loop_is_as_close_as_the_reference(monkeypatch, case, small):
 
 
 @pytest.mark.skipif(not LOOP, reason="NumPy's sgemm was not found")
+@pytest.mark.parametrize("case", ["causal, row strips", "split keys, sinks", "(B, S, H, D) views"])
+def test_the_same_bits_with_any_budget_and_from_copies(monkeypatch, case):
+    """Each tile_tasks call returns after BUDGET scores (so that an interrupt is seen)
+    and the next one goes on: with a budget of a thousand scores (about a call per
+    task) the same bits; and the same from C-ordered copies of q, k and v as from views
+    of them."""
+    (q, k, v), kw = CASES[case]()
+    spec = validate(q, k, v, **kw)
+    out, lse, n = _forward(monkeypatch, spec, True)
+    monkeypatch.setattr(forward, "BUDGET", 1000)
+    few_out, few_lse, few = _forward(monkeypatch, spec, True)
+    assert few > n
+    monkeypatch.setattr(plan, "_flat", lambda x: None)
+    copy_out, copy_lse, _ = _forward(monkeypatch, spec, True)
+    for o, s_ in ((few_out, few_lse), (copy_out, copy_lse)):
+        assert np.array_equal(out, o) and np.array_equal(lse, s_)
+
+
+@pytest.mark.skipif(not LOOP, reason="NumPy's sgemm was not found")
 def test_compiled_loop_same_bits_on_one_and_two_threads(monkeypatch):
     q, k, v = make_qkv((2, 8, 300, 32), (2, 2, 300, 32), dtype="float32", seed=7)
     spec = validate(q, k, v, causal=True)
@@ -99,13 +144,13 @@ def test_compiled_loop_same_bits_on_one_and_two_threads(monkeypatch):
 def test_compiled_loop_hands_a_nonfinite_product_to_the_python_loop(monkeypatch, bad):
     """A NaN or inf value makes its column of p v non-finite: the compiled loop stops
     and the task (here head 1's rows) starts over on the Python loop, whose exempt
-    product keeps rows that cannot see the key finite; head 0 stays on the loop."""
+    product keeps rows that cannot see the key finite; head 0 keeps the loop's."""
     q, k, v = make_qkv((1, 2, 400, 32), (1, 2, 400, 32), dtype="float32", seed=1)
     v[0, 1, 150, 3] = bad
     spec = validate(q, k, v, causal=True)
     out, lse, n = _forward(monkeypatch, spec, True)
     want_out, want_lse, _ = _forward(monkeypatch, spec, False)
-    assert n == 2
+    assert n > 0
     assert np.array_equal(out[0, 1], want_out[0, 1], equal_nan=True) and np.array_equal(lse[0, 1], want_lse[0, 1])
     assert np.isfinite(out[0, 1, :150]).all() and np.isnan(out[0, 1, 150:, 3]).all()
     assert np.allclose(out[0, 0], want_out[0, 0], rtol=1e-5, atol=1e-6)
@@ -128,21 +173,27 @@ def test_tile_loop_reads_each_tiles_own_keys(small):
     tiles, rows 50–99 keys [16, 40) and then [40, 48), which lie inside the keys
     transposed for the tile before (and must not be read from their start). The
     running max, sum and unnormalised out are those of each row's keys."""
-    q, k, v = make_qkv((1, 1, 100, 24), (1, 64, 24), dtype="float32", seed=4)
+    q, k, v = make_qkv((1, 1, 100, 24), (1, 1, 64, 24), dtype="float32", seed=4)
     tiles = np.array([[0, 50, 0, 40, 0], [0, 50, 40, 64, 0], [50, 100, 16, 40, 0], [50, 100, 40, 48, 0]])
-    m, l_i = np.full(100, -np.inf, dtype=np.float32), np.zeros(100, dtype=np.float32)
-    acc = np.zeros((1, 100, 24), dtype=np.float32)
-    none = np.zeros(0, dtype=np.int64)
-    from attnkit.flash import numba_kernels
-    assert numba_kernels.tile_loop(blas.sgemm(), blas.somatcopy(), q, np.float32(0.2), k, v, tiles, none, none,
-                                   np.empty(100 * 64, dtype=np.float32), m, l_i, acc, False, small)
+    none, empty = np.zeros(0, dtype=np.int64), np.zeros((0, 0, 0), dtype=np.float32)
+    m, l_i, acc = np.zeros(100, dtype=np.float32), np.zeros(100, dtype=np.float32), np.zeros((100, 24), np.float32)
+    table = np.array([[0] * 6 + [1, 1, 0, 100, 0, 4, -1, 0, 0]])      # one task, its state kept at row 0
+    status = np.zeros(1, dtype=np.int8)
+    from attnkit.flash import numba_loop
+    for x in (q, k, v):
+        x.flags.writeable = False
+    assert not numba_loop.tile_tasks(blas.sgemm(), blas.somatcopy(), q, np.float32(0.2), k, v, table, tiles, none,
+                                     none, small, np.zeros(1, dtype=np.int64), status, empty, empty,
+                                     np.zeros((1, 1, 100, 24), np.float32), np.zeros((1, 1, 100), np.float32),
+                                     m, l_i, acc, 1 << 20)
+    assert status[0] == 1
     for rows, keys in ((slice(0, 50), slice(0, 64)), (slice(50, 100), slice(16, 48))):
-        s = 0.2 * q[0, 0, rows].astype(np.float64) @ k[0, keys].T
+        s = 0.2 * q[0, 0, rows].astype(np.float64) @ k[0, 0, keys].T
         want_m = s.max(1)
         p = np.exp(s - want_m[:, None])
         assert np.allclose(m[rows], want_m, rtol=1e-5)
         assert np.allclose(l_i[rows], p.sum(1), rtol=1e-5)
-        assert np.allclose(acc[0, rows], p @ v[0, keys], rtol=1e-4, atol=1e-5)
+        assert np.allclose(acc[rows], p @ v[0, 0, keys], rtol=1e-4, atol=1e-5)
 
 
 def test_flat_tiles_cover_each_visible_pair_once():
@@ -188,12 +239,8 @@ def test_numpys_wheel_sgemm_is_found_and_runs_the_loop(monkeypatch):
     takes the compiled loop by default — else every test above would skip and the
     tile loop silently stay in Python."""
     assert blas.sgemm() is not None and blas.somatcopy() is not None and LOOP
-    kern, calls = kernels.compiled_kernels(), []
-    real = kern.tile_loop
-    monkeypatch.setattr(kern, "tile_loop", lambda *a: calls.append(1) or real(*a))
     q, k, v = make_qkv((2, 100, 16), (2, 100, 16), dtype="float32")
-    flash.rung_forward(validate(q, k, v, causal=True))
-    assert calls
+    assert _forward(monkeypatch, validate(q, k, v, causal=True), True)[2] > 0
 
 
 def test_somatcopy_transposes_exactly():
@@ -226,44 +273,49 @@ def test_without_numpys_sgemm_the_loop_stays_in_python(monkeypatch, missing):
     and calls still run (on the Python loop)."""
     found = {kind: blas._get(kind) for kind in ("sgemm", "somatcopy")}
     monkeypatch.setattr(blas, "_found", dict(found, **{missing: None}))
-    from attnkit.flash import numba_kernels
-    assert numba_kernels._tile_loop_kernel() is None
+    from attnkit.flash import numba_loop
+    assert numba_loop.kernels() is None
     monkeypatch.setattr(blas, "_found", {})
     monkeypatch.setattr(blas, "_numpy_library", lambda: object())
     assert blas.sgemm() is None and blas.somatcopy() is None and blas.small_product_limit() == 0
 
 
-@pytest.mark.parametrize("layout", ["C order", "(B, L, H, D)", "float16"])
-@pytest.mark.parametrize("kv_heads", [8, 2])
-def test_q_rows_are_q_in_place_where_blas_can_read_them(layout, kv_heads):
-    """q_rows: the unit's rows of q, unscaled, as the compiled loop reads them —
-    q's own memory where BLAS can read it (a GQA group of a (B, L, H, D) layout as
-    one block of rows per query head), a copy where they need converting."""
-    q, k, v = make_qkv((2, 8, 50, 16), (2, kv_heads, 50, 16), dtype="float16" if layout == "float16" else "float32")
+@pytest.mark.parametrize("layout", ["C order", "(B, L, H, D)", "float16", "shared keys"])
+def test_the_loops_operands_are_views_where_they_can_be(layout):
+    """q, k, v as the compiled loop reads them: read-only (N, heads, rows, D) views of
+    the caller's arrays over their own batch dims (keys shared by the batch stay one
+    sequence), float32 copies made once per call where they need converting."""
+    q, k, v = make_qkv((2, 8, 50, 16), (1 if layout == "shared keys" else 2, 2, 50, 16),
+                       dtype="float16" if layout == "float16" else "float32")
     if layout == "(B, L, H, D)":
         q = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     call = plan.Call(validate(q, k, v), None, None)
-    for u in call.units:
-        got = call.q_rows(u, 0, 50)
-        assert got.shape == ((u.nk, u.g, 50, 16) if layout == "(B, L, H, D)" else (u.nk, 1, u.g * 50, 16))
-        assert np.shares_memory(got, q) == (layout != "float16")
-        assert np.array_equal(got.reshape(u.nk, u.g * 50, 16), call.q_tile(u, 0, 50, scaled=False))
+    assert call.flat is not None
+    for (x4, own), x in zip(call.flat, (q, k, v)):
+        assert x4.shape == (x.shape[0],) + x.shape[1:] and own == x.shape[:1] and not x4.flags.writeable
+        assert np.shares_memory(x4, x) == (layout != "float16") and np.array_equal(x4, x.astype(np.float32))
+    rows = call.task_table([(u, 0, 50) for u in call.units], [(i, 0, 1, 0, 50) for i in range(len(call.units))])[0]
+    assert rows[:, 0].tolist() == [u.n for u in call.units] == rows[:, 1].tolist()
+    assert rows[:, 2].tolist() == ([0] * len(call.units) if layout == "shared keys" else rows[:, 0].tolist())
 
 
 def test_a_loop_that_fails_its_check_is_not_used(monkeypatch):
     """Where numba cannot call BLAS through a pointer, or the loop computes something
     else, the probe says so and the kernels keep the Python loop."""
-    def wrong(q, qscale, k, v, tiles, lo, hi, s, m_i, l_i, acc, one):
-        m_i[:], l_i[:], acc[...] = 2.0, 1.0, 3.0         # a wrong value
-        return True
+    def wrong(q4, qscale, k4, v4, table, tiles, lo, hi, counter, status, m0, l0, out4, lse3, sm, sl, sacc, budget):
+        status[:], out4[...], lse3[...], sm[:], sl[:], sacc[...] = 1, 2.0, 3.0, 2.0, 1.0, 2.0   # a wrong lse
+        return False
 
     def refuses(*a):
         raise TypeError("no pointer calls here")
 
-    assert kernels._loop_works(kernels.compiled_kernels().tile_loop if LOOP else wrong) == LOOP
+    if LOOP:
+        assert kernels._loop_works(kernels.compiled_kernels().tile_tasks)
     assert not kernels._loop_works(wrong) and not kernels._loop_works(refuses)
-    assert not kernels._loop_works(lambda *a: False)     # stopped, as on a non-finite product
+    assert not kernels._loop_works(lambda *a: True)      # said that tasks remain
     from types import SimpleNamespace
-    fake = SimpleNamespace(WIDE_ATTRIBUTES=(), rescale_add=lambda *a: None,
-                           KERNELS=SimpleNamespace(tile_loop=refuses))
-    assert kernels._probed(fake).tile_loop is None
+
+    from attnkit.flash import numba_loop
+    monkeypatch.setattr(numba_loop, "kernels", lambda: refuses)
+    fake = SimpleNamespace(WIDE_ATTRIBUTES=(), rescale_add=lambda *a: None, KERNELS=SimpleNamespace(tile_tasks=None))
+    assert kernels._probed(fake).tile_tasks is None

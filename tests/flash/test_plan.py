@@ -204,7 +204,7 @@ def test_the_forward_checks_products_not_values(monkeypatch, loop):
     """The forward's NaN/inf check reads each tile's p v (hot, just made), never the
     values themselves (reading them again per strip cost 2–3% of a causal call, and a
     KV cache's read doubles what decoding reads), and it still finds a NaN value — in
-    the Python loop and in the compiled one (kernels' tile_loop), which checks its
+    the Python loop and in the compiled one (kernels' tile_tasks), which checks its
     products itself."""
     monkeypatch.setattr(flash.kernels, "USE_LOOP", loop)
     seen = []
@@ -215,7 +215,7 @@ def test_the_forward_checks_products_not_values(monkeypatch, loop):
         flash.rung_forward(validate(q, k, v, causal=True))
     assert not any(np.shares_memory(x, v) for x in seen)
     assert all(x.shape[-1] == v.shape[-1] and x.shape[-2] <= 1024 for x in seen)
-    assert bool(seen) != (loop and flash.compiled_kernels().tile_loop is not None)
+    assert bool(seen) != (loop and flash.compiled_kernels().tile_tasks is not None)
     v[0, 1, 100, 3] = np.nan
     out, _, _ = flash.rung_forward(validate(q, k, v, causal=True))
     assert np.isnan(out[0, 1, 100:, 3]).all() and np.isfinite(out[0, 1, :100]).all()

@@ -1,6 +1,6 @@
 """The BLAS that NumPy itself calls, for compiled code: ``cblas_sgemm`` and
 ``cblas_somatcopy`` of NumPy's own OpenBLAS as ctypes functions, which the compiled
-tile loop (:func:`.numba_kernels.tile_loop`) calls without the GIL.
+tile loop (:func:`.numba_loop.tile_tasks`) calls without the GIL.
 
 Only NumPy's 64-bit-integer interface is taken (``scipy_cblas_sgemm64_`` in NumPy 2's
 wheels, ``cblas_sgemm64_`` in NumPy 1's): its integer width is in its name. Anything

@@ -26,9 +26,8 @@ from ..spec import geometry as geo
 from ..spec.core import empty_out, heads_inner
 from . import runtime
 from .kernels import NUMPY, lse_from
-from .plan import Call, Unit
+from .plan import BUDGET, Call, Unit
 
-NO_BOUNDS = np.zeros(0, dtype=np.int64)
 State = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
 
 
@@ -39,14 +38,18 @@ def cast(x: np.ndarray, dtype: Any) -> np.ndarray:
 
 
 def _init(call: Call, u: Unit, r0: int, r1: int, with_sink: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(m_i, l_i) before the first key tile: the sink logit is one more score (its
-    value 0, so acc starts at 0)."""
+    """(m_i, l_i) before the first key tile."""
     n = u.nk * u.g * (r1 - r0)
     if call.sinks is None or not with_sink:
         return np.full(n, -np.inf, dtype=call.acc), np.zeros(n, dtype=call.acc)
-    m_i = call.rows(call.sinks, u, r0, r1).astype(call.acc)
+    return _sink_state(call.rows(call.sinks, u, r0, r1).astype(call.acc))
+
+
+def _sink_state(m_i: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(m, l) of rows whose only score so far is their sink logit m_i (its value 0, so
+    acc starts at 0)."""
     shift = np.where(m_i == -np.inf, 0.0, m_i)
-    return m_i, np.exp(m_i - shift).astype(call.acc)     # +inf or NaN sink: NaN
+    return m_i, np.exp(m_i - shift).astype(m_i.dtype)    # +inf or NaN sink: NaN
 
 
 def online_softmax(call: Call, u: Unit, q_t: np.ndarray | None, r0: int, r1: int, buf: np.ndarray,
@@ -58,11 +61,6 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray | None, r0: int, r1: int
     nk, g, m = u.nk, u.g, r1 - r0
     m_i, l_i = _init(call, u, r0, r1, with_sink)
     streams = want_out and call.streams(u, r0, r1)
-    if want_out and call.loop and not streams:
-        state = _compiled_loop(call, u, r0, r1, buf, m_i, l_i, lo, hi)
-        if state is not None:
-            return state
-        m_i, l_i = _init(call, u, r0, r1, with_sink)     # a NaN or inf product: start over
     if q_t is None:
         q_t = call.q_tile(u, r0, r1)
     if streams:
@@ -107,25 +105,42 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray | None, r0: int, r1: int
     return m_i, l_i, acc
 
 
-def _compiled_loop(call: Call, u: Unit, r0: int, r1: int, buf: np.ndarray, m_i: np.ndarray, l_i: np.ndarray,
-                   lo: int | None, hi: int | None) -> State | None:
-    """online_softmax's loop as one compiled call (float32, plain scores: the kernels'
-    ``tile_loop``), or None when a product p v is not finite. The loop scales q in its
-    first product, so q is read in place where BLAS can (transformers' (B, L, H, D)
-    queries: 5–10% of a BERT layer, B = 4, L = 256, 8 heads of 32, went to q_tile's
-    strided copy; 7% of a Llama layer's, a GQA group's rows gathered) and copied
-    unscaled elsewhere: the same bits either way, whatever the caller's layout."""
-    spec = call.spec
-    tiles = call.flat_tiles(u, r0, r1, lo, hi)
-    R = u.g * (r1 - r0)
-    one = len(tiles) == 1 and tiles[0, 0] == 0 and tiles[0, 1] == R
-    acc = (np.empty if one else np.zeros)((u.nk, R, spec.Dv), dtype=call.acc)
-    k, v = call.kv(u, 0, spec.S)
-    # the rows' key bounds only where the band cuts a tile (lengths alone never do)
-    lo_b, hi_b = call.bounds(u, r0, r1) if tiles[:, 4].any() else (NO_BOUNDS, NO_BOUNDS)
-    if not call.kern.tile_loop(call.q_rows(u, r0, r1), call.qs, k, v, tiles, lo_b, hi_b, buf, m_i, l_i, acc, one):
-        return None
-    return m_i, l_i, acc
+def _tile_tasks(call: Call, blocks: list[tuple[Unit, int, int]], tasks: list[tuple[Any, ...]], out: np.ndarray,
+                lse: np.ndarray, parts: dict[int, list[Any]]) -> list[tuple[Any, ...]]:
+    """``tasks`` (in their order) on the compiled loop (kernels' ``tile_tasks``): one
+    compiled call per thread, finishing each task into out and lse, or, a key part of
+    split-KV, into ``parts``; returns the tasks left (a product p v not finite) for
+    the Python loop. Each call returns after about BUDGET scores, so an interrupt is
+    seen between them. The loop scales q in its first product, so q is read in place
+    where BLAS can (transformers' (B, L, H, D) queries: 5–10% of a BERT layer went to
+    a strided copy of them): the same bits whatever the caller's layout."""
+    assert call.flat is not None
+    (q4, _), (k4, _), (v4, _) = call.flat
+    table, tiles, lo, hi, n_state = call.task_table(blocks, tasks)
+    N, Dv = int(np.prod(call.spec.batch, dtype=np.int64)), call.spec.Dv
+    m0 = l0 = _NO_STATE
+    if call.sinks is not None:
+        m0, l0 = _sink_state(np.ascontiguousarray(call.sinks).reshape(N, *call.spec.lse_shape[-2:]))
+    sm, sl, sacc = (np.empty(n_state, dtype=np.float32), np.empty(n_state, dtype=np.float32),
+                    np.empty((n_state, Dv), dtype=np.float32))
+    counter, status = np.zeros(1, dtype=np.int64), np.zeros(len(table), dtype=np.int8)
+    out4, lse3 = out.reshape((N,) + out.shape[-3:]), lse.reshape((N,) + lse.shape[-2:])   # views: forward made them
+    work = int(((tiles[:, 1] - tiles[:, 0]) * (tiles[:, 3] - tiles[:, 2])).sum()) * max(call.spec.Hkv, 1)
+    runtime.run(range(work // BUDGET + runtime.get_threads() + 1),
+                lambda _: call.kern.tile_tasks(q4, call.qs, k4, v4, table, tiles, lo, hi, counter, status, m0, l0,
+                                               out4, lse3, sm, sl, sacc, BUDGET))
+    left = []
+    for t, row, ok in zip(tasks, table, status):
+        if not ok:
+            left.append(t)
+        elif t[2] > 1:                                   # a key part: its state, merged later
+            u, r0, r1 = blocks[t[0]]
+            so, rows = int(row[13]), u.nk * u.g * (r1 - r0)
+            parts[t[0]][t[1]] = (sm[so:so + rows], sl[so:so + rows], sacc[so:so + rows].reshape(u.nk, -1, Dv))
+    return left
+
+
+_NO_STATE = np.zeros((0, 0, 0), dtype=np.float32)
 
 
 def _stream(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, m_i: np.ndarray, l_i: np.ndarray,
@@ -223,9 +238,14 @@ def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray 
 
     # heaviest tasks first (causal: the last query blocks see the most keys)
     tasks.sort(key=lambda t: -(t[4] - t[3]) * (blocks[t[0]][2] - blocks[t[0]][1]) * blocks[t[0]][0].nk)
+    if out is not None and weights is None and call.flat is not None:
+        looped = [t for t in tasks if not call.streams(*blocks[t[0]])]
+        tasks = [t for t in tasks if call.streams(*blocks[t[0]])]
+        tasks += _tile_tasks(call, blocks, looped, out, lse, parts) if looped else []
     # decoding: every block on the compiled streaming kernel, no matmul (online_softmax)
-    streams_only = want_out and weights is None and all(call.streams(*b) for b in blocks)
-    runtime.run(tasks, task, blas=not streams_only)
+    streams_only = want_out and weights is None and all(call.streams(*blocks[t[0]]) for t in tasks)
+    if tasks:
+        runtime.run(tasks, task, blas=not streams_only)
     for n_b, states in parts.items():                    # split-KV: merge the parts in order
         u, r0, r1 = blocks[n_b]
         _finish_store(call, lse, out, u, r0, r1, merge_parts(states))

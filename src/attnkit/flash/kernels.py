@@ -145,7 +145,9 @@ def compiled_kernels() -> Any:
 def _probed(nk: Any) -> Any:
     """The kernels once one of them compiles (or loads from numba's cache): should a
     numba or llvmlite refuse the 512-bit vector attributes, the kernels compile
-    without them; should it refuse to compile at all, the NumPy kernels run."""
+    without them; should it refuse to compile at all, the NumPy kernels run. The
+    compiled tile loop (:mod:`.numba_loop`) joins them where it runs and gets one
+    query against one key right; else the tiles stay in Python."""
     one = np.ones((1, 1), dtype=np.float32)
     for attrs in (nk.WIDE_ATTRIBUTES, ()):
         nk.WIDE_ATTRIBUTES = attrs
@@ -153,27 +155,36 @@ def _probed(nk: Any) -> Any:
             nk.rescale_add(one.copy(), one[0], one)
         except Exception:                   # noqa: BLE001 — any compile error: try without
             continue
-        if nk.KERNELS.tile_loop is not None and not _loop_works(nk.KERNELS.tile_loop):
-            nk.KERNELS.tile_loop = None     # the tiles stay in Python
+        try:
+            from . import numba_loop
+            tasks = numba_loop.kernels()
+        except Exception:                   # noqa: BLE001 — any compile error: the Python loop
+            tasks = None
+        if tasks is not None and _loop_works(tasks):
+            nk.KERNELS.tile_tasks = tasks
         return nk.KERNELS
     return None
 
 
-def _loop_works(loop: Any) -> bool:
+def _loop_works(tasks: Any) -> bool:
     """Whether the compiled tile loop (which calls BLAS through a pointer, something a
-    numba might refuse) runs and gets one query against one key right: score 2, weight
-    1, out the key's value 2."""
+    numba might refuse) runs and gets one query against one key right, finished (out
+    the key's value 2, lse the score 2) and as a key part's state (m 2, l 1, acc 2)."""
     q = np.ones((1, 1, 1, 1), dtype=np.float32)
-    kv = np.full((1, 1, 1), 2.0, dtype=np.float32)
+    kv = np.full((1, 1, 1, 1), 2.0, dtype=np.float32)
     q.flags.writeable = kv.flags.writeable = False        # as a call's views are: the same compiled code
-    m, l_i, acc = np.full(1, -np.inf, dtype=np.float32), np.zeros(1, dtype=np.float32), np.zeros_like(kv)
-    bounds = np.zeros(1, dtype=np.int64)                 # read only where a tile is banded: none
+    tiles, none = np.array([[0, 1, 0, 1, 0]]), np.zeros(0, dtype=np.int64)   # bounds: no banded tile
+    table = np.array([[0] * 6 + [1, 1, 0, 1, 0, 1, -1, -1, 0], [0] * 6 + [1, 1, 0, 1, 0, 1, -1, 0, 0]])
+    out, lse, status = np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1), np.float32), np.zeros(2, np.int8)
+    sm, sl, sacc = np.zeros(1, np.float32), np.zeros(1, np.float32), np.zeros((1, 1), np.float32)
+    empty = np.zeros((0, 0, 0), dtype=np.float32)
     try:
-        ok = loop(q, 1.0, kv, kv, np.array([[0, 1, 0, 1, 0]]), bounds, bounds, np.empty(1, dtype=np.float32),
-                  m, l_i, acc, True)
+        more = tasks(q, 1.0, kv, kv, table, tiles, none, none, np.zeros(1, dtype=np.int64), status, empty, empty,
+                     out, lse, sm, sl, sacc, 1 << 20)
     except Exception:                       # noqa: BLE001 — any compile or call error
         return False
-    return bool(ok) and (m[0], l_i[0], acc[0, 0, 0]) == (2.0, 1.0, 2.0)
+    return (not more and status.tolist() == [1, 1] and (out[0, 0, 0, 0], lse[0, 0, 0]) == (2.0, 2.0)
+            and (sm[0], sl[0], sacc[0, 0]) == (2.0, 1.0, 2.0))
 
 
 def for_dtype(dtype: Any) -> Any:

@@ -13,7 +13,6 @@ machine has them (``_wide``): the row softmax, the causal diagonal and decoding 
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
 
 import numba
 import numpy as np
@@ -22,11 +21,10 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import blas
-from .blas import NO_TRANS, ROW_MAJOR, TRANS
-
-ORDERED = dict(nogil=True, cache=True, error_model="numpy", fastmath={"nsz", "arcp", "contract", "afn"})
-REDUCE = dict(ORDERED, fastmath={"reassoc", "nsz", "arcp", "contract", "afn"})
+# no "arcp" in either: a division stays a division (finishing, inlined into the tile
+# loop, divides by each row's sum; with arcp it became a reciprocal times x, 1 ulp off)
+ORDERED = dict(nogil=True, cache=True, error_model="numpy", fastmath={"nsz", "contract", "afn"})
+REDUCE = dict(ORDERED, fastmath={"reassoc", "nsz", "contract", "afn"})
 f32 = np.float32
 LOG2E = f32(1.44269504088896341)                          # exp(x) = 2^(x · log2 e)
 EXP2_MIN = f32(-125.0)                                   # below 2^-125 the result is 0
@@ -115,10 +113,13 @@ def _row_done(i, m_new, shift, total, m_i, l_i, alpha):
     m_i[i] = m_new
 
 
-# The kernels that tile_loop also runs are written once as inline="always" bodies
-# (inlined by numba, not LLVM): a call from one compiled kernel into another may run
-# either function's own machine code depending on which was loaded first in the process
-# (seen as different bits of the same tile loop), so tile_loop calls none.
+# The kernels that the compiled tile loop (numba_loop) also runs are written once as
+# inline="always" bodies (inlined by numba, not LLVM): a call from one compiled kernel
+# into another may run either function's own machine code depending on which was
+# loaded first in the process, and the fast-math reductions here rounded differently
+# in the two (seen as different bits of the same tile loop). Worse, a kernel first
+# compiled for a caller's argument types is compiled with the caller's fast-math flags
+# and cached so: the loop calls no kernel at all.
 @numba.njit(**REDUCE)
 def _softmax_tile(s, m_i, l_i, alpha):
     _wide()
@@ -196,6 +197,11 @@ def _normalized(x, li):
     return f32(np.nan) if np.isinf(y) else y
 
 
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _lse_value(mi, li):
+    return (-np.inf if li == f32(0.0) else np.log(li)) + mi   # NaN stays NaN
+
+
 @numba.njit(nogil=True, cache=True, error_model="numpy")
 def finish_into(acc, m_i, l_i, out, lse):
     # out (F, R, Dv) and lse (F, R), any strides: row i = f·R + r of acc. Never out =
@@ -207,7 +213,7 @@ def finish_into(acc, m_i, l_i, out, lse):
         for r in range(R):
             i = f * R + r
             li = l_i[i]
-            lse[f, r] = (-np.inf if li == f32(0.0) else np.log(li)) + m_i[i]   # NaN stays NaN
+            lse[f, r] = _lse_value(m_i[i], li)
             for d in range(Dv):
                 out[f, r, d] = _normalized(acc[i, d], li)
 
@@ -492,94 +498,6 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
             j0 = j1
 
 
-@numba.njit(**REDUCE)
-def tile_loop(gemm, omatcopy, q, qscale, k, v, tiles, lo, hi, s, m_i, l_i, acc, one, small):
-    # online_softmax's loop over a task's tiles when its scores are plain (no mask
-    # arrays, bias, softcap, ALiBi or dropout), in one call without the GIL; both
-    # products by ``gemm`` (.blas.sgemm) on untransposed operands: each key block is
-    # first copied transposed (``omatcopy``) for all kv heads (kt (nk, D, W), W the
-    # widest tile) and kept for the next tiles from the same first key. A tile's rows
-    # are multiplied in even chunks of m·w·max(D, Dv) ≤ ``small`` multiply-adds where
-    # that leaves 16 rows or more (.blas.small_product_limit: the products OpenBLAS
-    # makes unpacked, faster here; 0: whole tiles).
-    # q (nk, G, M, D): for each of the nk kv heads, R = G·M rows stacked (G blocks of
-    # M rows: a GQA group's query heads where their rows are not evenly spaced in
-    # memory, else one block), times qscale by the first product; q, k (nk, S, D) and
-    # v (nk, S, Dv) with unit stride on the last axis. tiles (n, 5): stacked rows
-    # [f0, f1) of each kv head × keys [c0, c1), and whether the band cuts it (row i
-    # then keeps keys [lo[i], hi[i]); lo, hi, m_i, l_i flat over nk·R rows). acc
-    # (nk, R, Dv) is zero, or (one: a single tile of every row) the product itself.
-    # False as soon as a product p v is not finite (the state is then partly
-    # updated): the caller starts over on the general loop, whose exempt product
-    # gives NaN and inf values their meaning.
-    # REDUCE: the inlined row max and sum take the caller's flags
-    _wide()
-    nk, G, M, D = q.shape
-    R = G * M
-    Dv = v.shape[2]
-    c_end, W = 0, 1
-    for t in range(tiles.shape[0]):
-        c_end, W = max(c_end, tiles[t, 3]), max(W, tiles[t, 3] - tiles[t, 2])
-    kt = np.empty((nk, D, W), dtype=f32)
-    pv = np.empty((R, Dv), dtype=f32)
-    alpha = np.empty(R, dtype=f32)
-    # leading dims as BLAS checks them (≥ the row length, ≥ 1): a single row's stride
-    # may be anything
-    ldq = max(q.strides[2] // q.itemsize, D, 1) if M > 1 else max(D, 1)
-    ldk = max(k.strides[1] // k.itemsize, D, 1) if k.shape[1] > 1 else max(D, 1)
-    ldv = max(v.strides[1] // v.itemsize, Dv, 1) if v.shape[1] > 1 else max(Dv, 1)
-    ldo = max(Dv, 1)
-    K0 = K1 = 0                                          # the keys now in kt
-    for t in range(tiles.shape[0]):
-        f0, f1, c0, c1 = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
-        w = c1 - c0
-        if c0 != K0 or c1 > K1:                          # (the causal diagonal's strips: same c0)
-            K0, K1 = c0, min(c0 + W, c_end)
-            if D > 0:
-                for h in range(nk):
-                    omatcopy(ROW_MAJOR, TRANS, K1 - K0, D, f32(1.0), k[h, K0:].ctypes.data, ldk,
-                             kt[h].ctypes.data, W)
-        cap = small // max(w * max(D, Dv), 1)            # rows per product, unpacked
-        for h in range(nk):
-            for j in range(f0 // M, (f1 + M - 1) // M):
-                a, b = max(f0, j * M), min(f1, (j + 1) * M)
-                step = b - a
-                if cap >= 16 and step > cap:
-                    step = -(-step // -(-step // cap))  # even chunks of at most cap rows
-                for a2 in range(a, b, step):
-                    b2 = min(a2 + step, b)
-                    n, r = b2 - a2, h * R + a2
-                    st = s[:n * w].reshape((n, w))
-                    gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, n, w, D, qscale, q[h, j, a2 - j * M:].ctypes.data, ldq,
-                         kt[h].ctypes.data, W, f32(0.0), st.ctypes.data, w)
-                    if tiles[t, 4]:
-                        _softmax_rows_bounded(st, m_i[r:r + n], l_i[r:r + n], alpha, lo[r:r + n], hi[r:r + n], c0)
-                    else:
-                        _softmax_rows(st, m_i[r:r + n], l_i[r:r + n], alpha)
-                    out = acc[h, a2:b2] if one else pv[:n]
-                    gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, n, Dv, w, f32(1.0), st.ctypes.data, w,
-                         v[h, c0:].ctypes.data, ldv, f32(0.0), out.ctypes.data, ldo)
-                    for i in range(n):
-                        for d in range(Dv):
-                            if not np.isfinite(out[i, d]):
-                                return False
-                    if not one:
-                        _rescale_add(acc[h, a2:b2], alpha, out)
-    return True
-
-
-def _tile_loop_kernel() -> Any:
-    """tile_loop bound to NumPy's sgemm and somatcopy, or None without them (see .blas)."""
-    gemm, omatcopy = blas.sgemm(), blas.somatcopy()
-    if gemm is None or omatcopy is None:
-        return None
-
-    def run(q, qscale, k, v, tiles, lo, hi, s, m_i, l_i, acc, one):
-        return tile_loop(gemm, omatcopy, q, f32(qscale), k, v, tiles, lo, hi, s, m_i, l_i, acc, one,
-                         blas.small_product_limit())
-    return run
-
-
 def _with_alpha(kernel):
     def run(s, m_i, l_i, *bounds):
         alpha = np.empty_like(m_i)
@@ -592,4 +510,5 @@ KERNELS = SimpleNamespace(name="numba", softmax_tile=_with_alpha(_softmax_tile),
                           softmax_tile_bounded=_with_alpha(_softmax_tile_bounded), rescale_add=rescale_add,
                           finish_into=finish_into, normalize=normalize,
                           exp_from_lse=exp_from_lse, ds_tile=ds_tile, alibi_tile=alibi_tile,
-                          dropout_tile=dropout_tile, decode_part=decode_part, tile_loop=_tile_loop_kernel())
+                          dropout_tile=dropout_tile, decode_part=decode_part,
+                          tile_tasks=None)   # (numba_loop's, set once probed: kernels._probed)

@@ -57,6 +57,8 @@ SMALL_TILE = 1 << 18   # heads whose whole score matrix is at most this many ele
 MIN_TASKS = 8          # split keys (split-KV) or chunk the backward until this many tasks exist
 MIN_SPLIT = 1024       # keys per split-KV part at least
 KEPT, KEPT_SIZE = 256, 1 << 14   # plans kept across calls: how many, how large (entries)
+NO_BOUNDS = np.zeros(0, dtype=np.int64)
+BUDGET = 1 << 22       # scores per compiled tile_tasks call before it returns (an interrupt is seen then)
 _KEPT: dict[tuple[Any, ...], Any] = {}
 
 
@@ -71,6 +73,7 @@ class Unit:
     nk: int
     g: int
     seg: geo.Segment
+    n: int = 0              # b's index in the batch flattened (C order)
 
     @property
     def heads(self) -> slice:
@@ -92,6 +95,39 @@ def blas_cannot_read(x: np.ndarray) -> bool:
     it = x.dtype.itemsize
     return not (x.strides[-1] == it and (x.shape[-2] == 1 or (
         x.strides[-2] >= x.shape[-1] * it and x.strides[-2] % it == 0)))
+
+
+def _flat(x: np.ndarray) -> np.ndarray | None:
+    """x (..., A, B, C) as (N, A, B, C) without a copy (None where the batch dims do not
+    merge: broadcast over some but not all of them)."""
+    y = x.view()
+    try:
+        y.shape = (-1,) + x.shape[-3:]
+    except AttributeError:
+        return None
+    return y
+
+
+def _flat_own(x: np.ndarray, batch_dims: int) -> tuple[np.ndarray, tuple[int, ...]]:
+    """(x as a read-only (N, A, B, C), its batch shape padded to batch_dims): a view,
+    or a C-ordered copy where x's batch dims do not merge (odd strides)."""
+    own = (1,) * (batch_dims - (x.ndim - 3)) + tuple(x.shape[:-3])
+    x = x.reshape(own + x.shape[-3:])                    # leading 1s: a view
+    y = _flat(x)
+    if y is None:
+        y = np.ascontiguousarray(x).reshape((-1,) + x.shape[-3:])
+    y = y.view()
+    y.flags.writeable = False               # as every call's operands: one compiled specialization
+    return y, own
+
+
+def _own_index(b: tuple[int, ...], own: tuple[int, ...]) -> int:
+    """The flat index in an operand of batch shape ``own`` of batch element b (its
+    broadcast dims taken at 0)."""
+    i = 0
+    for bi, n in zip(b, own):
+        i = i * n + (bi if n > 1 else 0)
+    return i
 
 
 def _c_sequences(x: np.ndarray) -> np.ndarray:
@@ -121,10 +157,11 @@ class Call:
         self.q = broadcast_to(np.asarray(spec.q), spec.batch + tuple(spec.q.shape[-3:]))
         # paged keys (attention_kvcache): (k_pages, v_pages, block_table, page_size)
         self.pages = pages
+        own: list[Any] = [None, None]
         if pages is None:
-            self.k = broadcast_to(tile_ready(spec.k, self.acc), spec.batch + tuple(spec.k.shape[-3:]))
-            self.v = (None if spec.v is None else
-                      broadcast_to(tile_ready(spec.v, self.acc), spec.batch + tuple(spec.v.shape[-3:])))
+            own = [tile_ready(spec.k, self.acc), None if spec.v is None else tile_ready(spec.v, self.acc)]
+            self.k = broadcast_to(own[0], spec.batch + tuple(spec.k.shape[-3:]))
+            self.v = None if own[1] is None else broadcast_to(own[1], spec.batch + tuple(spec.v.shape[-3:]))
         self.masked = spec.keep is not None or spec.drop is not None
         # NaN/inf in an operand of a product whose other side is 0 on excluded keys:
         # the exempt products (attnkit.nonfinite), the plain ones otherwise. Checked on
@@ -143,7 +180,7 @@ class Call:
             self.drop_scale = 1.0 / (1.0 - spec.dropout)
         # plain scores in float32 (no mask arrays, bias, softcap, ALiBi or dropout; dense
         # keys): the forward's tile loop is one compiled call per task, products by BLAS
-        self.loop = (not backward and kernels.USE_LOOP and getattr(self.kern, "tile_loop", None) is not None
+        self.loop = (not backward and kernels.USE_LOOP and getattr(self.kern, "tile_tasks", None) is not None
                      and not self.masked and spec.bias is None and not spec.softcap and self.slopes is None
                      and not self.drop_thr and pages is None and self.v is not None)
         # few rows against many keys (decoding): the compiled streaming kernel reads each
@@ -153,6 +190,12 @@ class Call:
         self.stream = (not backward and self.tuned and getattr(self.kern, "decode_part", None) is not None
                        and not self.masked and spec.bias is None and not self.drop_thr
                        and (pages is None or pages[0].dtype == self.acc))
+        # the compiled loop's operands (numba_loop.tile_tasks), once per call: q, k, v in
+        # float32 (float16 converted here, not per task), each as (N, heads, rows, D)
+        # over its own batch dims flattened (broadcast ones never expanded), read only
+        self.flat: list[tuple[np.ndarray, tuple[int, ...]]] | None = None
+        if self.loop and own[0] is not None and own[1] is not None:
+            self.flat = [_flat_own(x, len(spec.batch)) for x in (tile_ready(spec.q, self.acc), own[0], own[1])]
         self.units = self._units(backward)
         self._plans: dict[Any, Any] = {}
         # what the plan's keys leave out: the band, the tile sizes and the strip heights
@@ -171,7 +214,7 @@ class Call:
         G, H, Hkv = spec.group, spec.H, spec.Hkv
         stackable = not (backward and spec.bias is not None)   # dbias adds per head
         units = []
-        for b in self.batch_index:
+        for n, b in enumerate(self.batch_index):
             for seg in geo.segments(spec, b):
                 Lq, Sk = seg.q1 - seg.q0, max(seg.k1 - seg.k0, 1)
                 if stackable and G * Lq <= self.BLOCK_M:
@@ -185,9 +228,9 @@ class Call:
                     if self.stream and G * Lq <= DECODE_ROWS and (
                             self.pages is not None or len(self.batch_index) >= MIN_TASKS // 2):
                         nk = Hkv
-                    units += [Unit(b, hk * G, min(nk, Hkv - hk), G, seg) for hk in range(0, Hkv, nk)]
+                    units += [Unit(b, hk * G, min(nk, Hkv - hk), G, seg, n) for hk in range(0, Hkv, nk)]
                 else:
-                    units += [Unit(b, h, 1, 1, seg) for h in range(H)]
+                    units += [Unit(b, h, 1, 1, seg, n) for h in range(H)]
         return units
 
     def row_blocks(self, u: Unit) -> list[tuple[int, int]]:
@@ -282,7 +325,7 @@ class Call:
             yield run, r1, c0, c1
 
     def flat_tiles(self, u: Unit, r0: int, r1: int, lo: int | None = None, hi: int | None = None) -> np.ndarray:
-        """The tiles of rows [r0, r1) for the compiled loop (kernels' ``tile_loop``):
+        """The tiles of rows [r0, r1) for the compiled loop (kernels' ``tile_tasks``):
         int64 (n, 5) of rows [f0, f1) among the g·rows each of the unit's kv heads
         stacks, keys [c0, c1), partial. Where the band cuts a key block, every query
         head of a GQA group is taken in strips, as :meth:`tiles` takes a single head's
@@ -321,21 +364,32 @@ class Call:
         np.multiply(x, self.qs if scaled else 1, out=out.reshape(u.nk, u.g, m, D), dtype=self.acc)
         return out
 
-    def q_rows(self, u: Unit, r0: int, r1: int) -> np.ndarray:
-        """q's rows [r0, r1) of the unit's heads for the compiled loop, unscaled:
-        (nk, G, M, D) with the g·rows of each kv head as G blocks of M rows — one block
-        where they are evenly spaced in memory (C order), a GQA group's g heads where
-        not (transformers' (B, L, H, D) layout). A view of q itself where BLAS can read
-        its rows (float32, unit stride, rows at least a row apart); else a copy."""
-        x = self.q[u.b][u.heads, r0:r1]
-        m, D = r1 - r0, x.shape[-1]
-        if x.dtype != self.acc or blas_cannot_read(x):
-            copy = self.q_tile(u, r0, r1, scaled=False).reshape(u.nk, 1, u.g * m, D)
-            copy.flags.writeable = False                 # read only, as q's views: one compiled loop
-            return copy
-        if u.g == 1 or m == 1 or x.strides[0] == m * x.strides[1]:
-            return x.reshape(u.nk, 1, u.g * m, D)
-        return x.reshape(u.nk, u.g, m, D)
+    def task_table(self, blocks: list[tuple[Unit, int, int]], tasks: list[tuple[int, int, int, int, int]]
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """The compiled loop's tasks (numba_loop.tile_tasks): for each (block, part i of
+        n, keys [lo, hi)) a row of (n, q's, k's and v's batch index, h0, its kv head, nk,
+        g, r0, r1, the tiles [t0, t1), the bounds' offset b0 (−1: no banded tile), the
+        state's row offset (split parts; −1: finished into out and lse), whether the
+        sinks start it); the tiles, lo, hi; the state rows the parts need."""
+        assert self.flat is not None
+        rows, tiles, bounds = [], [], []
+        nt = nb = ns = 0
+        for n_b, i, n, lo, hi in tasks:
+            u, r0, r1 = blocks[n_b]
+            t = self.flat_tiles(u, r0, r1, lo, hi)
+            b0 = so = -1
+            if t[:, 4].any():
+                bounds.append(self.bounds(u, r0, r1))
+                b0, nb = nb, nb + bounds[-1][0].size
+            if n > 1:
+                so, ns = ns, ns + u.nk * u.g * (r1 - r0)
+            rows.append((u.n, *(_own_index(u.b, own) for _, own in self.flat), u.h0, u.h0 // self.spec.group, u.nk,
+                         u.g, r0, r1, nt, nt + len(t), b0, so, int(self.sinks is not None and i == 0)))
+            tiles.append(t)
+            nt += len(t)
+        lo_all, hi_all = ((np.concatenate(x) for x in zip(*bounds)) if bounds else (NO_BOUNDS, NO_BOUNDS))
+        return (np.array(rows, dtype=np.int64).reshape(-1, 15),
+                np.concatenate(tiles) if tiles else np.zeros((0, 5), dtype=np.int64), lo_all, hi_all, ns)
 
     def kv(self, u: Unit, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(nk, keys, D) and (nk, keys, Dv) views of the unit's kv heads (GQA: shared, no
