@@ -106,6 +106,7 @@ TARGETS: dict[str, list[str]] = {
     "flash/kernels.py": ["tests/flash/test_kernels.py"] + [t for t in _FLASH_TESTS if "kernels" not in t],
     "flash/runtime.py": ["tests/flash/test_runtime.py", "tests/flash/test_flash.py"],
     "flash/blas.py": ["tests/flash/test_loop.py"],
+    "flash/numba_loop.py": ["tests/flash/test_loop.py"] + [t for t in _FLASH_TESTS if "loop" not in t],
     "merge.py": ["tests/test_merge.py", "tests/test_kvcache.py", "tests/torch/test_op.py"],
     "nonfinite.py": ["tests/test_nonfinite.py", "tests/test_reference.py", "tests/flash/test_flash.py"],
     "philox.py": ["tests/test_philox.py", "tests/flash/test_flash.py", "tests/test_reference.py",
@@ -159,14 +160,8 @@ _RESCALE = 'if not (alpha == 1).all():                           # the running m
 _P_KEPT = "KEPT, KEPT_SIZE = 256, 1 << 14   # plans kept across calls: how many, how large (entries)"
 R_KEPT = ("how many plans are kept across calls and how large: memory and speed only (that small plans are kept, "
           "and large ones are not, is tested)")
-_PROBE_BOUNDS = "bounds = np.zeros(1, dtype=np.int64)                 # read only where a tile is banded: none"
-_PROBE_CALL = "ok = loop(q, 1.0, kv, kv, np.array([[0, 1, 0, 1, 0]]), bounds, bounds, np.empty(1, dtype=np.float32),"
-_PROBE_STATE = "m, l_i, acc = np.full(1, -np.inf, dtype=np.float32), np.zeros(1, dtype=np.float32), np.zeros_like(kv)"
-R_PROBE = ("the probe of the compiled tile loop (flash/kernels.py _loop_works): its one tile reads the first row "
-           "of q, k and v and the first entry of m, l, acc and the scratch; larger arrays change nothing it reads")
-R_PROBE_ROWS = ("a tile of two rows over the probe's one-row arrays: the loop (numba checks no bounds) reads and "
-                "writes past them, but the first row, the checked one, is computed as before: undefined "
-                "behaviour only a bounds-checked build could show")
+R_PROBE = ("the probe of the compiled tile loop (flash/kernels.py _loop_works): its one task reads the first row "
+           "of q, k and v; larger arrays change nothing it reads")
 _PLAN_TASKS = 'MIN_TASKS = 8          # split keys (split-KV) or chunk the backward until this many tasks exist'
 _PLAN_SPLIT = 'MIN_SPLIT = 1024       # keys per split-KV part at least'
 R_FIN = ("which finiteness check all_finite takes (Σx² by one BLAS dot, or a plain sum): either is NaN/inf "
@@ -355,19 +350,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ('flash/forward.py', 'return x.astype(dtype, copy=False)',
      '`False` -> `True`'):
         'an extra copy of the result: speed only',
-    **{("flash/kernels.py", line, f"`1` -> `{to}` @{col}"): R_PROBE for line, to, col in (
-        ("q = np.ones((1, 1, 1, 1), dtype=np.float32)", 2, 17), ("q = np.ones((1, 1, 1, 1), dtype=np.float32)", 2, 20),
-        ("q = np.ones((1, 1, 1, 1), dtype=np.float32)", 2, 23), ("q = np.ones((1, 1, 1, 1), dtype=np.float32)", 2, 26),
-        ("kv = np.full((1, 1, 1), 2.0, dtype=np.float32)", 2, 18),
-        ("kv = np.full((1, 1, 1), 2.0, dtype=np.float32)", 2, 21),
-        ("kv = np.full((1, 1, 1), 2.0, dtype=np.float32)", 2, 24),
-        (_PROBE_STATE, 2, 26), (_PROBE_STATE, 2, 66), (_PROBE_BOUNDS, 0, 22), (_PROBE_BOUNDS, 2, 22),
-        (_PROBE_CALL, 2, 88))},
-    ('flash/kernels.py', _PROBE_CALL, '`1` -> `2` @48'):
-        R_PROBE_ROWS,
-    ('flash/kernels.py', 'm, l_i, acc, True)',
-     '`True` -> `False` @31'):
-        "the probe's acc starts at 0: the product added to 0 is the product",
+    **{("flash/kernels.py", "q = np.ones((1, 1, 1, 1), dtype=np.float32)", f"`1` -> `2` @{col}"): R_PROBE
+       for col in (17, 20, 23, 26)},
     ('spec/core.py', 'if x.ndim < 3 or x.shape[-3] < 2 or x.shape[-2] < 2:',
      '`2` -> `1` @49'):
         "L = 1 then goes on to compare strides: a size-1 row axis has the same memory order in either layout; "
@@ -376,9 +360,6 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      '`False` -> `True` @15'):
         "a size-1 head or row axis has the same memory order in either layout, and below 3 dims heads_inner "
         "is never asked (validate makes q at least 3-D)",
-    ('flash/blas.py', 'fn.restype = None',
-     'remove the statement @8'):
-        "ctypes' default restype (int) only reads a return value nothing uses",
     ('flash/plan.py', _P_KEPT, '`256` -> `257` @18'): R_KEPT,
     ('flash/plan.py', _P_KEPT, '`256` -> `255` @18'): R_KEPT,
     ('flash/plan.py', _P_KEPT, '`14` -> `13` @28'): R_KEPT,

@@ -319,3 +319,22 @@ def test_a_loop_that_fails_its_check_is_not_used(monkeypatch):
     monkeypatch.setattr(numba_loop, "kernels", lambda: refuses)
     fake = SimpleNamespace(WIDE_ATTRIBUTES=(), rescale_add=lambda *a: None, KERNELS=SimpleNamespace(tile_tasks=None))
     assert kernels._probed(fake).tile_tasks is None
+
+
+def test_task_tables_are_kept_by_geometry():
+    """A model's layers repeat their geometry: the second call's task table is the
+    first's (no planning); other lengths (other tasks) and sinks get their own."""
+    q, k, v = make_qkv((2, 4, 90, 16), (2, 4, 90, 16), dtype="float32")
+
+    def table(lengths, **kw):
+        call = plan.Call(validate(q, k, v, causal=True, kv_lengths=np.array(lengths), **kw), None, None)
+        blocks = [(u, r0, r1) for u in call.units for r0, r1 in call.row_blocks(u)]
+        tasks = [(i, 0, 1, *plan.geo.key_range(u.seg, call.band, r0, r1)) for i, (u, r0, r1) in enumerate(blocks)]
+        return call.task_table(blocks, tasks)
+
+    first = table([90, 60])
+    assert table([90, 60])[0] is first[0]
+    other = table([90, 30])
+    assert other[0] is not first[0] and not np.array_equal(other[1], first[1])
+    sinks = table([90, 60], sinks=np.zeros(4))               # the same tasks, started by their sinks
+    assert (sinks[0][:, 14] == 1).all() and (first[0][:, 14] == 0).all()

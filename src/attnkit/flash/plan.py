@@ -370,7 +370,15 @@ class Call:
         n, keys [lo, hi)) a row of (n, q's, k's and v's batch index, h0, its kv head, nk,
         g, r0, r1, the tiles [t0, t1), the bounds' offset b0 (−1: no banded tile), the
         state's row offset (split parts; −1: finished into out and lse), whether the
-        sinks start it); the tiles, lo, hi; the state rows the parts need."""
+        sinks start it); the tiles, lo, hi; the state rows the parts need. Kept across
+        calls (see :meth:`_kept`): the units, rows and key ranges name every task."""
+        assert self.flat is not None
+        key = (self.spec.group, self.sinks is not None, tuple(own for _, own in self.flat),
+               tuple((blocks[n_b], i, n, lo, hi) for n_b, i, n, lo, hi in tasks))
+        return self._kept(("table",) + key, lambda: self._task_table(blocks, tasks))
+
+    def _task_table(self, blocks: list[tuple[Unit, int, int]], tasks: list[tuple[int, int, int, int, int]]
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
         assert self.flat is not None
         rows, tiles, bounds = [], [], []
         nt = nb = ns = 0
