@@ -157,6 +157,9 @@ _FIN = 'if a.dtype in (np.float32, np.float64) and a.flags.c_contiguous and a.si
 _EXEMPT = 'res = np.matmul(a, np.where(bad, 0, b).astype(b.dtype, copy=False), out=out)'
 _RUN = 'if blas_controller() is None or n <= 1 or getattr(_local, "worker", False):'
 _RESCALE = 'if not (alpha == 1).all():                           # the running max moved: rescale'
+R_KEPT_STATE = ("a team thread that never records that it kept its Python thread state asks for it again at every "
+                "job: PyGILState_Ensure on a thread that has one only counts up (the state is kept either way)")
+_P_BUDGET = "BUDGET = 1 << 22       # scores per compiled tile_tasks call before it returns (an interrupt is seen then)"
 _P_KEPT = "KEPT, KEPT_SIZE = 256, 1 << 14   # plans kept across calls: how many, how large (entries)"
 R_KEPT = ("how many plans are kept across calls and how large: memory and speed only (that small plans are kept, "
           "and large ones are not, is tested)")
@@ -352,6 +355,31 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         'an extra copy of the result: speed only',
     **{("flash/kernels.py", "q = np.ones((1, 1, 1, 1), dtype=np.float32)", f"`1` -> `2` @{col}"): R_PROBE
        for col in (17, 20, 23, 26)},
+    **{("flash/kernels.py", line, what): R_PROBE for line, what in (
+        ("tiles, none = np.array([[0, 1, 0, 1, 0]]), np.zeros(0, dtype=np.int64)   # bounds: no banded tile",
+         "`0` -> `1` @56"),
+        ("out, lse, status = np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1), np.float32), np.zeros(2, np.int8)",
+         "`1` -> `2` @75"),
+        ("empty = np.zeros((0, 0, 0), dtype=np.float32)", "`0` -> `1` @22"),
+        ("out, lse, sm, sl, sacc, 1 << 20)", "`20` -> `19`"), ("out, lse, sm, sl, sacc, 1 << 20)", "`20` -> `21`"))},
+    ("flash/kernels.py",
+     "table = np.array([[0] * 6 + [1, 1, 0, 1, 0, 1, -1, -1, 0], [0] * 6 + [1, 1, 0, 1, 0, 1, -1, 0, 0]])",
+     "`1` -> `2` @56"):
+        "the probe's first task keeps no state (so = −2 is below 0 as −1 is): finished into out and lse either way",
+    ("flash/numba_loop.py", "one = tiles.shape[0] == 1 and tiles[0, 0] == 0 and tiles[0, 1] == R", "`0` -> `1` @40"):
+        "whether the single tile's product is written straight into acc or added to acc = 0 (0·α + pv = pv): "
+        "the same values; the mutant reads past a one-row table (numba checks no bounds), so it only changes "
+        "which of the two ways is taken",
+    ("flash/numba_loop.py", "if c0 != K0 or c1 > K1:", "`>` -> `>=` @26"):
+        "a key block already transposed is transposed again when the tile ends exactly where it does: speed only",
+    ("flash/runtime.py", "_local.kept = ctypes.pythonapi.PyGILState_Ensure() is not None", "remove the statement @8"):
+        R_KEPT_STATE,
+    ("flash/runtime.py", "_local.kept = ctypes.pythonapi.PyGILState_Ensure() is not None", "`is not` -> `is` @59"):
+        R_KEPT_STATE,
+    ("flash/forward.py", "counter, status = np.zeros(1, dtype=np.int64), np.zeros(len(table), dtype=np.int8)",
+     "`1` -> `0` @31"):
+        "a counter of size 0: the compiled loop (numba checks no bounds) still counts in its first slot, past "
+        "the array's end: undefined behaviour only a bounds-checked build could show",
     ('spec/core.py', 'if x.ndim < 3 or x.shape[-3] < 2 or x.shape[-2] < 2:',
      '`2` -> `1` @49'):
         "L = 1 then goes on to compare strides: a size-1 row axis has the same memory order in either layout; "
@@ -360,6 +388,9 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      '`False` -> `True` @15'):
         "a size-1 head or row axis has the same memory order in either layout, and below 3 dims heads_inner "
         "is never asked (validate makes q at least 3-D)",
+    ('flash/plan.py', _P_BUDGET, '`1` -> `2`'):
+        "how many scores a compiled tile_tasks call does before it returns to Python (where an interrupt is "
+        "seen): each task is done by one call, whichever; responsiveness and speed only",
     ('flash/plan.py', _P_KEPT, '`256` -> `257` @18'): R_KEPT,
     ('flash/plan.py', _P_KEPT, '`256` -> `255` @18'): R_KEPT,
     ('flash/plan.py', _P_KEPT, '`14` -> `13` @28'): R_KEPT,

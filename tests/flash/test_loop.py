@@ -4,6 +4,8 @@ the keys, in row chunks that OpenBLAS multiplies unpacked where it can) against 
 float64 reference and the same loop in Python (np.matmul and the compiled tile
 kernels)."""
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -39,6 +41,11 @@ def _shared_keys():                                      # k, v broadcast over t
     return (q, k, v), dict(causal=True)
 
 
+def _fewer_batch_dims():                                  # k, v (3, …) against q (2, 3, …): padded with a 1
+    q, k, v = make_qkv((2, 3, 2, 100, 16), (3, 2, 120, 16), dtype="float32", seed=11)
+    return (q, k, v), dict(causal=True)
+
+
 def _odd_batch():                                         # batch dims that do not merge: copied once
     q, k, v = make_qkv((2, 3, 4, 70, 16), (2, 3, 4, 90, 16), dtype="float32", seed=8)
     return (q, k, v[:, ::-1]), dict(causal=True)
@@ -47,6 +54,11 @@ def _odd_batch():                                         # batch dims that do n
 def _split():                                             # few tasks, many keys: split-KV parts
     q, k, v = make_qkv((1, 2, 100, 32), (1, 2, 5000, 32), dtype="float32", seed=9)
     return (q, k, v), dict(sinks=np.array([0.5, -1.0]))
+
+
+def _small_heads_sinks():                                # twelve heads per task, two without a sink
+    q, k, v = make_qkv((2, 6, 100, 16), (2, 6, 80, 16), dtype="float32", seed=12)
+    return (q, k, v), dict(sinks=np.array([0.5, -np.inf, 1.0, -np.inf, 0.0, -2.0]))
 
 
 def _decoding_next_to_prefill():                          # one sequence streams, the other loops
@@ -68,22 +80,30 @@ CASES = {
     "(B, S, H, D) views": _layout,
     "one key": _one_key,
     "keys shared by the batch": _shared_keys,
+    "keys with fewer batch dims": _fewer_batch_dims,
     "batch dims that do not merge": _odd_batch,
     "split keys, sinks": _split,
+    "small heads side by side, sinks": _small_heads_sinks,
     "decoding rows next to a prefill": _decoding_next_to_prefill,
 }
 
 
 def _forward(monkeypatch, spec, loop, **blocks):
     """(out, lse, calls of the compiled loop)."""
+    out, lse, counts = _claims(monkeypatch, spec, loop, **blocks)
+    return out, lse, len(counts)
+
+
+def _claims(monkeypatch, spec, loop, **blocks):
+    """(out, lse, where the task counter stood after each call of the compiled loop)."""
     monkeypatch.setattr(kernels, "USE_LOOP", loop)
-    calls = []
+    counts = []
     kern = kernels.compiled_kernels()
     real = kern.tile_tasks
     if real is not None:
-        monkeypatch.setattr(kern, "tile_tasks", lambda *a: calls.append(1) or real(*a))
+        monkeypatch.setattr(kern, "tile_tasks", lambda *a: real(*a) or counts.append(int(a[8][0])))
     out, lse, _ = flash.rung_forward(spec, **blocks)
-    return out, lse, len(calls)
+    return out, lse, counts
 
 
 @pytest.mark.skipif(not LOOP, reason="NumPy's sgemm was not found: the tile loop stays in Python")
@@ -120,12 +140,25 @@ def test_the_same_bits_with_any_budget_and_from_copies(monkeypatch, case):
     spec = validate(q, k, v, **kw)
     out, lse, n = _forward(monkeypatch, spec, True)
     monkeypatch.setattr(forward, "BUDGET", 1000)
-    few_out, few_lse, few = _forward(monkeypatch, spec, True)
-    assert few > n
+    with flash.threads(1):                               # calls one after another
+        few_out, few_lse, claimed = _claims(monkeypatch, spec, True)
+    n_tasks = len(_table(spec)[0])
+    assert len({c for c in claimed if c <= n_tasks}) > 1  # calls that stopped part way through the table
     monkeypatch.setattr(plan, "_flat", lambda x: None)
     copy_out, copy_lse, _ = _forward(monkeypatch, spec, True)
     for o, s_ in ((few_out, few_lse), (copy_out, copy_lse)):
         assert np.array_equal(out, o) and np.array_equal(lse, s_)
+
+
+def _table(spec):
+    call = plan.Call(spec, None, None)
+    blocks = [(u, r0, r1) for u in call.units for r0, r1 in call.row_blocks(u)]
+    tasks = []
+    for i, (u, r0, r1) in enumerate(blocks):
+        lo, hi = plan.geo.key_range(u.seg, call.band, r0, r1)
+        parts = call.splits(len(blocks), hi - lo)
+        tasks += [(i, j, parts, lo + (hi - lo) * j // parts, lo + (hi - lo) * (j + 1) // parts) for j in range(parts)]
+    return call.task_table(blocks, tasks)
 
 
 @pytest.mark.skipif(not LOOP, reason="NumPy's sgemm was not found")
@@ -257,6 +290,25 @@ def test_somatcopy_transposes_exactly():
     assert (out[:, 37:] == 7.0).all()
 
 
+def test_a_somatcopy_that_transposes_wrongly_is_not_used():
+    """The transposed copy is checked on one small array before use: a function that
+    copies without transposing, or writes past the rows it was given, is refused."""
+    def plain(order, trans, rows, cols, alpha, a, lda, b, ldb):        # copies, does not transpose
+        src = np.ctypeslib.as_array((ctypes.c_float * (rows * lda)).from_address(a))
+        dst = np.ctypeslib.as_array((ctypes.c_float * (cols * ldb)).from_address(b))
+        dst[:rows * cols] = src[:rows * cols]
+
+    def spills(order, trans, rows, cols, alpha, a, lda, b, ldb):       # right, and fills the padding too
+        src = np.ctypeslib.as_array((ctypes.c_float * (rows * lda)).from_address(a)).reshape(rows, lda)
+        dst = np.ctypeslib.as_array((ctypes.c_float * (cols * ldb)).from_address(b)).reshape(cols, ldb)
+        dst[...] = 0.0
+        dst[:, :rows] = src[:, :cols].T
+
+    assert not blas._check_somatcopy(plain) and not blas._check_somatcopy(spills)
+    if blas.somatcopy() is not None:
+        assert blas._check_somatcopy(blas.somatcopy())
+
+
 @pytest.mark.parametrize("core, limit", [(b"SkylakeX", 10**6), (b"Cooperlake", 10**6), (b"SapphireRapids", 10**6),
                                          (b"Haswell", 0), (b"Zen", 0), (None, 0)])
 def test_small_products_only_on_openblas_avx512_kernels(monkeypatch, core, limit):
@@ -304,21 +356,24 @@ def test_a_loop_that_fails_its_check_is_not_used(monkeypatch):
     else, the probe says so and the kernels keep the Python loop."""
     def wrong(q4, qscale, k4, v4, table, tiles, lo, hi, counter, status, m0, l0, out4, lse3, sm, sl, sacc, budget):
         status[:], out4[...], lse3[...], sm[:], sl[:], sacc[...] = 1, 2.0, 3.0, 2.0, 1.0, 2.0   # a wrong lse
-        return False
+
+    def skips(q4, qscale, k4, v4, table, tiles, lo, hi, counter, status, m0, l0, out4, lse3, sm, sl, sacc, budget):
+        status[:1], out4[...], lse3[...] = 1, 2.0, 2.0   # the first task only
 
     def refuses(*a):
         raise TypeError("no pointer calls here")
 
     if LOOP:
         assert kernels._loop_works(kernels.compiled_kernels().tile_tasks)
-    assert not kernels._loop_works(wrong) and not kernels._loop_works(refuses)
-    assert not kernels._loop_works(lambda *a: True)      # said that tasks remain
+    assert not kernels._loop_works(wrong) and not kernels._loop_works(refuses) and not kernels._loop_works(skips)
     from types import SimpleNamespace
 
     from attnkit.flash import numba_loop
-    monkeypatch.setattr(numba_loop, "kernels", lambda: refuses)
-    fake = SimpleNamespace(WIDE_ATTRIBUTES=(), rescale_add=lambda *a: None, KERNELS=SimpleNamespace(tile_tasks=None))
-    assert kernels._probed(fake).tile_tasks is None
+    for broken in (lambda: refuses, refuses):            # a loop that fails its check; one that fails to build
+        monkeypatch.setattr(numba_loop, "kernels", broken)
+        fake = SimpleNamespace(WIDE_ATTRIBUTES=(), rescale_add=lambda *a: None,
+                               KERNELS=SimpleNamespace(tile_tasks=None))
+        assert kernels._probed(fake).tile_tasks is None
 
 
 def test_task_tables_are_kept_by_geometry():

@@ -125,8 +125,11 @@ def _tile_tasks(call: Call, blocks: list[tuple[Unit, int, int]], tasks: list[tup
                     np.empty((n_state, Dv), dtype=np.float32))
     counter, status = np.zeros(1, dtype=np.int64), np.zeros(len(table), dtype=np.int8)
     out4, lse3 = out.reshape((N,) + out.shape[-3:]), lse.reshape((N,) + lse.shape[-2:])   # views: forward made them
-    work = int(((tiles[:, 1] - tiles[:, 0]) * (tiles[:, 3] - tiles[:, 2])).sum()) * max(call.spec.Hkv, 1)
-    runtime.run(range(work // BUDGET + runtime.get_threads() + 1),
+    heads = np.repeat(table[:, 6], table[:, 11] - table[:, 10])            # each tile's kv heads
+    work = int(((tiles[:, 1] - tiles[:, 0]) * (tiles[:, 3] - tiles[:, 2]) * heads).sum())
+    # a call that stops for its budget did BUDGET scores: one more call than there can be
+    # such stops (one per thread at least) reaches the end of the table
+    runtime.run(range(work // BUDGET + runtime.get_threads()),
                 lambda _: call.kern.tile_tasks(q4, call.qs, k4, v4, table, tiles, lo, hi, counter, status, m0, l0,
                                                out4, lse3, sm, sl, sacc, BUDGET))
     left = []

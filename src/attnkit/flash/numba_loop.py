@@ -7,7 +7,7 @@ once (or once per ``budget`` of scores), claiming tasks one by one from a shared
 counter, each finished straight into out and lse (or, a key part of split-KV, left as
 its running state). One compiled call per thread instead of a Python call (and a wait
 for the GIL) per task: inside a model, where every Python line runs several times
-slower than alone, a BERT layer's tasks spent a fifth of their time in that Python.
+slower than alone, a BERT layer's tasks spent a sixth of their time in that Python.
 Which thread runs a task never changes its bits. The loop itself is
 :func:`_loop_body`, with the softmax bodies of :mod:`.numba_kernels` inlined (a
 reduction compiled into two callers may round differently in each: one caller only).
@@ -79,7 +79,7 @@ def _loop_body(gemm, omatcopy, q, g, qscale, k, v, tiles, lo, hi, m_i, l_i, acc,
     # a kv head's g·m rows are one block where its heads' rows are evenly spaced in
     # memory (C order), else one block of m rows per query head (rows rs bytes apart)
     rs = q.strides[1] if m > 1 else q.strides[0]
-    M = R if g == 1 or m == 1 or q.strides[0] == m * q.strides[1] else m
+    M = R if m == 1 or q.strides[0] == m * q.strides[1] else m          # (g = 1: R = m)
     c_end, W, need = 0, 1, 1
     for t in range(tiles.shape[0]):
         w = tiles[t, 3] - tiles[t, 2]
@@ -140,7 +140,7 @@ def tile_tasks(gemm, omatcopy, q4, qscale, k4, v4, table, tiles, lo, hi, small, 
     # batch indices, first query head h0, its kv head hk, nk kv heads of g query heads,
     # rows [r0, r1), tiles[t0:t1], bounds lo/hi from b0 (−1: no banded tile), state
     # offset so, sink — claimed from counter until none is left or ``budget`` scores
-    # are done: True while tasks remain. q4 (Nq, H, L, D), k4 and v4 (Nk, Hkv, S, D[v]);
+    # are done (the caller calls again: see forward._tile_tasks). q4 (Nq, H, L, D), k4 and v4 (Nk, Hkv, S, D[v]);
     # m0, l0 (N, H, L): the state of rows that start with their sink (sink = 1), else
     # (−inf, 0). A task is finished into out4 (N, H, L, Dv) and lse3 (N, H, L) (so = −1),
     # or (a key part of split-KV) leaves its state in rows so… of sm, sl, sacc. Written
@@ -151,7 +151,7 @@ def tile_tasks(gemm, omatcopy, q4, qscale, k4, v4, table, tiles, lo, hi, small, 
     while done < budget:
         i = _claim(counter)
         if i >= T:
-            return False
+            return
         n, nq, nkk, nv, h0, hk, nk, g, r0, r1, t0, t1, b0, so, sink = (
             table[i, 0], table[i, 1], table[i, 2], table[i, 3], table[i, 4], table[i, 5], table[i, 6], table[i, 7],
             table[i, 8], table[i, 9], table[i, 10], table[i, 11], table[i, 12], table[i, 13], table[i, 14])
@@ -180,7 +180,6 @@ def tile_tasks(gemm, omatcopy, q4, qscale, k4, v4, table, tiles, lo, hi, small, 
             status[i] = 1
         for t in range(tl.shape[0]):
             done += (tl[t, 1] - tl[t, 0]) * (tl[t, 3] - tl[t, 2]) * nk
-    return True
 
 
 def kernels() -> Any:

@@ -73,7 +73,7 @@ class Unit:
     nk: int
     g: int
     seg: geo.Segment
-    n: int = 0              # b's index in the batch flattened (C order)
+    n: int                  # b's index in the batch flattened (C order)
 
     @property
     def heads(self) -> slice:
@@ -179,7 +179,7 @@ class Call:
             self.drop_thr = philox.threshold(spec.dropout)
             self.drop_scale = 1.0 / (1.0 - spec.dropout)
         # plain scores in float32 (no mask arrays, bias, softcap, ALiBi or dropout; dense
-        # keys): the forward's tile loop is one compiled call per task, products by BLAS
+        # keys): the forward's tasks run compiled (numba_loop), products by BLAS
         self.loop = (not backward and kernels.USE_LOOP and getattr(self.kern, "tile_tasks", None) is not None
                      and not self.masked and spec.bias is None and not spec.softcap and self.slopes is None
                      and not self.drop_thr and pages is None and self.v is not None)
