@@ -243,3 +243,35 @@ def test_small_plans_are_kept_across_calls_and_large_ones_per_call(monkeypatch):
     flash.rung_forward(validate(q, k, v, causal=True))
     flash.rung_forward(validate(q, k, v, causal=True))
     assert len(made) == 2 * n                            # not kept across calls, each made once per call
+
+
+def test_units_kept_across_calls_are_those_of_each_call(monkeypatch):
+    """Units are kept across calls under everything they are made from: specs that
+    differ in one of those things, planned one after another, each get the units a
+    fresh plan makes (a key that left one out would hand a call another's units)."""
+    from attnkit.flash import plan
+    q, k, v = make_qkv((2, 4, 96, 16), (2, 2, 120, 16), dtype="float32")
+    base = dict(causal=True)
+    specs = [validate(q, k, v, **base), validate(q, k, v, kv_lengths=np.array([120, 50]), **base),
+             validate(q, k, v, kv_lengths=np.array([120, 51]), **base),
+             validate(q, k, v, kv_lengths=np.array([120, 51]), q_lengths=np.array([96, 3]), **base),
+             validate(q, k, v, kv_lengths=np.array([120, 51]), align="top_left", **base),
+             validate(q[:1], k[:1], v[:1], **base), validate(q[:, :2], k[:, :1], v[:, :1], **base),
+             validate(q[0], k[0], v[0], cu_seqlens_q=np.array([0, 40, 96]), cu_seqlens_k=np.array([0, 60, 120]),
+                      **base),
+             validate(q[0], k[0], v[0], cu_seqlens_q=np.array([0, 41, 96]), cu_seqlens_k=np.array([0, 60, 120]),
+                      **base),
+             validate(q, k, v, **base).replace(origin=(96, 0), extent=(192, 240)),
+             validate(q, k, v, **base).replace(origin=(0, 120), extent=(192, 240)),
+             validate(q, k, v, bias=np.zeros((96, 120)), **base)]              # the backward splits its heads
+    runs = [(s, backward) for s in specs for backward in (False, True)]
+    kept = [plan.Call(s, None, None, backward=backward).units for s, backward in runs + runs]
+    monkeypatch.setattr(plan, "_KEPT", {})
+    fresh = []
+    for s, backward in runs:
+        plan._KEPT.clear()
+        fresh.append(plan.Call(s, None, None, backward=backward).units)
+    assert kept == fresh + fresh and fresh[-1] != fresh[-2]
+    assert plan.Call(specs[1], 64, 64).units != plan.Call(specs[1], None, None).units   # tile sizes count
+    # the same tile sizes both ways: only the direction tells the bias's units apart
+    assert plan.Call(specs[-1], 256, 256).units != plan.Call(specs[-1], 256, 256, backward=True).units

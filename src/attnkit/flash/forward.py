@@ -132,6 +132,8 @@ def _tile_tasks(call: Call, blocks: list[tuple[Unit, int, int]], tasks: list[tup
     runtime.run(range(work // BUDGET + runtime.get_threads()),
                 lambda _: call.kern.tile_tasks(q4, call.qs, k4, v4, table, tiles, lo, hi, counter, status, m0, l0,
                                                out4, lse3, sm, sl, sacc, BUDGET))
+    if status.all() and not parts:
+        return []
     left = []
     for t, row, ok in zip(tasks, table, status):
         if not ok:
@@ -242,9 +244,10 @@ def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray 
     # heaviest tasks first (causal: the last query blocks see the most keys)
     tasks.sort(key=lambda t: -(t[4] - t[3]) * (blocks[t[0]][2] - blocks[t[0]][1]) * blocks[t[0]][0].nk)
     if out is not None and weights is None and call.flat is not None:
-        looped = [t for t in tasks if not call.streams(*blocks[t[0]])]
-        tasks = [t for t in tasks if call.streams(*blocks[t[0]])]
-        tasks += _tile_tasks(call, blocks, looped, out, lse, parts) if looped else []
+        streams = [call.streams(*blocks[t[0]]) for t in tasks]
+        looped = [t for t, s in zip(tasks, streams) if not s]
+        tasks = [t for t, s in zip(tasks, streams) if s] + (_tile_tasks(call, blocks, looped, out, lse, parts)
+                                                            if looped else [])
     # decoding: every block on the compiled streaming kernel, no matmul (online_softmax)
     streams_only = want_out and weights is None and all(call.streams(*blocks[t[0]]) for t in tasks)
     if tasks:

@@ -196,10 +196,10 @@ class Call:
         self.flat: list[tuple[np.ndarray, tuple[int, ...]]] | None = None
         if self.loop and own[0] is not None and own[1] is not None:
             self.flat = [_flat_own(x, len(spec.batch)) for x in (tile_ready(spec.q, self.acc), own[0], own[1])]
-        self.units = self._units(backward)
         self._plans: dict[Any, Any] = {}
         # what the plan's keys leave out: the band, the tile sizes and the strip heights
         self._geom = (self.band, self.BLOCK_M, self.BLOCK_N, self.tuned, SUB_M, LOOP_SUB_M)
+        self.units = self._units(backward)
         if pages is None and self.stream and self.v is not None and any(
                 self.streams(u, r0, r1) for u in self.units for r0, r1 in self.row_blocks(u)):
             # the streaming kernel reads each sequence's (Hkv, S, D) in C order (copied once
@@ -210,6 +210,17 @@ class Call:
 
     # ---- the plan -----------------------------------------------------------------
     def _units(self, backward: bool) -> list[Unit]:
+        """The call's units, kept across calls (:meth:`_kept`) under everything they
+        are made from: the sequences' geometry (lengths and offsets by value) and the
+        choices below (48 of a BERT layer's 76 µs of planning, made again per call)."""
+        spec = self.spec
+        key = ("units", backward, spec.bias is None, self.stream, self.pages is None, spec.batch, spec.group,
+               spec.H, spec.Hkv, spec.L, spec.S, spec.align, spec.origin, spec.extent, SMALL_TILE, DECODE_ROWS,
+               MIN_TASKS, *(None if x is None else (np.shape(x), np.asarray(x).dtype.str, np.asarray(x).tobytes())
+                            for x in (spec.q_lengths, spec.kv_lengths, spec.cu_seqlens_q, spec.cu_seqlens_k)))
+        return list(self._kept(key, lambda: self._make_units(backward)))
+
+    def _make_units(self, backward: bool) -> list[Unit]:
         spec = self.spec
         G, H, Hkv = spec.group, spec.H, spec.Hkv
         stackable = not (backward and spec.bias is not None)   # dbias adds per head

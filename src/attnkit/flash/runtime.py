@@ -41,6 +41,7 @@ starts with no workers and no BLAS limit of its own: they are made again on firs
 
 from __future__ import annotations
 
+import _signal
 import _thread
 import contextlib
 import contextvars
@@ -49,7 +50,6 @@ import itertools
 import numbers
 import os
 import queue
-import signal
 import sys
 import threading
 import weakref
@@ -322,11 +322,11 @@ def _on_team(team: Any, job: _Job, n: int) -> None:
     (KeyboardInterrupt) cancels the job and is raised when the region is closed."""
     level = team.omp_get_level()
     main = threading.current_thread() is threading.main_thread()
-    handler = signal.getsignal(signal.SIGINT) if main else None
+    handler = _signal.getsignal(_signal.SIGINT) if main else None   # _signal: no enum conversions
     hold = _holder(job, handler) if callable(handler) else None
     try:
         if hold is not None:
-            signal.signal(signal.SIGINT, hold)
+            _signal.signal(_signal.SIGINT, hold)
         job.callback = _CALLBACK(lambda _: _team_member(job))
         team.GOMP_parallel_start(job.callback, None, n)
         job.work()
@@ -337,8 +337,8 @@ def _on_team(team: Any, job: _Job, n: int) -> None:
                 while team.omp_get_level() > level:
                     team.GOMP_parallel_end()     # waits in C for the team's threads to leave
                 job.callback = None              # only once no thread of the team can call it
-                if hold is not None and signal.getsignal(signal.SIGINT) is hold:
-                    signal.signal(signal.SIGINT, handler)
+                if hold is not None and _signal.getsignal(_signal.SIGINT) is hold:
+                    _signal.signal(_signal.SIGINT, handler)
                 break
             except BaseException as e:           # noqa: BLE001 — raised by run with the others
                 job.errors.append(e)
