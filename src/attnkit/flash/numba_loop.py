@@ -11,6 +11,10 @@ slower than alone, a BERT layer's tasks spent a sixth of their time in that Pyth
 Which thread runs a task never changes its bits. The loop itself is
 :func:`_loop_body`, with the softmax bodies of :mod:`.numba_kernels` inlined (a
 reduction compiled into two callers may round differently in each: one caller only).
+
+Developers: numba's disk cache follows this file's own timestamp, not that of
+:mod:`.numba_kernels`, whose bodies and flags are compiled in here: after editing those,
+delete ``__pycache__/numba_loop*.nb*`` (a fresh clone, as CI's, has none).
 """
 
 from __future__ import annotations
@@ -140,8 +144,9 @@ def tile_tasks(gemm, omatcopy, q4, qscale, k4, v4, table, tiles, lo, hi, small, 
     # batch indices, first query head h0, its kv head hk, nk kv heads of g query heads,
     # rows [r0, r1), tiles[t0:t1], bounds lo/hi from b0 (−1: no banded tile), state
     # offset so, sink — claimed from counter until none is left or ``budget`` scores
-    # are done (the caller calls again: see forward._tile_tasks). q4 (Nq, H, L, D), k4 and v4 (Nk, Hkv, S, D[v]);
-    # m0, l0 (N, H, L): the state of rows that start with their sink (sink = 1), else
+    # are done (the caller calls again: see forward._tile_tasks). q4 (Nq, H, L, D), k4
+    # and v4 (Nk, Hkv, S, D[v]); m0, l0 (N, H, L): the state of rows that start with
+    # their sink (sink = 1), else
     # (−inf, 0). A task is finished into out4 (N, H, L, Dv) and lse3 (N, H, L) (so = −1),
     # or (a key part of split-KV) leaves its state in rows so… of sm, sl, sacc. Written
     # once the task is done (status 1); a product p v that is not finite leaves it
