@@ -527,9 +527,6 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "how many small heads one task batches (a batched matmul of the same products): speed only",
     ("flash/plan.py", _PLAN_SMALL, '`18` -> `19`'):
         "how many small heads one task batches (a batched matmul of the same products): speed only",
-    ("flash/plan.py", "@dataclass(frozen=True)", "`True` -> `False`"):
-        "a Unit is never mutated or hashed (plans are keyed by its sequence and sizes): frozen only forbids a "
-        "bug",
     ("flash/plan.py", "x = np.asarray(x)", "remove the statement"):
         "every caller passes a NumPy array (validated operands, gathered pages)",
     ("flash/plan.py", "bm, bn = block_sizes(max(spec.D, spec.Dv), spec.acc_dtype, backward)", "`max` -> `min`"):

@@ -366,13 +366,12 @@ class Call:
         return self._kept(("keys", u.seg, u.g, u.nk, c0, c1), make)
 
     # ---- operands of a tile -----------------------------------------------------
-    def q_tile(self, u: Unit, r0: int, r1: int, scaled: bool = True) -> np.ndarray:
-        """(nk, g·rows, D): q of the unit's heads times qs (or not), in the
-        accumulation dtype."""
+    def q_tile(self, u: Unit, r0: int, r1: int) -> np.ndarray:
+        """(nk, g·rows, D): q of the unit's heads times qs, in the accumulation dtype."""
         m, D = r1 - r0, self.spec.D
         x = self.q[u.b][u.heads, r0:r1].reshape(u.nk, u.g, m, D)
         out = np.empty((u.nk, u.g * m, D), dtype=self.acc)
-        np.multiply(x, self.qs if scaled else 1, out=out.reshape(u.nk, u.g, m, D), dtype=self.acc)
+        np.multiply(x, self.qs, out=out.reshape(u.nk, u.g, m, D), dtype=self.acc)
         return out
 
     def task_table(self, blocks: list[tuple[Unit, int, int]], tasks: list[tuple[int, int, int, int, int]]
