@@ -246,3 +246,28 @@ def test_backend_torch_is_auto_for_torch_tensors_only():
     assert backends.select(spec, "torch") is backends.select(spec) is op.bound(small)
     assert torch.equal(attnkit.attention(tq, tk, tv, causal=True, backend="torch"),
                        attnkit.attention(tq, tk, tv, causal=True))
+
+
+def test_a_kept_check_keeps_its_numpy_rung_and_nothing_else_does(monkeypatch):
+    """Calls that reuse a kept check (one signature) reuse the NumPy rung chosen for it,
+    per backend and need; a Spec made by any other replace (a block of ring attention,
+    another dtype) chooses again, and a Triton choice is never kept (its reasons read
+    the environment)."""
+    asked = []
+    real = backends.reasons
+    monkeypatch.setattr(backends, "reasons", lambda name, *a, **kw: asked.append(name) or real(name, *a, **kw))
+    q, k, v = make_qkv((2, 2, 3, 4), (2, 2, 5, 4), seed=0)
+    first = spec_validate(q, k, v, causal=True)
+    assert backends.select(first).name == "small" and asked == ["small"]
+    again = spec_validate(*make_qkv((2, 2, 3, 4), (2, 2, 5, 4), seed=1), causal=True)
+    assert backends.select(again).name == "small" and asked == ["small"]           # kept
+    assert backends.select(again, "reference").name == "reference" and asked == ["small", "reference"]
+    assert backends.select(again, "reference").name == "reference" and len(asked) == 2
+    block = again.replace(extent=(3, 5))                # ring attention's block: small refuses blocks
+    assert block.chosen is None and backends.select(block).name == "flash"
+    assert spec_validate(q, k, v, causal=False).chosen is not first.chosen           # another signature
+    monkeypatch.setattr(backends, "NUMPY_RUNGS", ())
+    fresh = spec_validate(*make_qkv((1, 2, 3, 4), (1, 2, 5, 4), seed=2))
+    n = len(asked)
+    backends.select(fresh), backends.select(fresh)
+    assert len(asked) == n + 2                          # nothing kept for rungs outside NUMPY_RUNGS

@@ -238,3 +238,96 @@ def test_attention_backward_gives_dbias_and_dsinks_on_the_small_rung():
     assert got[3].shape == (2, 1, 5, 7) and got[4].shape == (2,)
     for a, b in zip(got, want):
         assert max_error(a, b) <= 1e-12
+
+
+def _decoding_case(seed):
+    """A float32 call of few query rows per kv head (the compiled path), with the terms
+    that path takes drawn at random: GQA, broadcast batch dims, causal and window in
+    both alignments, lengths, softcap, sinks, a heads-inner q."""
+    rng = np.random.default_rng(seed)
+    L, Hkv, group = int(rng.choice([1, 2, 4])), int(rng.choice([1, 2])), int(rng.choice([1, 2, 4]))
+    S, D = int(rng.choice([1, 5, 45, 130])), int(rng.choice([8, 32, 59]))
+    Dv = int(rng.choice([D, 12]))
+    batch = [(), (3,), (2, 2)][rng.integers(3)]
+    batch_k = batch if rng.random() < 0.6 else (1,) * len(batch)
+    q, k, v = make_qkv(batch + (Hkv * group, L, D), batch_k + (Hkv, S, D), Dv, seed=seed)
+    if rng.random() < 0.3:
+        q = np.swapaxes(np.ascontiguousarray(np.swapaxes(q, -2, -3)), -2, -3)
+    kw = {}
+    if rng.random() < 0.5:
+        kw["causal"] = True
+    if rng.random() < 0.3:
+        kw["window"] = (int(rng.integers(0, 9)), int(rng.integers(0, 3)) if rng.random() < 0.5 else None)
+    if kw and rng.random() < 0.4:
+        kw["align"] = "top_left"
+    if rng.random() < 0.3:
+        kw["softcap"] = float(rng.uniform(0.5, 5))
+    if rng.random() < 0.4:
+        kw["sinks"] = rng.standard_normal([(Hkv * group,), batch + (Hkv * group, L)][rng.integers(2)])
+    if batch and rng.random() < 0.5:
+        kw["kv_lengths"] = rng.integers(0, S + 1, batch)
+        if rng.random() < 0.5:
+            kw["q_lengths"] = rng.integers(0, L + 1, batch)
+    return [x.astype(np.float32) for x in (q, k, v)], kw
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_decoding_calls_in_one_compiled_call_match_the_reference(seed):
+    """Few query rows per kv head run as one compiled call (small_rows): within twice
+    the float32 reference's error of the float64 oracle, out and lse."""
+    (q, k, v), kw = _decoding_case(seed)
+    spec = validate(q, k, v, **kw)
+    assert small.streams(spec, kernels.for_dtype(np.float32)), kw
+    oracle = validate(*(x.astype(np.float64) for x in (q, k, v)), **kw)
+    o1, l1, _ = small.rung_forward(spec)
+    o0, l0, _ = reference.rung_forward(spec)
+    oo, lo, _ = reference.rung_forward(oracle)
+    assert o1.dtype == np.float32 and o1.shape == oo.shape and l1.shape == lo.shape
+    assert np.array_equal(np.isneginf(l1), np.isneginf(lo))
+    assert max_error(o1, oo) <= error_budget(oo, o0)
+    assert max_error(l1, lo) <= error_budget(lo, l0)
+
+
+@pytest.mark.parametrize("where", ["k_excluded", "k_visible", "v_excluded", "v_visible", "v_inf_visible",
+                                   "k_minus_inf", "q_inf"])
+def test_the_nan_rule_in_one_compiled_call(where):
+    """The compiled path keeps the NaN rule: a NaN or inf past the causal band or a
+    kv_length is exempt, a visible one makes its rows NaN; a key whose score is −inf
+    (an inf in k) is unseen, so a NaN in its value row reaches no row."""
+    q, k, v = (x.astype(np.float32) for x in make_qkv((2, 4, 2, 4), (2, 2, 6, 4), seed=3))
+    kw = dict(causal=True, kv_lengths=np.array([6, 4]))
+    arr, bad = (k if where[0] == "k" else v), (np.inf if "inf" in where else np.nan)
+    if where.endswith("excluded"):
+        arr[1, 0, 5] = bad                               # past sequence 1's length
+    elif where == "k_minus_inf":
+        q[0, :2, :, 0] = np.abs(q[0, :2, :, 0]) + 0.1     # kv head 0's rows: key 2's score −inf
+        k[0, 0, 2] = [-np.inf, 0, 0, 0]
+        v[0, 0, 2] = np.nan
+    elif where == "q_inf":
+        q[0, 1, 1, 0] = np.inf                           # ±inf scores (NaN where k is 0): its row NaN
+    else:
+        arr[0, 0, 4] = bad                               # row 1 sees keys 0..4 of sequence 0
+    spec = validate(q, k, v, **kw)
+    assert small.streams(spec, kernels.for_dtype(np.float32))
+    o1, l1, _ = small.rung_forward(spec)
+    o0, l0, _ = reference.rung_forward(spec)
+    assert np.array_equal(np.isnan(o1), np.isnan(o0)) and np.array_equal(np.isnan(l1), np.isnan(l0))
+    fine = ~np.isnan(o0)
+    assert np.abs(o1 - o0)[fine].max() <= 1e-5
+    assert np.isnan(o1).any() == (where.endswith("visible") or where == "q_inf")
+    if where == "k_minus_inf":
+        assert np.isfinite(o1).all() and np.isfinite(l1).all()
+
+
+def test_an_unseen_key_among_keys_every_row_sees():
+    """A −inf score where every row sees every key (no band, no lengths: the compiled
+    path's four-keys-at-once sum) still leaves its key's value row unread."""
+    q, k, v = (x.astype(np.float32) for x in make_qkv((2, 4, 1, 4), (2, 2, 9, 4), seed=4))
+    q[..., 0] = np.abs(q[..., 0]) + 0.1
+    k[1, 1, 6] = [-np.inf, 0, 0, 0]
+    v[1, 1, 6] = np.nan
+    spec = validate(q, k, v)
+    assert small.streams(spec, kernels.for_dtype(np.float32))
+    o1, l1, _ = small.rung_forward(spec)
+    o0, l0, _ = reference.rung_forward(spec)
+    assert np.isfinite(o1).all() and max_error(o1, o0) <= 1e-5 and max_error(l1, l0) <= 1e-5

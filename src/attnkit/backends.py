@@ -73,6 +73,7 @@ RUNGS = {
     "reference": ("attnkit.reference", "the definition, materialises L×S; the oracle"),
     "triton": ("attnkit.torch.triton", "GPU kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)"),
 }
+NUMPY_RUNGS = ("flash", "small", "reference")
 BRIDGE = ("attnkit.torch.op", "torch tensors: one autograd op around the chosen compute rung")
 AUTO = {"numpy": ("flash", "reference"), "torch_cpu": ("flash", "reference"), "torch_cuda": ("triton",)}
 AUTO_SMALL = ("small", "flash", "reference")   # NumPy and torch CPU calls that are small (below)
@@ -156,16 +157,28 @@ def _candidates(spec: Spec, backend: str) -> tuple[str, ...]:
 def select(spec: Spec, backend: str = "auto", need: str | None = None) -> Rung:
     """The rung to run spec on (for torch tensors: the torch op bound to the chosen
     compute rung), or ValueError listing every rung's reasons. ``need="kvcache"``:
-    only rungs with KV-cache decoding (``rung_kvcache``)."""
+    only rungs with KV-cache decoding (``rung_kvcache``). A NumPy rung chosen from
+    some candidates is kept for later calls of the same kept check with the same
+    candidates (``Spec.chosen``: NumPy rungs' reasons depend on nothing the check's
+    signature leaves out; Triton's read the environment)."""
+    order = _candidates(spec, backend)
+    memo = spec.chosen
+    if memo is not None:
+        kept = memo.get((order, need))
+        if kept is not None:
+            return kept
     why: dict[str, list[str]] = {}
-    for name in _candidates(spec, backend):
+    for name in order:
         r = reasons(name, spec, need)
         if not r:
             mod, _ = load(RUNGS[name][0])
+            rung = mod
             if spec.torch:
                 op, _ = load(BRIDGE[0])
-                return op.bound(mod)
-            return mod
+                rung = op.bound(mod)
+            if memo is not None and name in NUMPY_RUNGS:
+                memo[(order, need)] = rung
+            return rung
         why[name] = r
     for name in RUNGS:
         if name not in why:

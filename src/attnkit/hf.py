@@ -248,7 +248,8 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     records attentions.
     """
     torch = _torch_required()
-    unknown = sorted(n for n, x in kwargs.items() if n not in _KNOWN and x is not None)
+    unknown = [] if kwargs.keys() <= _KNOWN else sorted(n for n, x in kwargs.items()
+                                                         if n not in _KNOWN and x is not None)
     if unknown:
         raise ValueError(f"{', '.join(unknown)}: attnkit's transformers integration does not know "
                          "this keyword and cannot honour it (it may change the result)")

@@ -18,10 +18,15 @@ at most ``backends.SMALL_TOTAL`` elements and the keys and values at most
     out = p v / l            one product; lse = m + log l; the flash rung's finish
                              (no key: out 0, lse −inf; the NaN rule)
 
-Values with a NaN or inf take the reference's forward (their exempt product). The
-backward is the flash rung's, the weights the reference's; KV-cache decoding reads
-the reference's gathered keys. No packed sequences or blocks of a larger problem:
-``auto`` gives those to the flash rung.
+Values with a NaN or inf take the reference's forward (their exempt product). A
+call of few query rows per kv head (``group · L`` ≤ STREAM_ROWS: decoding, speculative
+steps) in float32 without bias, keep, drop, ALiBi or dropout runs instead as one
+compiled call over every batch element and head (:mod:`attnkit.flash.numba_small`:
+the same steps, the bounds per row, a key whose score is −inf never read); in a
+decoding step of a small model the Python around the products above cost three
+times the arithmetic. The backward is the flash rung's, the weights the
+reference's; KV-cache decoding reads the reference's gathered keys. No packed
+sequences or blocks of a larger problem: ``auto`` gives those to the flash rung.
 
 >>> import numpy as np
 >>> from attnkit import small
@@ -43,6 +48,7 @@ from . import flash, reference
 from .backends import Grads
 from .flash.forward import finish
 from .flash.kernels import for_dtype
+from .flash.plan import _c_sequences
 from .nonfinite import all_finite, quiet
 from .spec import Spec
 from .spec import geometry as geo
@@ -94,8 +100,68 @@ def _row_bounds(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
     return lo, hi
 
 
+STREAM_ROWS = 16     # query rows per kv head (group · L) up to which a call streams
+
+
+def streams(spec: Spec, kern: Any) -> bool:
+    """Whether :func:`forward` runs the call in one compiled call (:func:`_stream`):
+    few query rows per kv head (at most STREAM_ROWS), float32 kernels, and none of bias,
+    keep, drop, ALiBi or dropout."""
+    return (spec.group * spec.L <= STREAM_ROWS and getattr(kern, "small_rows", None) is not None
+            and spec.bias is None and spec.keep is None and spec.drop is None and spec.alibi_slopes is None
+            and spec.dropout == 0)
+
+
+def _stream(spec: Spec, kern: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(out, lse) of a decoding-like call (few query rows per kv head; float32; no
+    bias, mask arrays, ALiBi or dropout) in one compiled call over every batch element
+    and head (flash.numba_kernels.small_rows), finished in place."""
+    N, A, R = prod(spec.batch), spec.Hkv, spec.group * spec.L
+    # q in C order, each sequence's keys and values too (as the flash rung's streaming
+    # kernel reads them): the kernel's sums then take one order, so the same bits,
+    # whatever the caller's layout
+    q = np.ascontiguousarray(_heads(spec.q, spec.batch, N, A))
+    k, v = (_c_sequences(_heads(x, spec.batch, N, A)) for x in (spec.k, spec.v))
+    m, l, lo, hi = _NO_STATE, _NO_STATE, _NO_BOUNDS, _NO_BOUNDS
+    if spec.sinks is not None:
+        m, l = (x.reshape(N, A * R) for x in _sink_state(spec, np.float32))
+    if spec.has_index_mask or spec.varlen:
+        lo, hi = (x.reshape(N, A * R) for x in _row_bounds(spec))
+    out = np.empty(spec.out_shape, dtype=np.float32)
+    lse = np.empty(spec.lse_shape, dtype=np.float32)
+    kern.small_rows(q, k, v, np.float32(spec.scale), np.float32(spec.softcap or 0.0), lo, hi, m, l,
+                    out.reshape(N, A, R, spec.Dv), lse.reshape(N, A, R))
+    return out, lse
+
+
+_NO_STATE, _NO_BOUNDS = np.zeros((1, 0), dtype=np.float32), np.zeros((1, 0), dtype=np.int64)
+
+
+def _heads(x: Any, batch: tuple[int, ...], N: int, A: int) -> np.ndarray:
+    """x (..., heads, rows, D) in float32 as (N, A, rows · heads / A, D): batch dims
+    broadcast and flattened (views where they can be)."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[:-3] != batch:
+        x = np.broadcast_to(x, batch + x.shape[-3:])
+    return x if x.ndim == 4 and x.shape[1] == A else x.reshape(N, A, -1, x.shape[-1])
+
+
 def forward(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse) in the accumulation dtype, shapes (..., H, L, Dv) and (..., H, L)."""
+    kern = for_dtype(spec.acc_dtype)
+    if streams(spec, kern):
+        out, lse = _stream(spec, kern)                   # compiled: no NumPy warnings to quiet
+    else:
+        with quiet():
+            out, lse = _product(spec, kern)
+    pad = geo.padding_rows(spec)
+    if pad is not None:                                  # padding rows: lse −inf, sink or not
+        lse[np.broadcast_to(pad, lse.shape)] = -np.inf
+    return out, lse
+
+
+def _product(spec: Spec, kern: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(out, lse) by two products over every head at once (see the module's doc)."""
     acc = spec.acc_dtype
     q, k, v = (np.asarray(x, dtype=acc) for x in (spec.q, spec.k, spec.v))
     if not all_finite(v):
@@ -120,7 +186,6 @@ def forward(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
         np.copyto(heads, -np.inf, where=masked)
     rows = s.reshape(-1, S)
     m, l = _sink_state(spec, rows.dtype)
-    kern = for_dtype(rows.dtype)
     if spec.has_index_mask or spec.varlen:
         lo, hi = _row_bounds(spec)
         kern.softmax_tile_bounded(rows, m, l, lo, hi, 0)
@@ -131,17 +196,12 @@ def forward(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
         heads *= z
     lse, out = finish(m, l, np.matmul(s, v), kern)      # p v: (..., Hkv, group·L, Dv), normalised there
     assert out is not None
-    lse = lse.reshape(spec.lse_shape)
-    pad = geo.padding_rows(spec)
-    if pad is not None:                                  # padding rows: lse −inf, sink or not
-        lse[np.broadcast_to(pad, lse.shape)] = -np.inf
-    return out.reshape(spec.out_shape), lse
+    return out.reshape(spec.out_shape), lse.reshape(spec.lse_shape)
 
 
 # ---- the rung interface (see backends.py) ---------------------------------------
 def rung_forward(spec: Spec, need_weights: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    with quiet():
-        out, lse = forward(spec)
+    out, lse = forward(spec)
     return out.astype(spec.dtype, copy=False), lse, (rung_weights(spec, lse) if need_weights else None)
 
 

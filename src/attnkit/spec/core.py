@@ -48,6 +48,8 @@ def autocast(*xs: Any) -> tuple[Any, ...]:
     if not is_torch(xs[0]):
         return xs
     torch = sys.modules["torch"]
+    if not torch._C._is_any_autocast_enabled():          # one call where autocast is off anywhere
+        return xs
     dev = xs[0].device.type
     if not (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)):   # meta: none
         return xs
@@ -158,6 +160,10 @@ class Spec:
     # (heads_inner): the torch path outside the custom op, whose caller (transformers)
     # transposes out back to (B, L, H, Dv). Never set by users.
     out_like_q: bool = False
+    # The rungs backends.select chose for calls of one kept check (validate reuses its
+    # check for calls of the same signature), by (candidates, need); shared by the Specs
+    # validate makes from that check, dropped by every other replace. Never set by users.
+    chosen: dict[tuple[Any, str | None], Any] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_arrays(cls, q: Any, k: Any, v: Any, *, two_d: bool = False,
@@ -190,6 +196,7 @@ class Spec:
             raise TypeError(f"Spec.replace: no field(s) {sorted(unknown)}")
         new = object.__new__(Spec)
         new.__dict__.update(self.__dict__)
+        new.__dict__["chosen"] = None                    # another call: choose again
         new.__dict__.update(changes)
         return new
 

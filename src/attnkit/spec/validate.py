@@ -231,12 +231,14 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
         if any(options.get(n) is not None for n in _TENSOR_OPTIONS):
             arrays = _array_keywords({**_DEFAULTS, **options}, is_torch(q), seen.batch, seen.H, seen.L,
                                      seen.S, {})
-        return seen.replace(q=q, k=k, v=v, **arrays)
+        return seen.replace(q=q, k=k, v=v, chosen=seen.chosen, **arrays)
     spec = _validate(q, k, v, backend, need_v, options)
     if key is not None:
         if len(_SEEN) >= _SEEN_MAX:
             _SEEN.clear()
-        _SEEN[key] = spec.replace(q=None, k=None, v=None, **dict.fromkeys(_TENSOR_OPTIONS))
+        chosen: dict[Any, Any] = {}
+        _SEEN[key] = spec.replace(q=None, k=None, v=None, chosen=chosen, **dict.fromkeys(_TENSOR_OPTIONS))
+        spec = spec.replace(chosen=chosen)
     return spec
 
 

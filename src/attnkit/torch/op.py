@@ -138,7 +138,8 @@ def _np(t: Any) -> Any:
     upcast to float32, which copies."""
     if t is None:
         return None
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.dtype == torch.bfloat16:
         t = t.float()
     if t.is_conj() or t.is_neg():
@@ -165,9 +166,8 @@ def _out(out: Any, q: torch.Tensor, like_q: bool) -> torch.Tensor:
 _VIEWED = tuple(n for n in ("q", "k", "v") + _ARRAY_OPTIONS if n != "seed")
 
 
-def numpy_spec(spec: Spec) -> Spec:
-    """The same call on NumPy views (for the NumPy rungs)."""
-    changes: dict[str, Any] = {}
+def numpy_spec(spec: Spec, **changes: Any) -> Spec:
+    """The same call on NumPy views (for the NumPy rungs), with ``changes``."""
     for name in _VIEWED:
         x = getattr(spec, name)
         if x is not None:
@@ -200,8 +200,7 @@ def _forward(mod: Any, spec: Spec, keep_acc: bool = False, like_q: bool = False)
     if _takes_tensors(mod):
         out, lse, _ = mod.rung_forward(spec)
         return _out(out, spec.q, like_q), lse.contiguous()
-    npspec = numpy_spec(spec).replace(out_like_q=like_q)
-    out, lse, _ = mod.rung_forward(npspec.replace(dtype="float32") if keep_acc else npspec)
+    out, lse, _ = mod.rung_forward(numpy_spec(spec, out_like_q=like_q, **({"dtype": "float32"} if keep_acc else {})))
     res = (_out(out, spec.q, like_q), _torch(lse, acc_dtype(spec.q)))
     return res + (_torch(out, torch.float32),) if keep_acc else res
 

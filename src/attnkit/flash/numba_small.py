@@ -1,0 +1,123 @@
+"""A whole small call compiled (float32): few query rows per kv head — a decoding step
+of a small model — in one call over every batch element and head, for the small
+rung (:func:`attnkit.small.forward`). There the Python around NumPy's products and the
+row kernels cost three times the arithmetic (23 µs against 7 for 4 × 8 heads, 45
+keys, D = 32).
+
+Developers: numba's disk cache follows this file's own timestamp, not that of
+:mod:`.numba_kernels`, whose bodies and flags are compiled in here: after editing those,
+delete ``__pycache__/numba_small*.nb*`` (a fresh clone, as CI's, has none).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .numba_kernels import REDUCE, _lse_value, _normalized, _softmax_span, _wide, f32
+
+
+@numba.njit(**REDUCE)
+def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
+    """A whole small call with few query rows per kv head (decoding), finished: rows
+    q (N, A, R, D) of batch element n and kv head a against keys k (N, A, S, D) and
+    values v (N, A, S, Dv) of the same n and a (any strides), into out (N, A, R, Dv)
+    and lse (N, A, R). Scores scale · q kᵀ, then softcap · tanh(s / softcap) where
+    softcap > 0. Flat row f = a·R + r of element n sees keys [lo[n, f], hi[n, f]) (lo
+    with no columns: all S); m_i, l_i (N, A·R) hold each row's state before its keys
+    (a sink's; with no columns: none, −inf and 0).
+
+    Per head: the scores key by key, four rows per read of a key row (the rows of a
+    GQA group share it), the row softmax by :func:`_softmax_span`, then the weighted
+    sum of the value rows, four keys by four rows per pass where every row sees every
+    key, else row by row over its own keys — a key whose score is −inf never read (the
+    reference's exempt product: an inf or NaN value reaches a row only through a key
+    it sees)."""
+    _wide()
+    N, A, R, D = q.shape
+    S, Dv = k.shape[2], v.shape[3]
+    R4, S4 = R - R % 4, S - S % 4
+    s = np.empty((R, S), dtype=np.float32)
+    acc = np.empty((R, Dv), dtype=np.float32)
+    row_lo, row_hi = np.zeros(R, dtype=np.int64), np.full(R, S, dtype=np.int64)
+    m_r, l_r, alpha = np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32)
+    hole = np.empty(S, dtype=np.bool_)
+    for n in range(N):
+        for a in range(A):
+            full = True                                # no bounds or holes cut a row
+            for j in range(S):
+                for r in range(0, R4, 4):
+                    x0, x1, x2, x3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
+                    for d in range(D):
+                        kk = k[n, a, j, d]
+                        x0 += q[n, a, r, d] * kk
+                        x1 += q[n, a, r + 1, d] * kk
+                        x2 += q[n, a, r + 2, d] * kk
+                        x3 += q[n, a, r + 3, d] * kk
+                    s[r, j], s[r + 1, j], s[r + 2, j], s[r + 3, j] = x0 * scale, x1 * scale, x2 * scale, x3 * scale
+                for r in range(R4, R):
+                    x = f32(0.0)
+                    for d in range(D):
+                        x += q[n, a, r, d] * k[n, a, j, d]
+                    s[r, j] = x * scale
+            for r in range(R):
+                f = a * R + r
+                if lo.shape[1]:
+                    row_lo[r], row_hi[r] = lo[n, f], hi[n, f]
+                # unsigned: indexing with a signed int whose sign the compiler does not
+                # know adds the wraparound of negative indexes, which stops vectorising
+                j0, j1 = np.uint64(row_lo[r]), np.uint64(row_hi[r])
+                if softcap > f32(0.0):
+                    for j in range(j0, j1):
+                        s[r, j] = softcap * np.tanh(s[r, j] / softcap)
+                holes = 0                              # −inf scores (an inf in q or k)
+                for j in range(j0, j1):
+                    if s[r, j] == -np.inf:
+                        holes += 1
+                m_r[r], l_r[r] = (m_i[n, f], l_i[n, f]) if m_i.shape[1] else (f32(-np.inf), f32(0.0))
+                if holes:                              # their keys marked −1 after the
+                    for j in range(j0, j1):            # softmax: never read
+                        hole[j] = s[r, j] == -np.inf
+                _softmax_span(s, r, j0, j1, m_r, l_r, alpha)
+                if holes:
+                    full = False
+                    for j in range(j0, j1):
+                        if hole[j]:
+                            s[r, j] = f32(-1.0)
+                full = full and j0 == 0 and j1 == S
+                lse[n, a, r] = _lse_value(m_r[r], l_r[r])
+            acc[:] = f32(0.0)
+            if full:                                   # every row reads every value row: four
+                for j in range(0, S4, 4):              # keys by four rows per pass
+                    for r in range(0, R4, 4):
+                        w00, w01, w02, w03 = s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3]
+                        w10, w11, w12, w13 = s[r + 1, j], s[r + 1, j + 1], s[r + 1, j + 2], s[r + 1, j + 3]
+                        w20, w21, w22, w23 = s[r + 2, j], s[r + 2, j + 1], s[r + 2, j + 2], s[r + 2, j + 3]
+                        w30, w31, w32, w33 = s[r + 3, j], s[r + 3, j + 1], s[r + 3, j + 2], s[r + 3, j + 3]
+                        for d in range(Dv):
+                            v0, v1 = v[n, a, j, d], v[n, a, j + 1, d]
+                            v2, v3 = v[n, a, j + 2, d], v[n, a, j + 3, d]
+                            acc[r, d] += w00 * v0 + w01 * v1 + w02 * v2 + w03 * v3
+                            acc[r + 1, d] += w10 * v0 + w11 * v1 + w12 * v2 + w13 * v3
+                            acc[r + 2, d] += w20 * v0 + w21 * v1 + w22 * v2 + w23 * v3
+                            acc[r + 3, d] += w30 * v0 + w31 * v1 + w32 * v2 + w33 * v3
+                    for r in range(R4, R):
+                        w0, w1, w2, w3 = s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3]
+                        for d in range(Dv):
+                            acc[r, d] += (w0 * v[n, a, j, d] + w1 * v[n, a, j + 1, d]
+                                          + w2 * v[n, a, j + 2, d] + w3 * v[n, a, j + 3, d])
+                for j in range(S4, S):
+                    for r in range(R):
+                        w = s[r, j]
+                        for d in range(Dv):
+                            acc[r, d] += w * v[n, a, j, d]
+            else:                                      # each row its own keys
+                for r in range(R):
+                    for j in range(np.uint64(row_lo[r]), np.uint64(row_hi[r])):
+                        w = s[r, j]
+                        if not w < f32(0.0):
+                            for d in range(Dv):
+                                acc[r, d] += w * v[n, a, j, d]
+            for r in range(R):
+                for d in range(Dv):
+                    out[n, a, r, d] = _normalized(acc[r, d], l_r[r])
