@@ -88,8 +88,8 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
                 lse[n, a, r] = _lse_value(m_r[r], l_r[r])
             acc[:] = f32(0.0)
             if full:                                   # every row reads every value row: four
-                for j in range(0, S4, 4):              # keys by four rows per pass
-                    for r in range(0, R4, 4):
+                for r in range(0, R4, 4):              # keys by four rows per pass (the rows
+                    for j in range(0, S4, 4):          # outside, as in decode_part)
                         w00, w01, w02, w03 = s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3]
                         w10, w11, w12, w13 = s[r + 1, j], s[r + 1, j + 1], s[r + 1, j + 2], s[r + 1, j + 3]
                         w20, w21, w22, w23 = s[r + 2, j], s[r + 2, j + 1], s[r + 2, j + 2], s[r + 2, j + 3]
@@ -101,7 +101,8 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
                             acc[r + 1, d] += w10 * v0 + w11 * v1 + w12 * v2 + w13 * v3
                             acc[r + 2, d] += w20 * v0 + w21 * v1 + w22 * v2 + w23 * v3
                             acc[r + 3, d] += w30 * v0 + w31 * v1 + w32 * v2 + w33 * v3
-                    for r in range(R4, R):
+                for r in range(R4, R):
+                    for j in range(0, S4, 4):
                         w0, w1, w2, w3 = s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3]
                         for d in range(Dv):
                             acc[r, d] += (w0 * v[n, a, j, d] + w1 * v[n, a, j + 1, d]
