@@ -107,6 +107,7 @@ TARGETS: dict[str, list[str]] = {
     "flash/runtime.py": ["tests/flash/test_runtime.py", "tests/flash/test_flash.py"],
     "flash/blas.py": ["tests/flash/test_loop.py"],
     "flash/numba_loop.py": ["tests/flash/test_loop.py"] + [t for t in _FLASH_TESTS if "loop" not in t],
+    "flash/numba_small.py": ["tests/test_small.py", "tests/torch/test_out_layout.py", "tests/test_kvcache.py"],
     "merge.py": ["tests/test_merge.py", "tests/test_kvcache.py", "tests/torch/test_op.py"],
     "nonfinite.py": ["tests/test_nonfinite.py", "tests/test_reference.py", "tests/flash/test_flash.py"],
     "philox.py": ["tests/test_philox.py", "tests/flash/test_flash.py", "tests/test_reference.py",

@@ -22,11 +22,11 @@ Values with a NaN or inf take the reference's forward (their exempt product). A
 call of few query rows per kv head (``group · L`` ≤ STREAM_ROWS: decoding, speculative
 steps) in float32 without bias, keep, drop, ALiBi or dropout runs instead as one
 compiled call over every batch element and head (:mod:`attnkit.flash.numba_small`:
-the same steps, the bounds per row, a key whose score is −inf never read); in a
-decoding step of a small model the Python around the products above cost three
-times the arithmetic. The backward is the flash rung's, the weights the
-reference's; KV-cache decoding reads the reference's gathered keys. No packed
-sequences or blocks of a larger problem: ``auto`` gives those to the flash rung.
+the same steps, the bounds per row, a key whose score is −inf never read): in a
+decoding step of a small model the NumPy calls above cost 23 µs, this call 14. The
+backward is the flash rung's, the weights the reference's; KV-cache decoding reads
+the reference's gathered keys. No packed sequences or blocks of a larger problem:
+``auto`` gives those to the flash rung.
 
 >>> import numpy as np
 >>> from attnkit import small
@@ -101,7 +101,7 @@ def _row_bounds(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
 
 
 # query rows per kv head (group · L) up to which a call streams: against the products,
-# 1.2–2.1× faster at 1 to 8 rows (45–1024 keys), 0.6–0.9× at 16 (an Intel Xeon host)
+# 1.0–2.1× as fast at 1 to 8 rows (45–1024 keys), 0.6–0.9× at 16 (an Intel Xeon host)
 STREAM_ROWS = 8
 
 

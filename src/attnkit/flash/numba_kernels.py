@@ -343,6 +343,39 @@ def _walk(table, row, P, start, n, pages, slots):
             pi, slot = pi + 1, 0
 
 
+@numba.njit(**REDUCE, inline="always")
+def _weighted_values(s, f0, R, j0, j4, v, i0, i1, sl0, acc, a):
+    # acc[a, r, :] += Σ s[f0 + r, j] · v[i0, i1, sl0 + j, :] over keys j0 … j4 − 1 (a multiple
+    # of four) for rows r < R: four keys by four rows per pass, the row blocks outside
+    # (with the keys outside, more than four rows ran 4× slower per row: R = 8, 155
+    # against 36 ns per key), each element's sum in key order whatever R. The value pass
+    # of both decode kernels where every row sees every key
+    R4, Dv = R - R % 4, acc.shape[2]
+    for r in range(0, R4, 4):
+        f = f0 + r
+        for jj in range(j0, j4, 4):
+            sl = sl0 + jj
+            w00, w01, w02, w03 = s[f, jj], s[f, jj + 1], s[f, jj + 2], s[f, jj + 3]
+            w10, w11, w12, w13 = s[f + 1, jj], s[f + 1, jj + 1], s[f + 1, jj + 2], s[f + 1, jj + 3]
+            w20, w21, w22, w23 = s[f + 2, jj], s[f + 2, jj + 1], s[f + 2, jj + 2], s[f + 2, jj + 3]
+            w30, w31, w32, w33 = s[f + 3, jj], s[f + 3, jj + 1], s[f + 3, jj + 2], s[f + 3, jj + 3]
+            for d in range(Dv):
+                v0, v1 = v[i0, i1, sl, d], v[i0, i1, sl + 1, d]
+                v2, v3 = v[i0, i1, sl + 2, d], v[i0, i1, sl + 3, d]
+                acc[a, r, d] += w00 * v0 + w01 * v1 + w02 * v2 + w03 * v3
+                acc[a, r + 1, d] += w10 * v0 + w11 * v1 + w12 * v2 + w13 * v3
+                acc[a, r + 2, d] += w20 * v0 + w21 * v1 + w22 * v2 + w23 * v3
+                acc[a, r + 3, d] += w30 * v0 + w31 * v1 + w32 * v2 + w33 * v3
+    for r in range(R4, R):
+        f = f0 + r
+        for jj in range(j0, j4, 4):
+            sl = sl0 + jj
+            w0, w1, w2, w3 = s[f, jj], s[f, jj + 1], s[f, jj + 2], s[f, jj + 3]
+            for d in range(Dv):
+                acc[a, r, d] += (w0 * v[i0, i1, sl, d] + w1 * v[i0, i1, sl + 1, d]
+                                 + w2 * v[i0, i1, sl + 2, d] + w3 * v[i0, i1, sl + 3, d])
+
+
 @numba.njit(**REDUCE)
 def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, diag, m_i, l_i, acc):
     """Rows q (A, R, D) — already times scale (and / softcap) — of kv heads hk … hk + A − 1
@@ -468,32 +501,7 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
                                 for d in range(Dv):
                                     acc[a, r, d] += w * vc[page, h, sl, d]
                     continue
-                # four keys at a time, four rows at once; the rows outside: with the keys
-                # outside, more than four rows ran 4× slower per row (R = 8: 155 against
-                # 36 ns per key), the same sums in the same order
-                for r in range(0, R4, 4):
-                    f = a * R + r
-                    for jj in range(j0, j4, 4):
-                        sl = sl0 + jj
-                        w00, w01, w02, w03 = s[f, jj], s[f, jj + 1], s[f, jj + 2], s[f, jj + 3]
-                        w10, w11, w12, w13 = s[f + 1, jj], s[f + 1, jj + 1], s[f + 1, jj + 2], s[f + 1, jj + 3]
-                        w20, w21, w22, w23 = s[f + 2, jj], s[f + 2, jj + 1], s[f + 2, jj + 2], s[f + 2, jj + 3]
-                        w30, w31, w32, w33 = s[f + 3, jj], s[f + 3, jj + 1], s[f + 3, jj + 2], s[f + 3, jj + 3]
-                        for d in range(Dv):
-                            v0, v1 = vc[page, h, sl, d], vc[page, h, sl + 1, d]
-                            v2, v3 = vc[page, h, sl + 2, d], vc[page, h, sl + 3, d]
-                            acc[a, r, d] += w00 * v0 + w01 * v1 + w02 * v2 + w03 * v3
-                            acc[a, r + 1, d] += w10 * v0 + w11 * v1 + w12 * v2 + w13 * v3
-                            acc[a, r + 2, d] += w20 * v0 + w21 * v1 + w22 * v2 + w23 * v3
-                            acc[a, r + 3, d] += w30 * v0 + w31 * v1 + w32 * v2 + w33 * v3
-                for r in range(R4, R):
-                    f = a * R + r
-                    for jj in range(j0, j4, 4):
-                        sl = sl0 + jj
-                        w0, w1, w2, w3 = s[f, jj], s[f, jj + 1], s[f, jj + 2], s[f, jj + 3]
-                        for d in range(Dv):
-                            acc[a, r, d] += (w0 * vc[page, h, sl, d] + w1 * vc[page, h, sl + 1, d]
-                                             + w2 * vc[page, h, sl + 2, d] + w3 * vc[page, h, sl + 3, d])
+                _weighted_values(s, a * R, R, j0, j4, vc, page, h, sl0, acc, a)
                 for jj in range(j4, j1):
                     sl = sl0 + jj
                     for r in range(R):

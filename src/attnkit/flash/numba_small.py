@@ -1,8 +1,8 @@
 """A whole small call compiled (float32): few query rows per kv head — a decoding step
 of a small model — in one call over every batch element and head, for the small
 rung (:func:`attnkit.small.forward`). There the Python around NumPy's products and the
-row kernels cost three times the arithmetic (23 µs against 7 for 4 × 8 heads, 45
-keys, D = 32).
+row kernels cost more than the arithmetic: a step of 4 × 8 heads (2 kv heads), 45
+keys, D = 32 took 23 µs that way, 14 this way (the kernel 10).
 
 Developers: numba's disk cache follows this file's own timestamp, not that of
 :mod:`.numba_kernels`, whose bodies and flags are compiled in here: after editing those,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .numba_kernels import REDUCE, _lse_value, _normalized, _softmax_span, _wide, f32
+from .numba_kernels import REDUCE, _lse_value, _normalized, _softmax_span, _weighted_values, _wide, f32
 
 
 @numba.njit(**REDUCE)
@@ -29,8 +29,8 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
 
     Per head: the scores key by key, four rows per read of a key row (the rows of a
     GQA group share it), the row softmax by :func:`_softmax_span`, then the weighted
-    sum of the value rows, four keys by four rows per pass where every row sees every
-    key, else row by row over its own keys — a key whose score is −inf never read (the
+    sum of the value rows, by decode_part's ``_weighted_values`` where every row sees
+    every key, else row by row over its own keys — a key whose score is −inf never read (the
     reference's exempt product: an inf or NaN value reaches a row only through a key
     it sees)."""
     _wide()
@@ -38,7 +38,7 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
     S, Dv = k.shape[2], v.shape[3]
     R4, S4 = R - R % 4, S - S % 4
     s = np.empty((R, S), dtype=np.float32)
-    acc = np.empty((R, Dv), dtype=np.float32)
+    acc = np.empty((1, R, Dv), dtype=np.float32)      # (one head: _weighted_values' form)
     row_lo, row_hi = np.zeros(R, dtype=np.int64), np.full(R, S, dtype=np.int64)
     m_r, l_r, alpha = np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32)
     hole = np.empty(S, dtype=np.bool_)
@@ -87,38 +87,20 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
                 full = full and j0 == 0 and j1 == S
                 lse[n, a, r] = _lse_value(m_r[r], l_r[r])
             acc[:] = f32(0.0)
-            if full:                                   # every row reads every value row: four
-                for r in range(0, R4, 4):              # keys by four rows per pass (the rows
-                    for j in range(0, S4, 4):          # outside, as in decode_part)
-                        w00, w01, w02, w03 = s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3]
-                        w10, w11, w12, w13 = s[r + 1, j], s[r + 1, j + 1], s[r + 1, j + 2], s[r + 1, j + 3]
-                        w20, w21, w22, w23 = s[r + 2, j], s[r + 2, j + 1], s[r + 2, j + 2], s[r + 2, j + 3]
-                        w30, w31, w32, w33 = s[r + 3, j], s[r + 3, j + 1], s[r + 3, j + 2], s[r + 3, j + 3]
-                        for d in range(Dv):
-                            v0, v1 = v[n, a, j, d], v[n, a, j + 1, d]
-                            v2, v3 = v[n, a, j + 2, d], v[n, a, j + 3, d]
-                            acc[r, d] += w00 * v0 + w01 * v1 + w02 * v2 + w03 * v3
-                            acc[r + 1, d] += w10 * v0 + w11 * v1 + w12 * v2 + w13 * v3
-                            acc[r + 2, d] += w20 * v0 + w21 * v1 + w22 * v2 + w23 * v3
-                            acc[r + 3, d] += w30 * v0 + w31 * v1 + w32 * v2 + w33 * v3
-                for r in range(R4, R):
-                    for j in range(0, S4, 4):
-                        w0, w1, w2, w3 = s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3]
-                        for d in range(Dv):
-                            acc[r, d] += (w0 * v[n, a, j, d] + w1 * v[n, a, j + 1, d]
-                                          + w2 * v[n, a, j + 2, d] + w3 * v[n, a, j + 3, d])
+            if full:                                   # every row reads every value row
+                _weighted_values(s, 0, R, 0, S4, v, n, a, 0, acc, 0)
                 for j in range(S4, S):
                     for r in range(R):
                         w = s[r, j]
                         for d in range(Dv):
-                            acc[r, d] += w * v[n, a, j, d]
+                            acc[0, r, d] += w * v[n, a, j, d]
             else:                                      # each row its own keys
                 for r in range(R):
                     for j in range(np.uint64(row_lo[r]), np.uint64(row_hi[r])):
                         w = s[r, j]
                         if not w < f32(0.0):
                             for d in range(Dv):
-                                acc[r, d] += w * v[n, a, j, d]
+                                acc[0, r, d] += w * v[n, a, j, d]
             for r in range(R):
                 for d in range(Dv):
-                    out[n, a, r, d] = _normalized(acc[r, d], l_r[r])
+                    out[n, a, r, d] = _normalized(acc[0, r, d], l_r[r])
