@@ -217,13 +217,13 @@ def test_tile_loop_reads_each_tiles_own_keys(small):
         x.flags.writeable = False
     assert not numba_loop.tile_tasks(blas.sgemm(), blas.somatcopy(), q, np.float32(0.2), k, v, table, tiles, none,
                                      none, small, np.zeros(1, dtype=np.int64), status, empty, empty,
-                                     np.zeros((1, 1, 100, 24), np.float32), np.zeros((1, 1, 100), np.float32),
+                                     np.zeros((1, 1, 100, 24), np.float32), False, np.zeros((1, 1, 100), np.float32),
                                      m, l_i, acc, 1 << 20)
     assert status[0] == 1
     out, lse = np.zeros((1, 1, 100, 24), np.float32), np.zeros((1, 1, 100), np.float32)
     table[0, 13] = -1                                    # the same task, finished into out and lse
     numba_loop.tile_tasks(blas.sgemm(), blas.somatcopy(), q, np.float32(0.2), k, v, table, tiles, none, none, small,
-                          np.zeros(1, dtype=np.int64), status, empty, empty, out, lse, m, l_i, acc, 1 << 20)
+                          np.zeros(1, dtype=np.int64), status, empty, empty, out, False, lse, m, l_i, acc, 1 << 20)
     assert np.array_equal(out[0, 0], acc / l_i[:, None])   # exact division (no reciprocal)
     assert np.allclose(lse[0, 0], m + np.log(l_i), rtol=1e-6)
     for rows, keys in ((slice(0, 50), slice(0, 64)), (slice(50, 100), slice(16, 48))):
