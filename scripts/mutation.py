@@ -83,13 +83,13 @@ _EXPLAIN = ["tests/explain/test_trace.py", "tests/explain/test_text.py"]   # the
 TARGETS: dict[str, list[str]] = {
     "spec/validate.py": ["tests/spec/test_validate.py", "tests/test_api.py", "tests/flash/test_varlen.py",
                          "tests/test_kvcache.py", "tests/spec/test_options.py", "tests/test_reference.py",
-                         "tests/torch/test_op.py", "tests/torch/test_terms.py"] + _EXPLAIN,
+                         "tests/torch/test_op.py", "tests/torch/test_terms.py", "tests/test_backends.py"] + _EXPLAIN,
     "spec/geometry.py": ["tests/spec/test_geometry.py", "tests/test_reference.py", "tests/flash/test_flash.py",
                          "tests/flash/test_varlen.py", "tests/test_kvcache.py", "tests/test_nonfinite.py",
                          "tests/test_api.py"] + _EXPLAIN,
     "spec/core.py": ["tests/test_reference.py", "tests/test_api.py", "tests/spec/test_validate.py",
                      "tests/spec/test_geometry.py", "tests/flash/test_flash.py", "tests/flash/test_varlen.py",
-                     "tests/torch/test_op.py", "tests/torch/test_out_layout.py"] + _EXPLAIN,
+                     "tests/torch/test_op.py", "tests/torch/test_out_layout.py", "tests/test_backends.py"] + _EXPLAIN,
     "spec/checks.py": ["tests/spec/test_checks.py", "tests/spec/test_validate.py",
                        "tests/test_api.py", "tests/test_merge.py",
                        "tests/torch/test_mha.py", "tests/torch/test_op.py"],
@@ -106,7 +106,8 @@ TARGETS: dict[str, list[str]] = {
     "flash/kernels.py": ["tests/flash/test_kernels.py"] + [t for t in _FLASH_TESTS if "kernels" not in t],
     "flash/runtime.py": ["tests/flash/test_runtime.py", "tests/flash/test_flash.py"],
     "flash/blas.py": ["tests/flash/test_loop.py"],
-    "flash/numba_loop.py": ["tests/flash/test_loop.py"] + [t for t in _FLASH_TESTS if "loop" not in t],
+    "flash/numba_loop.py": ["tests/flash/test_loop.py", "tests/torch/test_out_layout.py"]
+    + [t for t in _FLASH_TESTS if "loop" not in t],
     "flash/numba_small.py": ["tests/test_small.py", "tests/torch/test_out_layout.py", "tests/test_kvcache.py"],
     "merge.py": ["tests/test_merge.py", "tests/test_kvcache.py", "tests/torch/test_op.py"],
     "nonfinite.py": ["tests/test_nonfinite.py", "tests/test_reference.py", "tests/flash/test_flash.py"],
@@ -178,6 +179,11 @@ R_CHUNKS = ("how many chunks of key blocks the backward's tasks take (a tuning c
             "written by disjoint key blocks, dq summed over the chunks in a fixed order: only the order of dq's "
             "sums changes (a bias broadcast over the keys keeps one chunk: tested)")
 _FWD_SORT = 'tasks.sort(key=lambda t: -(t[4] - t[3]) * (blocks[t[0]][2] - blocks[t[0]][1]) * blocks[t[0]][0].nk)'
+R_HOLES = ("whether a row counts its −inf scores only decides whether the marking pass and the key-by-key value "
+           "pass run: a row without one takes the same sums key by key (another grouping, inside the float32 "
+           "budget); speed only")
+R_DETACH = ("_np runs where grad mode is off (inside the custom ops, and under no_grad on the eager path and for "
+            "the cache), where numpy() takes a tensor that requires grad; the detach is for a caller with grad on")
 R_SORT = ("the order tasks are handed to the threads (heaviest first, for balance): each task writes its "
           "own rows or its own split-KV part, merged in part order: speed only")
 # flash/plan.py's planning choices (speed and the order of sums only; tests/flash/test_plan.py pins
@@ -670,6 +676,27 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "`False` -> `True`"): R_PRETRAINED,
     ("hf.py", 'or getattr(c, "_supports_sdpa", False)) for c in _model_classes(kind))', "`False` -> `True`"):
         R_PRETRAINED,
+    ("hf.py", "unknown = [] if kwargs.keys() <= _KNOWN else sorted(n for n, x in kwargs.items()", "`<=` -> `<`"):
+        "only where the keywords are exactly every known one does the call take the other branch, which "
+        "finds no unknown keyword either: speed only",
+    ("small.py", "_NO_STATE, _NO_BOUNDS = np.zeros((1, 0), dtype=np.float32), np.zeros((1, 0), dtype=np.int64)",
+     "`1` -> `2` @70"): "small_rows reads only that the bounds have no columns (lo.shape[1] == 0)",
+    ("small.py", "if x.shape[:-3] != batch:", "drop `-`"):
+        "x.shape[:3] differs from the batch dims for every operand (it includes the heads): the broadcast then "
+        "runs for operands that already have them, a view of the same shape",
+    ("small.py", "return x if x.ndim == 4 and x.shape[1] == A else x.reshape(N, A, -1, x.shape[-1])", "`1` -> `2`"):
+        "NumPy takes any negative size as the one it infers",
+    ("flash/numba_small.py", "holes = 0                              # −inf scores (an inf in q or k)", "`0` -> `1`"):
+        R_HOLES,
+    ("flash/numba_small.py", "holes += 1", "`+=` -> `-=`"): R_HOLES,
+    ("spec/core.py",
+     "chosen: dict[tuple[Any, str | None], Any] | None = field(default=None, compare=False, repr=False)",
+     "`False` -> `True` @83"): "no code compares or hashes Specs (their equality, with the kept rungs or without)",
+    ("spec/core.py",
+     "chosen: dict[tuple[Any, str | None], Any] | None = field(default=None, compare=False, repr=False)",
+     "`False` -> `True` @95"): "a Spec's repr only (never parsed)",
+    ("torch/op.py", "if t.requires_grad:", "negate the condition"): R_DETACH,
+    ("torch/op.py", "t = t.detach()", "remove the statement"): R_DETACH,
 }
 
 

@@ -250,9 +250,9 @@ def test_backend_torch_is_auto_for_torch_tensors_only():
 
 def test_a_kept_check_keeps_its_numpy_rung_and_nothing_else_does(monkeypatch):
     """Calls that reuse a kept check (one signature) reuse the NumPy rung chosen for it,
-    per backend and need; a Spec made by any other replace (a block of ring attention,
-    another dtype) chooses again, and a Triton choice is never kept (its reasons read
-    the environment)."""
+    per candidates and need (so the limits and orders in backends still decide); a
+    Spec made by any other replace (a block of ring attention, another dtype) chooses
+    again, and a Triton choice is never kept (its reasons read the environment)."""
     asked = []
     real = backends.reasons
     monkeypatch.setattr(backends, "reasons", lambda name, *a, **kw: asked.append(name) or real(name, *a, **kw))
@@ -263,6 +263,10 @@ def test_a_kept_check_keeps_its_numpy_rung_and_nothing_else_does(monkeypatch):
     assert backends.select(again).name == "small" and asked == ["small"]           # kept
     assert backends.select(again, "reference").name == "reference" and asked == ["small", "reference"]
     assert backends.select(again, "reference").name == "reference" and len(asked) == 2
+    monkeypatch.setattr(backends, "AUTO_SMALL", ("reference",))   # other candidates: chosen again
+    assert backends.select(again).name == "reference" and asked[-1] == "reference"
+    monkeypatch.undo()
+    monkeypatch.setattr(backends, "reasons", lambda name, *a, **kw: asked.append(name) or real(name, *a, **kw))
     block = again.replace(extent=(3, 5))                # ring attention's block: small refuses blocks
     assert block.chosen is None and backends.select(block).name == "flash"
     assert spec_validate(q, k, v, causal=False).chosen is not first.chosen           # another signature

@@ -248,8 +248,8 @@ def _decoding_case(seed):
     L, Hkv, group = int(rng.choice([1, 2])), int(rng.choice([1, 2])), int(rng.choice([1, 2, 4]))
     S, D = int(rng.choice([1, 5, 45, 130])), int(rng.choice([8, 32, 59]))
     Dv = int(rng.choice([D, 12]))
-    batch = [(), (3,), (2, 2)][rng.integers(3)]
-    batch_k = batch if rng.random() < 0.6 else (1,) * len(batch)
+    batch = [(), (3,), (2, 3)][rng.integers(3)]
+    batch_k = batch if rng.random() < 0.5 else tuple(1 if rng.random() < 0.6 else n for n in batch)
     q, k, v = make_qkv(batch + (Hkv * group, L, D), batch_k + (Hkv, S, D), Dv, seed=seed)
     if rng.random() < 0.3:
         q = np.swapaxes(np.ascontiguousarray(np.swapaxes(q, -2, -3)), -2, -3)

@@ -117,7 +117,7 @@ def streams(spec: Spec, kern: Any) -> bool:
 def _stream(spec: Spec, kern: Any) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse) of a decoding-like call (few query rows per kv head; float32; no
     bias, mask arrays, ALiBi or dropout) in one compiled call over every batch element
-    and head (flash.numba_kernels.small_rows), finished in place."""
+    and head (flash.numba_small.small_rows), finished in place."""
     N, A, R = prod(spec.batch), spec.Hkv, spec.group * spec.L
     # q in C order, each sequence's keys and values too (as the flash rung's streaming
     # kernel reads them): the kernel's sums then take one order, so the same bits,

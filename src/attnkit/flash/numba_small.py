@@ -30,9 +30,9 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
     Per head: the scores key by key, four rows per read of a key row (the rows of a
     GQA group share it), the row softmax by :func:`_softmax_span`, then the weighted
     sum of the value rows, by decode_part's ``_weighted_values`` where every row sees
-    every key, else row by row over its own keys — a key whose score is −inf never read (the
-    reference's exempt product: an inf or NaN value reaches a row only through a key
-    it sees)."""
+    every key, else row by row over its own keys — a key whose score is −inf never
+    read (the reference's exempt product: an inf or NaN value reaches a row only
+    through a key it sees)."""
     _wide()
     N, A, R, D = q.shape
     S, Dv = k.shape[2], v.shape[3]
