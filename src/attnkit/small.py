@@ -48,7 +48,7 @@ from . import flash, reference
 from .backends import Grads
 from .flash.forward import finish
 from .flash.kernels import for_dtype
-from .flash.plan import _c_sequences
+from .flash.plan import c_sequences
 from .nonfinite import all_finite, quiet
 from .spec import Spec
 from .spec import geometry as geo
@@ -123,7 +123,7 @@ def _stream(spec: Spec, kern: Any) -> tuple[np.ndarray, np.ndarray]:
     # kernel reads them): the kernel's sums then take one order, so the same bits,
     # whatever the caller's layout
     q = np.ascontiguousarray(_heads(spec.q, spec.batch, N, A))
-    k, v = (_c_sequences(_heads(x, spec.batch, N, A)) for x in (spec.k, spec.v))
+    k, v = (c_sequences(_heads(x, spec.batch, N, A)) for x in (spec.k, spec.v))
     m, l, lo, hi = _NO_STATE, _NO_STATE, _NO_BOUNDS, _NO_BOUNDS
     if spec.sinks is not None:
         m, l = (x.reshape(N, A * R) for x in _sink_state(spec, np.float32))

@@ -130,7 +130,7 @@ def _own_index(b: tuple[int, ...], own: tuple[int, ...]) -> int:
     return i
 
 
-def _c_sequences(x: np.ndarray) -> np.ndarray:
+def c_sequences(x: np.ndarray) -> np.ndarray:
     """x, or its C-ordered copy where one batch element's last three dims are not C
     ordered (batch dims of stride 0 are kept when they are)."""
     one = x[(0,) * (x.ndim - 3)] if x.ndim > 3 else x
@@ -205,7 +205,7 @@ class Call:
             # the streaming kernel reads each sequence's (Hkv, S, D) in C order (copied once
             # per call; broadcast batch dims stay broadcast): its sums then take the same
             # order, so the same bits, whatever the caller's layout
-            self.k, self.v = (broadcast_to(_c_sequences(tile_ready(x, self.acc)), spec.batch + tuple(np.shape(x)[-3:]))
+            self.k, self.v = (broadcast_to(c_sequences(tile_ready(x, self.acc)), spec.batch + tuple(np.shape(x)[-3:]))
                               for x in (spec.k, spec.v))
 
     # ---- the plan -----------------------------------------------------------------
