@@ -16,9 +16,11 @@ from attnkit.testing import make_qkv
 torch = pytest.importorskip("torch")
 
 
-def same(a, b, tol=1e-12):
+def same(a, b, tol=1e-12, oracle=None):
     """Equal NaN and inf patterns; finite entries within tol (relative to the size of
-    the value when it is larger than 1)."""
+    the value when it is larger than 1) — or, given the float64 oracle, no farther
+    from it than twice b (DESIGN.md §6's rule, entry by entry: where b is float32
+    rounding noise, as a gradient through a key 10²⁰ long, the oracle decides)."""
     if a is None or b is None:
         assert a is None and b is None
         return
@@ -27,7 +29,12 @@ def same(a, b, tol=1e-12):
     assert np.array_equal(np.isnan(a), np.isnan(b)), (np.isnan(a).sum(), np.isnan(b).sum())
     assert np.array_equal(np.isposinf(a), np.isposinf(b)) and np.array_equal(np.isneginf(a), np.isneginf(b))
     fin = np.isfinite(a)
-    assert not fin.any() or (np.abs(a[fin] - b[fin]) / np.maximum(1, np.abs(b[fin]))).max() <= tol
+    close = np.abs(a - b) <= tol * np.maximum(1, np.abs(b))
+    if oracle is not None:
+        o = np.asarray(oracle, np.float64)
+        with np.errstate(invalid="ignore"):
+            close |= np.abs(a - o) <= 2 * np.abs(b - o) + tol * np.maximum(1, np.abs(o))
+    assert close[fin].all()
 
 
 def case(kind):
@@ -150,19 +157,22 @@ def test_every_rung_agrees_backward(kind, monkeypatch):
     out, lse = attnkit.attention(q, k, v, return_lse=True, backend="reference", **kw)
     dout = np.random.default_rng(0).standard_normal(out.shape).astype(out.dtype)
     want = reference.rung_backward(validate(q, k, v, **kw), dout, out, lse)
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    oracle = reference.rung_backward(validate(*wide, **kw), dout.astype(np.float64),
+                                     *attnkit.attention(*wide, return_lse=True, backend="reference", **kw))
     for use in (False, True):
         monkeypatch.setattr(flash.kernels, "USE_COMPILED", use)
         for blocks in (dict(block_m=2, block_n=2), {}):
             got = flash.rung_backward(validate(q, k, v, **kw), dout, out, lse, **blocks)
-            for a, b in zip(got, want):
-                same(a, b, 1e-5)
+            for a, b, o in zip(got, want, oracle):
+                same(a, b, 1e-5, o)
     tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
     tkw = {n: torch.tensor(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
     for rung in ("flash", "reference"):                  # the torch op over each CPU rung
         tout = attnkit.attention(tq, tk, tv, backend=rung, **tkw)
         grads = torch.autograd.grad(tout, (tq, tk, tv), torch.tensor(dout))
-        for a, b in zip(grads, want):
-            same(a.numpy(), b, 1e-5)
+        for a, b, o in zip(grads, want, oracle):
+            same(a.numpy(), b, 1e-5, o)
 
 
 @pytest.mark.parametrize("where", ["q", "lse"])

@@ -11,7 +11,10 @@ also serves a block of keys of a longer sequence (ring attention, split-KV)::
     dq = Σ_chunk dq[chunk]                                 in a fixed order
 
 Extra memory is O((L + S)·D) per head (times the key chunks for dq) plus a few tiles
-per worker.
+per worker. Calls whose scores have nothing between the two products (float32, no
+mask arrays, bias, softcap, ALiBi or dropout) run their tasks compiled
+(:mod:`.numba_backward`); a task whose operands hold NaN or inf comes back to the
+Python loop here.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from ..reference import sink_gradient
 from ..spec import broadcast_to
 from . import runtime
 from .forward import cast
-from .plan import MIN_TASKS, Call, Unit, tile_ready
+from .plan import MIN_TASKS, Call, Unit, flat_own, tile_ready
 
 
 def _bias_shape(call: Call) -> tuple[int, ...] | None:
@@ -83,9 +86,7 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
     spec, acc = call.spec, call.acc
     dout = broadcast_to(tile_ready(dout, acc), spec.out_shape)
     lse = np.asarray(lse, dtype=acc)
-    delta = np.einsum("...d,...d->...", dout, np.asarray(out, dtype=acc))   # Σ_j w·dw, O(L) per head
-    if dlse is not None:                                 # a gradient for lse: d lse / d scores = w
-        delta = delta - np.asarray(dlse, dtype=acc)
+    out = np.asarray(out, dtype=acc)
     bias_shape = _bias_shape(call) if need_dbias else None
     groups = _groups(call, bias_shape)
     BN = call.BLOCK_N
@@ -101,6 +102,15 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
     # and |delta| stay below a quarter of the largest float: then ds is not checked
     big = float(np.finfo(acc).max) / 4
     drop_scale = call.drop_scale if call.drop_thr else 1.0
+    todo = [(gi, c) for gi in range(len(groups)) for c in range(n_chunks)]
+    if call.flat is not None and dbias is None:
+        todo = _compiled(call, groups, todo, [kblocks[id(u)] for u in call.units], n_chunks,
+                         dout, out, lse, dlse, dq, dk, dv)
+    delta = None
+    if todo or spec.sinks is not None:
+        delta = np.einsum("...d,...d->...", dout, out)  # Σ_j w·dw, O(L) per head
+        if dlse is not None:                             # a gradient for lse: d lse / d scores = w
+            delta = delta - np.asarray(dlse, dtype=acc)
 
     def unit_chunk(u: Unit, chunk: int) -> None:
         blocks = kblocks[id(u)]
@@ -170,19 +180,20 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
                     dk_j += dsT @ q_t if vis is None else exempt_matmul(dsT, q_t, vis.transpose(0, 2, 1))
                 first = False
                 dq_t = ds @ k_t if vis is None else exempt_matmul(ds, k_t, vis)
-                dq_c[u.heads, r0:r1] += dq_t.reshape(nk * g, r1 - r0, spec.D)   # q_t carries qs; fixed below
+                dq_t *= spec.scale                       # dz/dq = scale · k
+                dq_c[u.heads, r0:r1] += dq_t.reshape(nk * g, r1 - r0, spec.D)
 
     def task(t: tuple[int, int]) -> None:
         gi, chunk = t
         for u in groups[gi]:
             unit_chunk(u, chunk)
 
-    runtime.run([(gi, c) for gi in range(len(groups)) for c in range(n_chunks)], task)
+    if todo:
+        runtime.run(todo, task)
 
     dq_sum = dq[0]
     for c in range(1, n_chunks):                         # fixed order: same bits for any thread count
         dq_sum += dq[c]
-    dq_sum *= spec.scale                                 # dz/dq = scale · k
     if spec.softcap:                                     # q_t was q · scale / softcap; dz/dk = scale · q
         dk *= spec.softcap
     dq_u, dk_u, dv_u = (cast(x, spec.dtype) for x in spec.to_inputs(dq_sum, dk, dv))
@@ -190,6 +201,42 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
     if dbias is not None:
         db = cast(dbias.reshape(spec.shapes["bias"]), np.asarray(spec.bias).dtype)
     ds_ = None
-    if spec.sinks is not None:
+    if spec.sinks is not None and delta is not None:
         ds_ = cast(sink_gradient(spec, lse, delta), np.asarray(spec.sinks).dtype)
     return Grads(dq_u, dk_u, dv_u, db, ds_)
+
+
+def _compiled(call: Call, groups: list[list[Unit]], todo: list[tuple[int, int]], blocks: list[list[tuple[int, int]]],
+              n_chunks: int, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, dlse: Any, dq: np.ndarray,
+              dk: np.ndarray, dv: np.ndarray) -> list[tuple[int, int]]:
+    """``todo`` (one unit each: no dbias) on the compiled backward (kernels'
+    ``backward_tasks``), one compiled call per thread; returns the tasks left to the
+    Python loop (operands with a NaN or inf, or a ds that overflowed)."""
+    assert call.flat is not None
+    spec = call.spec
+    (q4, oq), (k4, ok), (v4, ov) = call.flat
+    do4, odo = flat_own(dout, len(spec.batch))
+    o4, oo = flat_own(out, len(spec.batch))
+    units = [groups[gi][0] for gi, _ in todo]
+    tasks = []
+    for (gi, ch), u in zip(todo, units):
+        b = blocks[gi]
+        n = min(len(b), n_chunks)
+        if ch < n:
+            tasks.append((u, ch, b[ch * len(b) // n:(ch + 1) * len(b) // n]))
+    table, tiles, lo, hi = call.backward_table(tasks, (oq, ok, ov, odo, oo))
+    N = int(np.prod(spec.batch, dtype=np.int64))
+    lse3 = np.ascontiguousarray(broadcast_to(lse, spec.lse_shape)).reshape(N, spec.H, spec.L)
+    dlse3 = _NO_DLSE if dlse is None else np.ascontiguousarray(
+        broadcast_to(np.asarray(dlse, dtype=call.acc), spec.lse_shape)).reshape(N, spec.H, spec.L)
+    counter, status = np.zeros(1, dtype=np.int64), np.zeros(len(table), dtype=np.int8)
+    dq5 = dq.reshape((dq.shape[0], N) + dq.shape[-3:])
+    dk4, dv4 = dk.reshape((N,) + dk.shape[-3:]), dv.reshape((N,) + dv.shape[-3:])
+    runtime.run(range(runtime.get_threads()),
+                lambda _: call.kern.backward_tasks(q4, k4, v4, do4, o4, lse3, dlse3, spec.scale, table, tiles, lo, hi,
+                                                   counter, status, dq5, dk4, dv4))
+    left = {(id(u), ch) for (u, ch, _), ok_ in zip(tasks, status) if not ok_}
+    return [t for t, u in zip(todo, units) if (id(u), t[1]) in left]
+
+
+_NO_DLSE = np.zeros((0, 0, 0), dtype=np.float32)

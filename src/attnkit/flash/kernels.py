@@ -162,6 +162,8 @@ def _probed(nk: Any) -> Any:
             tasks = None
         if tasks is not None and _loop_works(tasks):
             nk.KERNELS.tile_tasks = tasks
+            from . import numba_backward
+            nk.KERNELS.backward_tasks = numba_backward.kernels()
         from . import numba_small
         nk.KERNELS.small_rows = numba_small.small_rows   # compiled at its first call
         return nk.KERNELS

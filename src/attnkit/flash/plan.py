@@ -108,7 +108,7 @@ def _flat(x: np.ndarray) -> np.ndarray | None:
     return y
 
 
-def _flat_own(x: np.ndarray, batch_dims: int) -> tuple[np.ndarray, tuple[int, ...]]:
+def flat_own(x: np.ndarray, batch_dims: int) -> tuple[np.ndarray, tuple[int, ...]]:
     """(x as a read-only (N, A, B, C), its batch shape padded to batch_dims): a view,
     or a C-ordered copy where x's batch dims do not merge (odd strides)."""
     own = (1,) * (batch_dims - (x.ndim - 3)) + tuple(x.shape[:-3])
@@ -179,8 +179,10 @@ class Call:
             self.drop_thr = philox.threshold(spec.dropout)
             self.drop_scale = 1.0 / (1.0 - spec.dropout)
         # plain scores in float32 (no mask arrays, bias, softcap, ALiBi or dropout; dense
-        # keys): the forward's tasks run compiled (numba_loop), products by BLAS
-        self.loop = (not backward and kernels.USE_LOOP and getattr(self.kern, "tile_tasks", None) is not None
+        # keys): the tasks run compiled (numba_loop's forward, numba_backward's
+        # backward), products by BLAS
+        self.loop = (kernels.USE_LOOP and getattr(self.kern, "backward_tasks" if backward else "tile_tasks",
+                                                  None) is not None
                      and not self.masked and spec.bias is None and not spec.softcap and self.slopes is None
                      and not self.drop_thr and pages is None and self.v is not None)
         # few rows against many keys (decoding): the compiled streaming kernel reads each
@@ -195,7 +197,7 @@ class Call:
         # over its own batch dims flattened (broadcast ones never expanded), read only
         self.flat: list[tuple[np.ndarray, tuple[int, ...]]] | None = None
         if self.loop and own[0] is not None and own[1] is not None:
-            self.flat = [_flat_own(x, len(spec.batch)) for x in (tile_ready(spec.q, self.acc), own[0], own[1])]
+            self.flat = [flat_own(x, len(spec.batch)) for x in (tile_ready(spec.q, self.acc), own[0], own[1])]
         self._plans: dict[Any, Any] = {}
         # what the plan's keys leave out: the band, the tile sizes and the strip heights
         self._geom = (self.band, self.BLOCK_M, self.BLOCK_N, self.tuned, SUB_M, LOOP_SUB_M)
@@ -408,6 +410,37 @@ class Call:
         lo_all, hi_all = ((np.concatenate(x) for x in zip(*bounds)) if bounds else (NO_BOUNDS, NO_BOUNDS))
         return (np.array(rows, dtype=np.int64).reshape(-1, 15),
                 np.concatenate(tiles) if tiles else np.zeros((0, 5), dtype=np.int64), lo_all, hi_all, ns)
+
+    def backward_table(self, tasks: list[tuple[Unit, int, list[tuple[int, int]]]], own: tuple[Any, ...]
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The compiled backward's tasks (numba_backward.backward_tasks): for each (unit,
+        dq chunk, its key blocks) a row of (n, the batch index in each operand of batch
+        shape ``own`` — q, k, v, dout, out —, h0, its kv head, nk, g, the unit's rows
+        [r0, r1), the tiles [t0, t1), the chunk); the tiles (keys [c0, c1), rows [a0,
+        a1), banded, the unit's bounds' offset in lo/hi), lo, hi. Kept across calls
+        (see :meth:`_kept`)."""
+        key = ("btable", self.spec.group, own, tuple((u, ch, tuple(b)) for u, ch, b in tasks))
+        return self._kept(key, lambda: self._backward_table(tasks, own))
+
+    def _backward_table(self, tasks: list[tuple[Unit, int, list[tuple[int, int]]]], own: tuple[Any, ...]
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        rows, bounds = [], []
+        tiles: list[tuple[int, ...]] = []
+        nb = 0
+        for u, ch, blocks in tasks:
+            r0, r1 = u.seg.q0, u.seg.q1
+            t = [(c0, c1, a0, a1, int(partial)) for c0, c1 in blocks for a0, a1, partial in self.query_tiles(u, c0, c1)]
+            bo = 0
+            if any(x[4] for x in t):
+                lo, hi = geo.row_key_bounds(u.seg, self.band, r0, r1)
+                bounds.append((np.tile(lo, u.g), np.tile(hi, u.g)))
+                bo, nb = nb, nb + u.g * (r1 - r0)
+            rows.append((u.n, *(_own_index(u.b, o) for o in own), u.h0, u.h0 // self.spec.group, u.nk, u.g, r0, r1,
+                         len(tiles), len(tiles) + len(t), ch))
+            tiles += [x + (bo,) for x in t]
+        lo_all, hi_all = ((np.concatenate(x) for x in zip(*bounds)) if bounds else (NO_BOUNDS, NO_BOUNDS))
+        return (np.array(rows, dtype=np.int64).reshape(-1, 15), np.array(tiles, dtype=np.int64).reshape(-1, 6),
+                lo_all, hi_all)
 
     def kv(self, u: Unit, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(nk, keys, D) and (nk, keys, Dv) views of the unit's kv heads (GQA: shared, no

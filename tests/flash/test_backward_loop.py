@@ -1,0 +1,139 @@
+"""The backward's compiled tasks (numba_backward.backward_tasks: each unit's chunk of
+key blocks in one compiled call per thread, the scores key-major so that all five
+products take untransposed operands, by NumPy's own sgemm) against the float64
+reference and the Python loop (np.matmul and the compiled tile kernels)."""
+
+import numpy as np
+import pytest
+
+from attnkit import flash, reference
+from attnkit.flash import blas, kernels
+from attnkit.spec import validate
+from attnkit.testing import error_budget, make_qkv, max_error
+
+from .test_loop import CASES
+
+COMPILED = kernels.compiled_kernels()
+LOOP = COMPILED is not None and COMPILED.backward_tasks is not None
+pytestmark = pytest.mark.skipif(not LOOP, reason="numba or NumPy's sgemm is missing: the backward stays in Python")
+
+
+def _grads(monkeypatch, spec, dout, out, lse, loop, dlse=None, **blocks):
+    """(dq, dk, dv, the compiled tasks' statuses: one array per call of the rung, 1
+    where the compiled task finished)."""
+    monkeypatch.setattr(kernels, "USE_LOOP", loop)
+    seen: dict[int, np.ndarray] = {}
+    real = COMPILED.backward_tasks
+
+    def spy(*a):
+        seen[id(a[13])] = a[13]                          # every thread of a call gets the same array
+        real(*a)
+    monkeypatch.setattr(COMPILED, "backward_tasks", spy)
+    g = flash.rung_backward(spec, dout, out, lse, dlse, **blocks)
+    return g.dq, g.dk, g.dv, list(seen.values())
+
+
+def _case(case):
+    (q, k, v), kw = CASES[case]()
+    spec = validate(q, k, v, **kw)
+    out, lse, _ = flash.rung_forward(spec)
+    dout = np.random.default_rng(3).standard_normal(out.shape).astype(np.float32)
+    return (q, k, v), kw, spec, dout, out, lse
+
+
+@pytest.mark.parametrize("small", [0, 10**6, 3 * 10**5], ids=["whole tiles", "AVX-512 chunks", "odd chunks"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_backward_is_as_close_as_the_reference(monkeypatch, case, small):
+    """Every case of the forward's loop (causal strips, GQA, lengths with an empty
+    sequence, packed, (B, S, H, D) views, broadcast and unmergeable batch dims, sinks,
+    many keys): dq, dk, dv as close to the float64 reference as the reference's own
+    float32 is, every task compiled, and the Python loop by the same budget."""
+    monkeypatch.setattr(blas, "small_product_limit", lambda: small)
+    (q, k, v), kw, spec, dout, out, lse = _case(case)
+    *got, seen = _grads(monkeypatch, spec, dout, out, lse, True)
+    *py, none = _grads(monkeypatch, spec, dout, out, lse, False)
+    assert seen and all(s.all() for s in seen) and not none
+    wide = validate(*(x.astype(np.float64) for x in (q, k, v)), **kw)
+    o64, l64, _ = reference.rung_forward(wide)
+    oracle = reference.rung_backward(wide, dout.astype(np.float64), o64, l64)
+    same = reference.rung_backward(spec, dout, *reference.rung_forward(spec)[:2])
+    for a, b, o, s in zip(got, py, oracle, same):
+        budget = error_budget(o, s)
+        assert max_error(a, o) <= budget and max_error(b, o) <= budget and max_error(a, b) <= budget
+
+
+def test_compiled_backward_with_a_gradient_for_lse(monkeypatch):
+    """dlse enters δ = rowsum(dout ∘ out) − dlse: the same gradients as the Python loop."""
+    _, _, spec, dout, out, lse = _case("L != S, window, sinks")
+    dlse = np.random.default_rng(4).standard_normal(lse.shape).astype(np.float32)
+    *got, seen = _grads(monkeypatch, spec, dout, out, lse, True, dlse)
+    *want, _ = _grads(monkeypatch, spec, dout, out, lse, False, dlse)
+    assert seen and seen[0].all()
+    for a, b in zip(got, want):
+        assert np.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_backward_same_bits_on_one_and_two_threads(monkeypatch):
+    _, _, spec, dout, out, lse = _case("GQA causal, each head in strips")
+    runs = []
+    for n in (1, 2, 1):
+        with flash.threads(n):
+            runs.append(_grads(monkeypatch, spec, dout, out, lse, True, block_n=64)[:3])
+    assert all(np.array_equal(a, b) for r in runs[1:] for a, b in zip(runs[0], r))
+
+
+@pytest.mark.parametrize("where", ["q", "k", "dout", "lse", "dlse"])
+def test_a_nonfinite_operand_leaves_its_task_to_the_python_loop(monkeypatch, where):
+    """A NaN in one head's operand: that task (alone) runs on the Python loop, whose
+    exempt products keep keys the NaN row cannot see free of it; the other tasks stay
+    compiled, and everything equals the Python loop's result. (A NaN in dlse is seen
+    only when δ is: after the key block's first tile has written dk and dv.)"""
+    q, k, v = make_qkv((1, 3, 200, 16), (1, 3, 200, 16), dtype="float32", seed=2)
+    spec = validate(q, k, v, causal=True)
+    out, lse, _ = flash.rung_forward(spec)
+    dout = np.random.default_rng(0).standard_normal(out.shape).astype(np.float32)
+    dlse = np.zeros_like(lse)
+    x = {"q": q, "k": k, "dout": dout, "lse": lse, "dlse": dlse}[where]
+    x[0, 1, 120, ...] = np.nan
+    spec = validate(q, k, v, causal=True)
+    *got, seen = _grads(monkeypatch, spec, dout, out, lse, True, dlse, block_m=64, block_n=64)
+    *want, _ = _grads(monkeypatch, spec, dout, out, lse, False, dlse, block_m=64, block_n=64)
+    assert seen and 0 < seen[0].sum() < len(seen[0])
+    for a, b in zip(got, want):
+        assert np.array_equal(np.isnan(a), np.isnan(b))
+        assert np.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
+    assert np.isfinite(got[0][0, 1, :120]).all()         # rows before the NaN row: no NaN in dq
+
+
+def test_a_task_that_overflows_part_way_starts_over_from_zero(monkeypatch):
+    """Finite operands whose dout vᵀ overflows in head 1's keys: the compiled task (both
+    heads side by side) has already written head 0's dq when it sees the inf; it
+    zeroes it and the Python loop redoes the task (nothing counted twice)."""
+    q, k, v = make_qkv((1, 2, 60, 16), (1, 2, 200, 16), dtype="float32", seed=5)
+    spec = validate(q, k, v)
+    out, lse, _ = flash.rung_forward(spec)
+    dout = np.random.default_rng(1).standard_normal(out.shape).astype(np.float32)
+    v = v.copy()
+    v[0, 1, 150] = 1e30                                  # dout · v ~ 1e40: inf in float32
+    dout[0, 1] *= 1e10
+    spec = validate(q, k, v)
+    *got, seen = _grads(monkeypatch, spec, dout, out, lse, True)
+    *want, _ = _grads(monkeypatch, spec, dout, out, lse, False)
+    assert seen and not seen[0].any()
+    for a, b in zip(got, want):
+        assert np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(np.isinf(a), np.isinf(b))
+        fin = np.isfinite(b)
+        assert np.allclose(a[fin], b[fin], rtol=1e-5, atol=1e-6)
+    assert np.isfinite(got[0][0, 0]).all()
+
+
+def test_terms_inside_the_scores_keep_the_python_backward(monkeypatch):
+    q, k, v = make_qkv((2, 100, 16), (2, 50, 16), dtype="float32")
+    for kw in (dict(causal=True, softcap=5.0), dict(alibi_slopes=np.array([0.1, 0.2])), dict(dropout=0.2, seed=3),
+               dict(bias=np.zeros((100, 50), np.float32))):
+        spec = validate(q, k, v, **kw)
+        out, lse, _ = flash.rung_forward(spec)
+        assert _grads(monkeypatch, spec, out, out, lse, True)[3] == []
+    spec = validate(q, k, v)
+    out, lse, _ = flash.rung_forward(spec)
+    assert _grads(monkeypatch, spec, out, out, lse, True)[3] != []
