@@ -30,7 +30,7 @@ import numpy as np
 
 from . import blas
 from .blas import NO_TRANS, ROW_MAJOR, TRANS
-from .numba_kernels import LOG2E, REDUCE, _wide, exp2_f32, f32
+from .numba_kernels import LOG2E, REDUCE, _all_finite, _wide, exp2_f32, f32
 from .numba_loop import MIN_CHUNK, _claim
 
 
@@ -45,16 +45,6 @@ def _nn(gemm, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc, small):
     for r in range(0, M, step):
         gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, min(step, M - r), N, K, alpha, a + r * lda * 4, lda, b, ldb, beta,
              c + r * ldc * 4, ldc)
-
-
-@numba.njit(**REDUCE, inline="always")
-def _finite(x):
-    # every element of a (rows, cols) array finite (x · 0 is 0 only for finite x)
-    z = f32(0.0)
-    for i in range(x.shape[0]):
-        for j in range(x.shape[1]):
-            z += x[i, j] * f32(0.0)
-    return z == f32(0.0)
 
 
 @numba.njit(**REDUCE)
@@ -82,14 +72,15 @@ def backward_tasks(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tabl
         for a in range(nk):                              # everything finite before anything is written
             for f in range(g):
                 h = h0 + a * g + f
-                ok = ok and _finite(q4[nq, h, r0:r1]) and _finite(do4[ndo, h, r0:r1]) and _finite(o4[no, h, r0:r1])
+                ok = ok and _all_finite(q4[nq, h, r0:r1]) and _all_finite(do4[ndo, h, r0:r1])
+                ok = ok and _all_finite(o4[no, h, r0:r1])
                 for r in range(r0, r1):
                     x = lse3[n, h, r]
                     ok = ok and not (np.isnan(x) or x == np.inf)
             for t in range(tl.shape[0]):
                 if t == 0 or tl[t, 0] != tl[t - 1, 0]:
                     c0, c1 = tl[t, 0], tl[t, 1]
-                    ok = ok and _finite(k4[nkk, hk + a, c0:c1]) and _finite(v4[nv, hk + a, c0:c1])
+                    ok = ok and _all_finite(k4[nkk, hk + a, c0:c1]) and _all_finite(v4[nv, hk + a, c0:c1])
         if ok:
             ok = _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, small, dq5, dk4, dv4,
                        n, nq, nkk, nv, ndo, no, h0, hk, nk, g, r0, r1, ch, C, D, Dv)

@@ -89,6 +89,18 @@ def exp2_f32(t):
 
 
 @numba.njit(**REDUCE, inline="always")
+def _all_finite(x):
+    # every element of a 2-D array finite: x · 0 is 0 only for finite x, and a sum
+    # (unlike a loop that stops at the first NaN) vectorises — the forward loop's check
+    # of each p v product took 4 of a BERT batch's 21 ms on one thread element by element
+    z = f32(0.0)
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            z += x[i, j] * f32(0.0)
+    return z == f32(0.0)
+
+
+@numba.njit(**REDUCE, inline="always")
 def _softmax_span(s, i, a0, a1, m_i, l_i, alpha):
     # row i of s over its columns [a0, a1): exp in place, the row state updated. Indexes
     # s element by element (no row views: a view costs as much as a short row's work)

@@ -31,6 +31,7 @@ from . import blas
 from .blas import NO_TRANS, ROW_MAJOR, TRANS
 from .numba_kernels import (
     REDUCE,
+    _all_finite,
     _lse_value,
     _normalized,
     _rescale_add,
@@ -128,10 +129,8 @@ def _loop_body(gemm, omatcopy, q, g, qscale, k, v, tiles, lo, hi, m_i, l_i, acc,
                     out = acc[h, a2:b2] if one else pv[:n]
                     gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, n, Dv, w, f32(1.0), st.ctypes.data, w,
                          v[h, c0:].ctypes.data, ldv, f32(0.0), out.ctypes.data, ldo)
-                    for i in range(n):
-                        for d in range(Dv):
-                            if not np.isfinite(out[i, d]):
-                                return False
+                    if not _all_finite(out):
+                        return False
                     if not one:
                         _rescale_add(acc[h, a2:b2], alpha, out)
     return True
