@@ -407,7 +407,8 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     cut the chunk, or a score inside them is −inf (an infinite q or k entry), key by
     key and only the keys each row sees (an excluded key's value is never read). A
     page's heads go head after head through the chunk's keys in that page (a page is
-    one contiguous block). Against one pass per key and row
+    one contiguous block); on a dense cache each head takes the three passes in turn
+    (what a pass prefetches then stays in L2). Against one pass per key and row
     without prefetching (the kernel before): 1.4–1.5× less compute per key from cache,
     1.1–1.2× faster on contiguous caches and 1.3–1.45× on pages of 16 keys from memory
     (docs/decisions.md). Compiled with reassociation (sums run in vector lanes, in an
@@ -422,105 +423,116 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     pages, slots = np.empty(chunk, dtype=np.int64), np.empty(chunk, dtype=np.int64)
     n_pages, n_slots = np.empty(chunk, dtype=np.int64), np.empty(chunk, dtype=np.int64)
     R4 = R - R % 4
+    # heads per pass: a page's heads together (a page is one block); on a dense cache one
+    # head at a time, so that the rows a pass prefetches (a chunk of one head's keys or
+    # values, 128 KiB) stay in L2 until read — all eight heads' (1 MiB each way) did not:
+    # B = 8 from memory 18.7 → 15.1 ms on an Intel host (docs/decisions.md)
+    G = A if P < chunk else 1
     _walk(table, row, P, c0, min(chunk, c1 - c0), n_pages, n_slots)
     for start in range(c0, c1, chunk):
         n = min(chunk, c1 - start)
         pages, n_pages, slots, n_slots = n_pages, pages, n_slots, slots
         n_next = max(0, min(chunk, c1 - start - chunk))
         _walk(table, row, P, start + chunk, n_next, n_pages, n_slots)
-        j0 = 0
-        while j0 < n:                                      # a run of keys in one page
-            j1 = min(n, j0 + P - slots[j0])
-            page = pages[j0]
-            for a in range(A):
-                h = hk + a
-                for jj in range(j0, j1):
-                    sl = slots[jj]
-                    _prefetch_row(vc, page, h, sl)
-                    for r in range(0, R4, 4):
-                        x0, x1, x2, x3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
-                        for d in range(D):
-                            kk = kc[page, h, sl, d]
-                            x0 += q[a, r, d] * kk
-                            x1 += q[a, r + 1, d] * kk
-                            x2 += q[a, r + 2, d] * kk
-                            x3 += q[a, r + 3, d] * kk
-                        f = a * R + r
-                        s[f, jj], s[f + 1, jj], s[f + 2, jj], s[f + 3, jj] = x0, x1, x2, x3
-                    for r in range(R4, R):
-                        x = f32(0.0)
-                        for d in range(D):
-                            x += q[a, r, d] * kc[page, h, sl, d]
-                        s[a * R + r, jj] = x
-            j0 = j1
-        full = True                                        # every row sees every key of the chunk
-        for f in range(A * R):
-            if softcap > f32(0.0):
-                for jj in range(n):
-                    s[f, jj] = softcap * np.tanh(s[f, jj])
-            if use_alibi:
-                slope, dg = slopes[f], diag[f] - start
-                for jj in range(n):
-                    s[f, jj] -= slope * f32(abs(dg - jj))
-            a0 = min(max(lo[f] - start, 0), n)
-            a1 = min(max(hi[f] - start, a0), n)
-            full = full and a0 == 0 and a1 == n
-            m_new = m_i[f]
-            for jj in range(n):
-                x = s[f, jj] if a0 <= jj < a1 else f32(-np.inf)
-                s[f, jj] = x
-                m_new = _fmax(m_new, x)
-            low = f32(np.inf)                              # the least score inside the bounds
-            for jj in range(np.uint64(a0), np.uint64(a1)):   # (unsigned: no wraparound check;
-                low = -_fmax(-low, -s[f, jj])              # min() would stay scalar)
-            shift = f32(0.0) if m_new == -np.inf else m_new
-            total = f32(0.0)
-            if low == -np.inf:                             # a −inf score (inf in q or k) excludes its
-                full = False                               # key: its weight marked −1, and the
-                for jj in range(n):                        # key-by-key value pass below skips it
-                    x = s[f, jj]
-                    e = f32(0.0) if x == -np.inf else exp2_f32((x - shift) * LOG2E)
-                    total += e
-                    s[f, jj] = f32(-1.0) if x == -np.inf and a0 <= jj < a1 else e
-            else:
-                for jj in range(n):
-                    x = s[f, jj]
-                    e = f32(0.0) if x == -np.inf else exp2_f32((x - shift) * LOG2E)
-                    s[f, jj] = e
-                    total += e
-            al = exp2_f32((m_i[f] - shift) * LOG2E)
-            l_i[f] = l_i[f] * al + total
-            m_i[f] = m_new
-            if al != f32(1.0):
-                for d in range(Dv):
-                    acc[f // R, f % R, d] *= al
-        j0 = 0
-        while j0 < n:
-            j1 = min(n, j0 + P - slots[j0])
-            page, sl0 = pages[j0], slots[j0] - j0          # key jj of the run at slot sl0 + jj
-            j4 = j0 + (j1 - j0) // 4 * 4
-            for a in range(A):
-                h = hk + a
-                for jj in range(j0, min(j1, n_next)):
-                    _prefetch_row(kc, n_pages[jj], h, n_slots[jj])
-                if not full:                               # some row's edge in the chunk, or a
-                    for jj in range(j0, j1):               # −inf score (weight −1): key by key,
-                        sl = sl0 + jj                      # an excluded key's value never read
-                        for r in range(R):
+        for g0 in range(0, A, G):                          # heads g0 … g1 − 1: all three passes
+            g1 = g0 + G
+            j0 = 0
+            while j0 < n:                                  # a run of keys in one page
+                j1 = min(n, j0 + P - slots[j0])
+                page = pages[j0]
+                for a in range(g0, g1):
+                    h = hk + a
+                    for jj in range(j0, j1):
+                        sl = slots[jj]
+                        _prefetch_row(vc, page, h, sl)
+                        for r in range(0, R4, 4):
+                            x0, x1, x2, x3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
+                            for d in range(D):
+                                kk = kc[page, h, sl, d]
+                                x0 += q[a, r, d] * kk
+                                x1 += q[a, r + 1, d] * kk
+                                x2 += q[a, r + 2, d] * kk
+                                x3 += q[a, r + 3, d] * kk
                             f = a * R + r
-                            w = s[f, jj]
-                            if lo[f] <= start + jj < hi[f] and not w < 0:
-                                for d in range(Dv):
-                                    acc[a, r, d] += w * vc[page, h, sl, d]
-                    continue
-                _weighted_values(s, a * R, R, j0, j4, vc, page, h, sl0, acc, a)
-                for jj in range(j4, j1):
-                    sl = sl0 + jj
-                    for r in range(R):
-                        w = s[a * R + r, jj]
-                        for d in range(Dv):
-                            acc[a, r, d] += w * vc[page, h, sl, d]
-            j0 = j1
+                            s[f, jj], s[f + 1, jj], s[f + 2, jj], s[f + 3, jj] = x0, x1, x2, x3
+                        for r in range(R4, R):
+                            x = f32(0.0)
+                            for d in range(D):
+                                x += q[a, r, d] * kc[page, h, sl, d]
+                            s[a * R + r, jj] = x
+                j0 = j1
+            full = True                                    # every row sees every key of the chunk
+            for f in range(g0 * R, g1 * R):
+                if softcap > f32(0.0):
+                    for jj in range(n):
+                        s[f, jj] = softcap * np.tanh(s[f, jj])
+                if use_alibi:
+                    slope, dg = slopes[f], diag[f] - start
+                    for jj in range(n):
+                        s[f, jj] -= slope * f32(abs(dg - jj))
+                a0 = min(max(lo[f] - start, 0), n)
+                a1 = min(max(hi[f] - start, a0), n)
+                full = full and a0 == 0 and a1 == n
+                m_new = m_i[f]
+                for jj in range(n):
+                    x = s[f, jj] if a0 <= jj < a1 else f32(-np.inf)
+                    s[f, jj] = x
+                    m_new = _fmax(m_new, x)
+                low = f32(np.inf)                          # the least score inside the bounds
+                for jj in range(np.uint64(a0), np.uint64(a1)):   # (unsigned: no wraparound check;
+                    low = -_fmax(-low, -s[f, jj])          # min() would stay scalar)
+                shift = f32(0.0) if m_new == -np.inf else m_new
+                total = f32(0.0)
+                if low == -np.inf:                         # a −inf score (inf in q or k) excludes its
+                    full = False                           # key: its weight marked −1, and the
+                    for jj in range(n):                    # key-by-key value pass below skips it
+                        x = s[f, jj]
+                        e = f32(0.0) if x == -np.inf else exp2_f32((x - shift) * LOG2E)
+                        total += e
+                        s[f, jj] = f32(-1.0) if x == -np.inf and a0 <= jj < a1 else e
+                else:
+                    for jj in range(n):
+                        x = s[f, jj]
+                        e = f32(0.0) if x == -np.inf else exp2_f32((x - shift) * LOG2E)
+                        s[f, jj] = e
+                        total += e
+                al = exp2_f32((m_i[f] - shift) * LOG2E)
+                l_i[f] = l_i[f] * al + total
+                m_i[f] = m_new
+                if al != f32(1.0):
+                    for d in range(Dv):
+                        acc[f // R, f % R, d] *= al
+            j0 = 0
+            while j0 < n:
+                j1 = min(n, j0 + P - slots[j0])
+                page, sl0 = pages[j0], slots[j0] - j0      # key jj of the run at slot sl0 + jj
+                j4 = j0 + (j1 - j0) // 4 * 4
+                for a in range(g0, g1):
+                    h = hk + a
+                    if g1 < A:                             # the next score pass's key rows: the
+                        for jj in range(j0, j1):           # next heads' in this chunk, or the
+                            _prefetch_row(kc, page, h + G, slots[jj])   # first heads' in the next
+                    else:
+                        for jj in range(j0, min(j1, n_next)):
+                            _prefetch_row(kc, n_pages[jj], hk + a - g0, n_slots[jj])
+                    if not full:                           # some row's edge in the chunk, or a
+                        for jj in range(j0, j1):           # −inf score (weight −1): key by key,
+                            sl = sl0 + jj                  # an excluded key's value never read
+                            for r in range(R):
+                                f = a * R + r
+                                w = s[f, jj]
+                                if lo[f] <= start + jj < hi[f] and not w < 0:
+                                    for d in range(Dv):
+                                        acc[a, r, d] += w * vc[page, h, sl, d]
+                        continue
+                    _weighted_values(s, a * R, R, j0, j4, vc, page, h, sl0, acc, a)
+                    for jj in range(j4, j1):
+                        sl = sl0 + jj
+                        for r in range(R):
+                            w = s[a * R + r, jj]
+                            for d in range(Dv):
+                                acc[a, r, d] += w * vc[page, h, sl, d]
+                j0 = j1
 
 
 def _with_alpha(kernel):
