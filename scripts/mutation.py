@@ -78,7 +78,8 @@ PKG = Path("src/attnkit")
 # target module (under src/attnkit) -> the test files that exercise it, likeliest
 # killers first. Its own doctests run too when it has any.
 _FLASH_TESTS = ["tests/flash/test_flash.py", "tests/flash/test_kernels.py", "tests/flash/test_varlen.py",
-                "tests/flash/test_loop.py", "tests/test_kvcache.py", "tests/test_nonfinite.py"]
+                "tests/flash/test_loop.py", "tests/flash/test_backward_loop.py", "tests/test_kvcache.py",
+                "tests/test_nonfinite.py"]
 _EXPLAIN = ["tests/explain/test_trace.py", "tests/explain/test_text.py"]   # the reference's trace, shown
 TARGETS: dict[str, list[str]] = {
     "spec/validate.py": ["tests/spec/test_validate.py", "tests/test_api.py", "tests/flash/test_varlen.py",
@@ -109,6 +110,8 @@ TARGETS: dict[str, list[str]] = {
     "flash/numba_loop.py": ["tests/flash/test_loop.py", "tests/torch/test_out_layout.py"]
     + [t for t in _FLASH_TESTS if "loop" not in t],
     "flash/numba_small.py": ["tests/test_small.py", "tests/torch/test_out_layout.py", "tests/test_kvcache.py"],
+    "flash/numba_backward.py": ["tests/flash/test_backward_loop.py", "tests/test_nonfinite.py",
+                                "tests/flash/test_flash.py"],
     "merge.py": ["tests/test_merge.py", "tests/test_kvcache.py", "tests/torch/test_op.py"],
     "nonfinite.py": ["tests/test_nonfinite.py", "tests/test_reference.py", "tests/flash/test_flash.py"],
     "philox.py": ["tests/test_philox.py", "tests/flash/test_flash.py", "tests/test_reference.py",
@@ -689,6 +692,17 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("flash/numba_small.py", "holes = 0                              # −inf scores (an inf in q or k)", "`0` -> `1`"):
         R_HOLES,
     ("flash/numba_small.py", "holes += 1", "`+=` -> `-=`"): R_HOLES,
+    ("flash/numba_backward.py",
+     "ok = ok and _all_finite(k4[nkk, hk + a, c0:c1]) and _all_finite(v4[nv, hk + a, c0:c1])", "`and` -> `or`"):
+        "a NaN or inf in a key block the check lets through is read by some row of the block (a band leaves no "
+        "key between visible ones unseen), whose score, p or ds is then not finite: the task stops there, its "
+        "outputs zeroed, and the Python loop redoes it — later, with the same result",
+    ("flash/numba_backward.py", "ldv = max(v.strides[0] // 4, Dv, 1) if v.shape[0] > 1 else max(Dv, 1)", "`0` -> `1`"):
+        "BLAS reads one row of a single-row operand: any leading dim of at least Dv serves, and max(stride, Dv, 1) "
+        "is one",
+    ("flash/numba_backward.py", "ldk = max(k.strides[0] // 4, D, 1) if k.shape[0] > 1 else max(D, 1)", "`0` -> `1`"):
+        "BLAS reads one row of a single-row operand: any leading dim of at least D serves, and max(stride, D, 1) "
+        "is one",
     ("spec/core.py",
      "chosen: dict[tuple[Any, str | None], Any] | None = field(default=None, compare=False, repr=False)",
      "`False` -> `True` @83"): "no code compares or hashes Specs (their equality, with the kept rungs or without)",

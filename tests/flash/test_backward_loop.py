@@ -41,6 +41,19 @@ def _case(case):
     return (q, k, v), kw, spec, dout, out, lse
 
 
+def _one_wide():                                          # D = Dv = 1: every leading dim at its least
+    q, k, v = make_qkv((2, 4, 70, 1), (2, 2, 90, 1), dtype="float32", seed=3)
+    return (q, k, v), dict(causal=True)
+
+
+def _empty_sequences():                                  # a sequence without queries, one without keys
+    q, k, v = make_qkv((3, 2, 200, 32), (3, 2, 260, 32), dtype="float32", seed=2)
+    return (q, k, v), dict(causal=True, q_lengths=np.array([0, 60, 200]), kv_lengths=np.array([50, 0, 260]))
+
+
+CASES = dict(CASES, **{"empty sequences": _empty_sequences, "heads one wide": _one_wide})
+
+
 @pytest.mark.parametrize("small", [0, 10**6, 3 * 10**5], ids=["whole tiles", "AVX-512 chunks", "odd chunks"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_backward_is_as_close_as_the_reference(monkeypatch, case, small):
@@ -60,6 +73,23 @@ def test_compiled_backward_is_as_close_as_the_reference(monkeypatch, case, small
     for a, b, o, s in zip(got, py, oracle, same):
         budget = error_budget(o, s)
         assert max_error(a, o) <= budget and max_error(b, o) <= budget and max_error(a, b) <= budget
+
+
+def test_compiled_backward_reads_each_operand_at_its_own_batch_index(monkeypatch):
+    """q shared by the batch (k, v not), dout broadcast over it (out not): each operand
+    is read at its own batch index, and the gradients have the bits of expanded,
+    C-ordered copies (δ is summed from C-ordered rows, whatever dout's layout)."""
+    q, k, v = make_qkv((1, 3, 90, 16), (3, 3, 120, 16), dtype="float32", seed=7)
+    spec = validate(q, k, v, causal=True)
+    out, lse, _ = flash.rung_forward(spec)
+    dout = np.random.default_rng(2).standard_normal((1, 3, 90, 16)).astype(np.float32)
+    *got, seen = _grads(monkeypatch, spec, np.broadcast_to(dout, out.shape), out, lse, True)
+    wide = np.ascontiguousarray(np.broadcast_to(q, (3, 3, 90, 16)))
+    *want, _ = _grads(monkeypatch, validate(wide, k, v, causal=True), np.ascontiguousarray(
+        np.broadcast_to(dout, out.shape)), out, lse, True)
+    assert seen and seen[0].all()
+    assert np.array_equal(got[0], want[0].sum(axis=0, keepdims=True))
+    assert np.array_equal(got[1], want[1]) and np.array_equal(got[2], want[2])
 
 
 def test_compiled_backward_with_a_gradient_for_lse(monkeypatch):
@@ -105,21 +135,27 @@ def test_a_nonfinite_operand_leaves_its_task_to_the_python_loop(monkeypatch, whe
     assert np.isfinite(got[0][0, 1, :120]).all()         # rows before the NaN row: no NaN in dq
 
 
-def test_a_task_that_overflows_part_way_starts_over_from_zero(monkeypatch):
-    """Finite operands whose dout vᵀ overflows in head 1's keys: the compiled task (both
-    heads side by side) has already written head 0's dq when it sees the inf; it
-    zeroes it and the Python loop redoes the task (nothing counted twice)."""
-    q, k, v = make_qkv((1, 2, 60, 16), (1, 2, 200, 16), dtype="float32", seed=5)
+@pytest.mark.parametrize("H, Hkv, L, S, blocks", [(2, 2, 60, 200, {}), (4, 2, 60, 200, {}),
+                                                  (8, 4, 100, 500, dict(block_n=512))],
+                         ids=["two heads", "two GQA groups of two", "two tasks of two GQA groups"])
+def test_a_task_that_overflows_part_way_starts_over_from_zero(monkeypatch, H, Hkv, L, S, blocks):
+    """Finite operands whose dout vᵀ overflows in the last kv head's keys: the compiled
+    task (two kv heads side by side) has already written its first kv head's dq rows
+    (each query head's) when it sees the inf; it zeroes them — and nothing of the task
+    before it — and the Python loop redoes it (nothing counted twice). One thread: the
+    tasks in order."""
+    q, k, v = make_qkv((1, H, L, 16), (1, Hkv, S, 16), dtype="float32", seed=5)
     spec = validate(q, k, v)
     out, lse, _ = flash.rung_forward(spec)
     dout = np.random.default_rng(1).standard_normal(out.shape).astype(np.float32)
     v = v.copy()
-    v[0, 1, 150] = 1e30                                  # dout · v ~ 1e40: inf in float32
-    dout[0, 1] *= 1e10
+    v[0, -1, 150] = 1e30                                 # dout · v ~ 1e40: inf in float32
+    dout[0, -(H // Hkv):] *= 1e10
     spec = validate(q, k, v)
-    *got, seen = _grads(monkeypatch, spec, dout, out, lse, True)
-    *want, _ = _grads(monkeypatch, spec, dout, out, lse, False)
-    assert seen and not seen[0].any()
+    with flash.threads(1):
+        *got, seen = _grads(monkeypatch, spec, dout, out, lse, True, **blocks)
+        *want, _ = _grads(monkeypatch, spec, dout, out, lse, False, **blocks)
+    assert seen and not seen[0][-1] and seen[0][:-1].all()
     for a, b in zip(got, want):
         assert np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(np.isinf(a), np.isinf(b))
         fin = np.isfinite(b)

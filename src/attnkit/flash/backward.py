@@ -86,7 +86,7 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
     spec, acc = call.spec, call.acc
     dout = broadcast_to(tile_ready(dout, acc), spec.out_shape)
     lse = np.asarray(lse, dtype=acc)
-    out = np.asarray(out, dtype=acc)
+    out = broadcast_to(np.asarray(out, dtype=acc), spec.out_shape)
     bias_shape = _bias_shape(call) if need_dbias else None
     groups = _groups(call, bias_shape)
     BN = call.BLOCK_N
@@ -214,9 +214,8 @@ def _compiled(call: Call, groups: list[list[Unit]], todo: list[tuple[int, int]],
     Python loop (operands with a NaN or inf, or a ds that overflowed)."""
     assert call.flat is not None
     spec = call.spec
-    (q4, oq), (k4, ok), (v4, ov) = call.flat
-    do4, odo = flat_own(dout, len(spec.batch))
-    o4, oo = flat_own(out, len(spec.batch))
+    (q4, _), (k4, _), (v4, _) = call.flat
+    do4, o4 = (flat_own(x, len(spec.batch))[0] for x in (dout, out))    # both of the full batch shape
     units = [groups[gi][0] for gi, _ in todo]
     tasks = []
     for (gi, ch), u in zip(todo, units):
@@ -224,7 +223,7 @@ def _compiled(call: Call, groups: list[list[Unit]], todo: list[tuple[int, int]],
         n = min(len(b), n_chunks)
         if ch < n:
             tasks.append((u, ch, b[ch * len(b) // n:(ch + 1) * len(b) // n]))
-    table, tiles, lo, hi = call.backward_table(tasks, (oq, ok, ov, odo, oo))
+    table, tiles, lo, hi = call.backward_table(tasks)
     N = int(np.prod(spec.batch, dtype=np.int64))
     lse3 = np.ascontiguousarray(broadcast_to(lse, spec.lse_shape)).reshape(N, spec.H, spec.L)
     dlse3 = _NO_DLSE if dlse is None else np.ascontiguousarray(

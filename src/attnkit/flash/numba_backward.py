@@ -38,6 +38,8 @@ from .numba_loop import MIN_CHUNK, _claim
 def _nn(gemm, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc, small):
     # c (M × N) = alpha · a (M × K) b (K × N) + beta · c, row-major pointers, in chunks
     # of rows that OpenBLAS multiplies unpacked (≤ small multiply-adds, ≥ MIN_CHUNK rows)
+    if M <= 0 or N <= 0:
+        return
     step = M
     cap = small // max(N * K, 1)
     if cap >= MIN_CHUNK and M > cap:
@@ -50,10 +52,10 @@ def _nn(gemm, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc, small):
 @numba.njit(**REDUCE)
 def backward_tasks(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, table, tiles, lo, hi, small,
                    counter, status, dq5, dk4, dv4):
-    # The tasks of table (T, 15): n (the batch index of lse, dq, dk, dv), q's, k's, v's,
-    # dout's and out's own batch indices, first query head h0, its kv head hk, nk kv
-    # heads of g query heads, the unit's rows [r0, r1), tiles[t0:t1] — and the dq
-    # chunk it adds into. tiles (n, 6): keys [c0, c1), rows [a0, a1), banded, and the
+    # The tasks of table (T, 13): n (the batch index of dout, out, lse, dq, dk, dv), q's,
+    # k's and v's own batch indices, first query head h0, its kv head hk, nk kv heads of
+    # g query heads, the unit's rows [r0, r1), tiles[t0:t1] — and the dq chunk it adds
+    # into. tiles (n, 6): keys [c0, c1), rows [a0, a1), banded, and the
     # offset in lo/hi of the unit's per-row key bounds (its g heads' rows side by side).
     # dlse3: empty (no gradient for lse) or (N, H, L).
     _wide()
@@ -62,9 +64,9 @@ def backward_tasks(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tabl
         i = _claim(counter)
         if i >= T:
             return
-        n, nq, nkk, nv, ndo, no, h0, hk, nk, g, r0, r1, t0, t1, ch = (
+        n, nq, nkk, nv, h0, hk, nk, g, r0, r1, t0, t1, ch = (
             table[i, 0], table[i, 1], table[i, 2], table[i, 3], table[i, 4], table[i, 5], table[i, 6], table[i, 7],
-            table[i, 8], table[i, 9], table[i, 10], table[i, 11], table[i, 12], table[i, 13], table[i, 14])
+            table[i, 8], table[i, 9], table[i, 10], table[i, 11], table[i, 12])
         M = r1 - r0
         C = g * M                                        # columns: the g heads' rows side by side
         tl = tiles[t0:t1]
@@ -72,8 +74,8 @@ def backward_tasks(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tabl
         for a in range(nk):                              # everything finite before anything is written
             for f in range(g):
                 h = h0 + a * g + f
-                ok = ok and _all_finite(q4[nq, h, r0:r1]) and _all_finite(do4[ndo, h, r0:r1])
-                ok = ok and _all_finite(o4[no, h, r0:r1])
+                ok = ok and _all_finite(q4[nq, h, r0:r1]) and _all_finite(do4[n, h, r0:r1])
+                ok = ok and _all_finite(o4[n, h, r0:r1])
                 for r in range(r0, r1):
                     x = lse3[n, h, r]
                     ok = ok and not (np.isnan(x) or x == np.inf)
@@ -83,7 +85,7 @@ def backward_tasks(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tabl
                     ok = ok and _all_finite(k4[nkk, hk + a, c0:c1]) and _all_finite(v4[nv, hk + a, c0:c1])
         if ok:
             ok = _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, small, dq5, dk4, dv4,
-                       n, nq, nkk, nv, ndo, no, h0, hk, nk, g, r0, r1, ch, C, D, Dv)
+                       n, nq, nkk, nv, h0, hk, nk, g, r0, r1, ch, C, D, Dv)
         if not ok:                                       # the Python loop redoes it from zero
             for a in range(nk):
                 for f in range(g):
@@ -96,8 +98,10 @@ def backward_tasks(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tabl
 
 @numba.njit(**REDUCE)
 def _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, small, dq5, dk4, dv4,
-          n, nq, nkk, nv, ndo, no, h0, hk, nk, g, r0, r1, ch, C, D, Dv):
+          n, nq, nkk, nv, h0, hk, nk, g, r0, r1, ch, C, D, Dv):
     M = r1 - r0
+    if C == 0:
+        return True
     W = Rm = 1                                       # the widest key block, the most columns of a tile
     for t in range(tl.shape[0]):
         W = max(W, tl[t, 1] - tl[t, 0])
@@ -109,6 +113,7 @@ def _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, s
     dqT = np.empty((D, C), dtype=f32)
     lse = np.empty(C, dtype=f32)
     delta = np.empty(C, dtype=f32)
+    orow = np.empty(Dv, dtype=f32)
     kT = np.empty((D, W), dtype=f32)
     pT = np.empty(W * Rm, dtype=f32)
     dsT = np.empty(W * Rm, dtype=f32)
@@ -118,19 +123,19 @@ def _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, s
         for f in range(g):
             h = hd + f
             for r in range(M):
-                x = f32(0.0)
+                i = f * M + r
                 for d in range(Dv):
-                    y = do4[ndo, h, r0 + r, d]
-                    doc[f * M + r, d] = y
-                    x += y * o4[no, h, r0 + r, d]
-                delta[f * M + r] = x - dlse3[n, h, r0 + r] if with_dlse else x
+                    doc[i, d] = do4[n, h, r0 + r, d]
+                    orow[d] = o4[n, h, r0 + r, d]
+                x = f32(0.0)                             # summed from C-ordered copies: the same
+                for d in range(Dv):                      # order (bits) for any layout of dout, out
+                    x += doc[i, d] * orow[d]
+                delta[i] = x - dlse3[n, h, r0 + r] if with_dlse else x
                 lse[f * M + r] = lse3[n, h, r0 + r]
                 for d in range(D):
                     qc[f * M + r, d] = q4[nq, h, r0 + r, d] * scale
-        if D > 0:
-            omatcopy(ROW_MAJOR, TRANS, C, D, f32(1.0), qc.ctypes.data, D, qT.ctypes.data, C)
-        if Dv > 0:
-            omatcopy(ROW_MAJOR, TRANS, C, Dv, f32(1.0), doc.ctypes.data, Dv, doT.ctypes.data, C)
+        omatcopy(ROW_MAJOR, TRANS, C, D, f32(1.0), qc.ctypes.data, D, qT.ctypes.data, C)   # (D, Dv ≥ 1: validated)
+        omatcopy(ROW_MAJOR, TRANS, C, Dv, f32(1.0), doc.ctypes.data, Dv, doT.ctypes.data, C)
         dqT[...] = f32(0.0)
         k, v = k4[nkk, hk + a], v4[nv, hk + a]
         ldk = max(k.strides[0] // 4, D, 1) if k.shape[0] > 1 else max(D, 1)
@@ -143,7 +148,7 @@ def _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, s
                 continue
             new_keys = c0 != last
             last = c0
-            if new_keys and D > 0:
+            if new_keys:
                 omatcopy(ROW_MAJOR, TRANS, w, D, f32(1.0), k[c0:].ctypes.data, ldk, kT.ctypes.data, W)
             # columns [j0, j1): the tile's rows of each of the g heads (g > 1: all of them)
             j0, j1 = (a0 - r0, a1 - r0) if g == 1 else (0, C)
@@ -177,9 +182,8 @@ def _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, s
             _nn(gemm, D, R, w, f32(1.0), kT.ctypes.data, W, ds.ctypes.data, R, f32(1.0),
                 dqT.ctypes.data + j0 * 4, C, small)
         for f in range(g):
-            if D > 0:
-                omatcopy(ROW_MAJOR, TRANS, D, M, scale, dqT.ctypes.data + f * M * 4, C,
-                         dq5[ch, n, hd + f, r0:].ctypes.data, D)
+            omatcopy(ROW_MAJOR, TRANS, D, M, scale, dqT.ctypes.data + f * M * 4, C, dq5[ch, n, hd + f, r0:].ctypes.data,
+                     D)
     return True
 
 

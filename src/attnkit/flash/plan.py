@@ -411,19 +411,21 @@ class Call:
         return (np.array(rows, dtype=np.int64).reshape(-1, 15),
                 np.concatenate(tiles) if tiles else np.zeros((0, 5), dtype=np.int64), lo_all, hi_all, ns)
 
-    def backward_table(self, tasks: list[tuple[Unit, int, list[tuple[int, int]]]], own: tuple[Any, ...]
+    def backward_table(self, tasks: list[tuple[Unit, int, list[tuple[int, int]]]]
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The compiled backward's tasks (numba_backward.backward_tasks): for each (unit,
-        dq chunk, its key blocks) a row of (n, the batch index in each operand of batch
-        shape ``own`` — q, k, v, dout, out —, h0, its kv head, nk, g, the unit's rows
-        [r0, r1), the tiles [t0, t1), the chunk); the tiles (keys [c0, c1), rows [a0,
-        a1), banded, the unit's bounds' offset in lo/hi), lo, hi. Kept across calls
-        (see :meth:`_kept`)."""
-        key = ("btable", self.spec.group, own, tuple((u, ch, tuple(b)) for u, ch, b in tasks))
-        return self._kept(key, lambda: self._backward_table(tasks, own))
+        dq chunk, its key blocks) a row of (n, q's, k's and v's own batch indices, h0,
+        its kv head, nk, g, the unit's rows [r0, r1), the tiles [t0, t1), the chunk);
+        the tiles (keys [c0, c1), rows [a0, a1), banded, the unit's bounds' offset in
+        lo/hi), lo, hi. Kept across calls (see :meth:`_kept`)."""
+        assert self.flat is not None
+        key = ("btable", self.spec.group, tuple(own for _, own in self.flat),
+               tuple((u, ch, tuple(b)) for u, ch, b in tasks))
+        return self._kept(key, lambda: self._backward_table(tasks))
 
-    def _backward_table(self, tasks: list[tuple[Unit, int, list[tuple[int, int]]]], own: tuple[Any, ...]
+    def _backward_table(self, tasks: list[tuple[Unit, int, list[tuple[int, int]]]]
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        assert self.flat is not None
         rows, bounds = [], []
         tiles: list[tuple[int, ...]] = []
         nb = 0
@@ -435,11 +437,11 @@ class Call:
                 lo, hi = geo.row_key_bounds(u.seg, self.band, r0, r1)
                 bounds.append((np.tile(lo, u.g), np.tile(hi, u.g)))
                 bo, nb = nb, nb + u.g * (r1 - r0)
-            rows.append((u.n, *(_own_index(u.b, o) for o in own), u.h0, u.h0 // self.spec.group, u.nk, u.g, r0, r1,
-                         len(tiles), len(tiles) + len(t), ch))
+            rows.append((u.n, *(_own_index(u.b, own) for _, own in self.flat), u.h0, u.h0 // self.spec.group, u.nk,
+                         u.g, r0, r1, len(tiles), len(tiles) + len(t), ch))
             tiles += [x + (bo,) for x in t]
         lo_all, hi_all = ((np.concatenate(x) for x in zip(*bounds)) if bounds else (NO_BOUNDS, NO_BOUNDS))
-        return (np.array(rows, dtype=np.int64).reshape(-1, 15), np.array(tiles, dtype=np.int64).reshape(-1, 6),
+        return (np.array(rows, dtype=np.int64).reshape(-1, 13), np.array(tiles, dtype=np.int64).reshape(-1, 6),
                 lo_all, hi_all)
 
     def kv(self, u: Unit, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray | None]:
