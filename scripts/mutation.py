@@ -223,6 +223,8 @@ R_PIECES = ("how attention_weights cuts the requested rows into tasks (row chunk
 R_ROWB = ("a stacked unit holds at most BLOCK_M rows (G·Lq <= BLOCK_M), so cutting it into BLOCK_M blocks "
           "gives the same one block")
 R_DENSE = "a dense sequence is one page of S keys: the kernel reads only table[0, 0]"
+R_LSE_CHECK = ("an lse that is NaN makes p, then ds, NaN wherever its row sees a key, which stops the task there "
+               "(zeroed, redone by the Python loop); one of +inf gives p = 0, as the Python loop's exp does")
 R_PIECE1 = "without a step the range is one piece [a, z) whatever step larger than z − a it takes"
 R_SMALL = ("a tuning constant: where auto hands NumPy and torch CPU calls from the small rung to the flash "
            "rung (both within 1e-12 of the reference): speed and the order of sums only; the rule at each "
@@ -697,6 +699,22 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "a NaN or inf in a key block the check lets through is read by some row of the block (a band leaves no "
         "key between visible ones unseen), whose score, p or ds is then not finite: the task stops there, its "
         "outputs zeroed, and the Python loop redoes it — later, with the same result",
+    ("flash/backward.py", "big = float(np.finfo(acc).max) / 4", "`4` -> `5`"):
+        "a lower bound only has ds checked in more tiles (the check finds it finite there): the same gradients",
+    ("flash/plan.py",
+     "return (np.array(rows, dtype=np.int64).reshape(-1, 13), np.array(tiles, dtype=np.int64).reshape(-1, 6),",
+     "`1` -> `2`"): "NumPy takes any negative size as the one it infers",
+    ("flash/plan.py", "if any(x[4] for x in t):", "`4` -> `3`"):
+        "bounds made for a task without banded tiles are never read (only a banded tile reads them)",
+    ("flash/numba_backward.py", "step = -(-M // -(-M // cap))", "remove the statement"):
+        "the row chunks are a speed choice (products OpenBLAS makes unpacked): whole products give the same "
+        "gradients within float32 rounding (tests/flash/test_backward_loop.py runs both)",
+    ("flash/numba_backward.py", "ok = ok and not (np.isnan(x) or x == np.inf)", "remove the statement"): R_LSE_CHECK,
+    ("flash/numba_backward.py", "ok = ok and not (np.isnan(x) or x == np.inf)", "`and` -> `or`"): R_LSE_CHECK,
+    ("flash/numba_backward.py", "ldk = max(k.strides[0] // 4, D, 1) if k.shape[0] > 1 else max(D, 1)", "`1` -> `0`"):
+        "D >= 1 (validated): max(D, 0) is max(D, 1)",
+    ("flash/numba_backward.py", "z += y * f32(0.0)", "`+=` -> `-=`"):
+        "a sum of zeros, or NaN once any term is: its sign is never read",
     ("flash/numba_backward.py", "ldv = max(v.strides[0] // 4, Dv, 1) if v.shape[0] > 1 else max(Dv, 1)", "`0` -> `1`"):
         "BLAS reads one row of a single-row operand: any leading dim of at least Dv serves, and max(stride, Dv, 1) "
         "is one",

@@ -46,12 +46,18 @@ def _one_wide():                                          # D = Dv = 1: every le
     return (q, k, v), dict(causal=True)
 
 
+def _two_keys_heads_inner():                             # (B, S, H, D) views with S = 2: rows far apart
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in make_qkv((2, 50, 4, 32), (2, 2, 4, 32), dtype="float32", seed=8))
+    return (q, k, v), dict(causal=True)
+
+
 def _empty_sequences():                                  # a sequence without queries, one without keys
     q, k, v = make_qkv((3, 2, 200, 32), (3, 2, 260, 32), dtype="float32", seed=2)
     return (q, k, v), dict(causal=True, q_lengths=np.array([0, 60, 200]), kv_lengths=np.array([50, 0, 260]))
 
 
-CASES = dict(CASES, **{"empty sequences": _empty_sequences, "heads one wide": _one_wide})
+CASES = dict(CASES, **{"empty sequences": _empty_sequences, "heads one wide": _one_wide,
+                       "(B, S, H, D) views, two keys": _two_keys_heads_inner})
 
 
 @pytest.mark.parametrize("small", [0, 10**6, 3 * 10**5], ids=["whole tiles", "AVX-512 chunks", "odd chunks"])
