@@ -141,6 +141,46 @@ def test_a_nonfinite_operand_leaves_its_task_to_the_python_loop(monkeypatch, whe
     assert np.isfinite(got[0][0, 1, :120]).all()         # rows before the NaN row: no NaN in dq
 
 
+def test_a_nan_query_row_in_a_task_of_keys_it_cannot_see(monkeypatch):
+    """Query row 10 holds a NaN that the saved out and lse do not carry; a task of keys
+    16–31 (its own dq chunk) takes rows 0–31, of which row 10 sees none: its weights
+    and ds there are 0, yet dk = dsᵀ q would meet the NaN (0 · NaN). The task must
+    leave it to the Python loop: dk of keys 16–31 finite."""
+    q, k, v = make_qkv((1, 1, 64, 8), (1, 1, 64, 8), dtype="float32", seed=4)
+    out, lse, _ = flash.rung_forward(validate(q, k, v, causal=True))
+    q[0, 0, 10, 3] = np.nan
+    spec = validate(q, k, v, causal=True)
+    dout = np.random.default_rng(0).standard_normal(out.shape).astype(np.float32)
+    *got, seen = _grads(monkeypatch, spec, dout, out, lse, True, block_m=32, block_n=16)
+    *want, _ = _grads(monkeypatch, spec, dout, out, lse, False, block_m=32, block_n=16)
+    assert seen and len(seen[0]) == 4                    # one task per key block of 16
+    assert np.isfinite(got[1][0, 0, 11:]).all() and np.isnan(got[1][0, 0, :11]).any()
+    for a, b in zip(got, want):
+        assert np.array_equal(np.isnan(a), np.isnan(b))
+        assert np.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def test_a_key_whose_every_score_is_minus_inf_is_excluded_not_nan(monkeypatch):
+    """An infinite k entry against positive q entries: every score with that key is
+    −inf, which excludes it (the NaN rule) and leaves lse finite. Its weight is 0, but
+    dq = Σ ds k would still meet the inf (0 · inf): the compiled task must leave such a
+    block to the Python loop's exempt products — gradients as finite as the reference's."""
+    q, k, v = make_qkv((1, 2, 50, 8), (1, 2, 70, 8), dtype="float32", seed=1)
+    q = np.abs(q) + np.float32(0.1)
+    k[0, 1, 30, 2] = -np.inf
+    spec = validate(q, k, v)
+    out, lse, _ = flash.rung_forward(spec)
+    assert np.isfinite(lse).all()
+    dout = np.random.default_rng(0).standard_normal(out.shape).astype(np.float32)
+    *got, seen = _grads(monkeypatch, spec, dout, out, lse, True)
+    want = reference.rung_backward(spec, dout, out, lse)
+    assert seen and not seen[0].all()
+    for a, b in zip(got, want):
+        assert np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(np.isinf(a), np.isinf(b))
+        fin = np.isfinite(b)
+        assert np.allclose(a[fin], b[fin], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("H, Hkv, L, S, blocks", [(2, 2, 60, 200, {}), (4, 2, 60, 200, {}),
                                                   (8, 4, 100, 500, dict(block_n=512))],
                          ids=["two heads", "two GQA groups of two", "two tasks of two GQA groups"])

@@ -16,9 +16,11 @@ five products multiply untransposed operands (OpenBLAS's fastest kernels; see
             dk (+)= dsᵀ qc;  dqᵀ += kᵀ dsᵀ
     dq = scale · (dqᵀ)ᵀ
 
-Operands holding a NaN or inf (checked before anything is written), or a ds that
-overflows, leave the task to the Python loop (status 0), its outputs zero again: the
-NaN rule's exempt products are there. Which thread runs a task never changes its bits.
+Operands holding a NaN or inf (each checked as it is first read: a head's rows when
+they are copied, a key block when it is transposed), or a ds that overflows, stop the
+task: its outputs are set to zero again and it is left to the Python loop (status 0),
+whose exempt products apply the NaN rule. Which thread runs a task never changes its
+bits.
 """
 
 from __future__ import annotations
@@ -70,22 +72,8 @@ def backward_tasks(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tabl
         M = r1 - r0
         C = g * M                                        # columns: the g heads' rows side by side
         tl = tiles[t0:t1]
-        ok = True
-        for a in range(nk):                              # everything finite before anything is written
-            for f in range(g):
-                h = h0 + a * g + f
-                ok = ok and _all_finite(q4[nq, h, r0:r1]) and _all_finite(do4[n, h, r0:r1])
-                ok = ok and _all_finite(o4[n, h, r0:r1])
-                for r in range(r0, r1):
-                    x = lse3[n, h, r]
-                    ok = ok and not (np.isnan(x) or x == np.inf)
-            for t in range(tl.shape[0]):
-                if t == 0 or tl[t, 0] != tl[t - 1, 0]:
-                    c0, c1 = tl[t, 0], tl[t, 1]
-                    ok = ok and _all_finite(k4[nkk, hk + a, c0:c1]) and _all_finite(v4[nv, hk + a, c0:c1])
-        if ok:
-            ok = _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, small, dq5, dk4, dv4,
-                       n, nq, nkk, nv, h0, hk, nk, g, r0, r1, ch, C, D, Dv)
+        ok = _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, small, dq5, dk4, dv4,
+                   n, nq, nkk, nv, h0, hk, nk, g, r0, r1, ch, C, D, Dv)
         if not ok:                                       # the Python loop redoes it from zero
             for a in range(nk):
                 for f in range(g):
@@ -120,6 +108,7 @@ def _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, s
     with_dlse = dlse3.shape[0] > 0
     for a in range(nk):
         hd = h0 + a * g                                  # dk, dv of a GQA group: its first head
+        z = f32(0.0)                                     # x · 0 summed: NaN once any x is not finite
         for f in range(g):
             h = hd + f
             for r in range(M):
@@ -130,10 +119,18 @@ def _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, s
                 x = f32(0.0)                             # summed from C-ordered copies: the same
                 for d in range(Dv):                      # order (bits) for any layout of dout, out
                     x += doc[i, d] * orow[d]
+                    z += doc[i, d] * f32(0.0) + orow[d] * f32(0.0)
                 delta[i] = x - dlse3[n, h, r0 + r] if with_dlse else x
-                lse[f * M + r] = lse3[n, h, r0 + r]
+                c = lse3[n, h, r0 + r]
+                lse[i] = c
+                if np.isnan(c) or c == np.inf:
+                    return False
                 for d in range(D):
-                    qc[f * M + r, d] = q4[nq, h, r0 + r, d] * scale
+                    y = q4[nq, h, r0 + r, d]
+                    qc[i, d] = y * scale
+                    z += y * f32(0.0)
+        if z != f32(0.0):                                # q, dout or out holds NaN or inf
+            return False
         omatcopy(ROW_MAJOR, TRANS, C, D, f32(1.0), qc.ctypes.data, D, qT.ctypes.data, C)   # (D, Dv ≥ 1: validated)
         omatcopy(ROW_MAJOR, TRANS, C, Dv, f32(1.0), doc.ctypes.data, Dv, doT.ctypes.data, C)
         dqT[...] = f32(0.0)
@@ -150,6 +147,8 @@ def _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, s
             last = c0
             if new_keys:
                 omatcopy(ROW_MAJOR, TRANS, w, D, f32(1.0), k[c0:].ctypes.data, ldk, kT.ctypes.data, W)
+                if not (_all_finite(kT[:, :w]) and _all_finite(v[c0:c1])):   # checked while in cache
+                    return False
             # columns [j0, j1): the tile's rows of each of the g heads (g > 1: all of them)
             j0, j1 = (a0 - r0, a1 - r0) if g == 1 else (0, C)
             R = j1 - j0
