@@ -51,13 +51,18 @@ def _two_keys_heads_inner():                             # (B, S, H, D) views wi
     return (q, k, v), dict(causal=True)
 
 
+def _one_query_row():                                    # a unit of one row (a decoding step's gradient)
+    q, k, v = make_qkv((2, 4, 1, 32), (2, 4, 50, 32), dtype="float32", seed=9)
+    return (q, k, v), dict(causal=True)
+
+
 def _empty_sequences():                                  # a sequence without queries, one without keys
     q, k, v = make_qkv((3, 2, 200, 32), (3, 2, 260, 32), dtype="float32", seed=2)
     return (q, k, v), dict(causal=True, q_lengths=np.array([0, 60, 200]), kv_lengths=np.array([50, 0, 260]))
 
 
 CASES = dict(CASES, **{"empty sequences": _empty_sequences, "heads one wide": _one_wide,
-                       "(B, S, H, D) views, two keys": _two_keys_heads_inner})
+                       "(B, S, H, D) views, two keys": _two_keys_heads_inner, "one query row": _one_query_row})
 
 
 @pytest.mark.parametrize("small", [0, 10**6, 3 * 10**5], ids=["whole tiles", "AVX-512 chunks", "odd chunks"])
@@ -82,20 +87,22 @@ def test_compiled_backward_is_as_close_as_the_reference(monkeypatch, case, small
 
 
 def test_compiled_backward_reads_each_operand_at_its_own_batch_index(monkeypatch):
-    """q shared by the batch (k, v not), dout broadcast over it (out not): each operand
-    is read at its own batch index, and the gradients have the bits of expanded,
-    C-ordered copies (δ is summed from C-ordered rows, whatever dout's layout)."""
-    q, k, v = make_qkv((1, 3, 90, 16), (3, 3, 120, 16), dtype="float32", seed=7)
+    """q and k shared by the batch (v not), dout broadcast over it (out not): each
+    operand is read at its own batch index, and the gradients have the bits of
+    expanded, C-ordered copies (δ is summed from C-ordered rows, whatever dout's
+    layout)."""
+    q, k, v = make_qkv((1, 3, 90, 16), (1, 3, 120, 16), dtype="float32", seed=7)
+    v = np.random.default_rng(3).standard_normal((3, 3, 120, 16)).astype(np.float32)
     spec = validate(q, k, v, causal=True)
     out, lse, _ = flash.rung_forward(spec)
     dout = np.random.default_rng(2).standard_normal((1, 3, 90, 16)).astype(np.float32)
     *got, seen = _grads(monkeypatch, spec, np.broadcast_to(dout, out.shape), out, lse, True)
-    wide = np.ascontiguousarray(np.broadcast_to(q, (3, 3, 90, 16)))
-    *want, _ = _grads(monkeypatch, validate(wide, k, v, causal=True), np.ascontiguousarray(
+    wq, wk = (np.ascontiguousarray(np.broadcast_to(x, (3,) + x.shape[1:])) for x in (q, k))
+    *want, _ = _grads(monkeypatch, validate(wq, wk, v, causal=True), np.ascontiguousarray(
         np.broadcast_to(dout, out.shape)), out, lse, True)
     assert seen and seen[0].all()
     assert np.array_equal(got[0], want[0].sum(axis=0, keepdims=True))
-    assert np.array_equal(got[1], want[1]) and np.array_equal(got[2], want[2])
+    assert np.array_equal(got[1], want[1].sum(axis=0, keepdims=True)) and np.array_equal(got[2], want[2])
 
 
 def test_compiled_backward_with_a_gradient_for_lse(monkeypatch):
