@@ -21,6 +21,10 @@ they are copied, a key block when it is transposed), or a ds that overflows, sto
 task: its outputs are set to zero again and it is left to the Python loop (status 0),
 whose exempt products apply the NaN rule. Which thread runs a task never changes its
 bits.
+
+Developers: numba's disk cache follows this file's own timestamp, not that of
+:mod:`.numba_kernels`, whose bodies and flags are compiled in here: after editing those,
+delete ``__pycache__/numba_backward*.nb*`` (a fresh clone, as CI's, has none).
 """
 
 from __future__ import annotations
