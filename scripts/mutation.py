@@ -701,9 +701,6 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "`1` -> `2`"): "NumPy takes any negative size as the one it infers",
     ("flash/plan.py", "if any(x[4] for x in t):", "`4` -> `3`"):
         "bounds made for a task without banded tiles are never read (only a banded tile reads them)",
-    ("flash/numba_backward.py", "step = -(-M // -(-M // cap))", "remove the statement"):
-        "the row chunks are a speed choice (products OpenBLAS makes unpacked): whole products give the same "
-        "gradients within float32 rounding (tests/flash/test_backward_loop.py runs both)",
     ("flash/numba_backward.py", "if np.isnan(c) or c == np.inf:", "`or` -> `and`"): R_LSE_CHECK,
     ("flash/numba_backward.py", "ldk = max(k.strides[0] // 4, D, 1) if k.shape[0] > 1 else max(D, 1)", "`1` -> `0`"):
         "D >= 1 (validated): max(D, 0) is max(D, 1)",

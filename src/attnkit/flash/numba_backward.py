@@ -37,19 +37,16 @@ import numpy as np
 from . import blas
 from .blas import NO_TRANS, ROW_MAJOR, TRANS
 from .numba_kernels import LOG2E, REDUCE, _all_finite, _wide, exp2_f32, f32
-from .numba_loop import MIN_CHUNK, _claim
+from .numba_loop import _claim, _step
 
 
 @numba.njit(**REDUCE, inline="always")
 def _nn(gemm, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc, small):
-    # c (M × N) = alpha · a (M × K) b (K × N) + beta · c, row-major pointers, in chunks
-    # of rows that OpenBLAS multiplies unpacked (≤ small multiply-adds, ≥ MIN_CHUNK rows)
+    # c (M × N) = alpha · a (M × K) b (K × N) + beta · c, row-major pointers, in the row
+    # chunks of the forward's loop (numba_loop._step: products OpenBLAS makes unpacked)
     if M <= 0 or N <= 0:
         return
-    step = M
-    cap = small // max(N * K, 1)
-    if cap >= MIN_CHUNK and M > cap:
-        step = -(-M // -(-M // cap))
+    step = _step(M, N, K, K, small)
     for r in range(0, M, step):
         gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, min(step, M - r), N, K, alpha, a + r * lda * 4, lda, b, ldb, beta,
              c + r * ldc * 4, ldc)
