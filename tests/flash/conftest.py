@@ -10,8 +10,8 @@ KERNELS = ["numpy"] + (["numba"] if _compiled is not None else []) + (
 @pytest.fixture(params=KERNELS)
 def kernels(request, monkeypatch):
     """Runs a float32 test on the NumPy tiles, on the numba kernels (the forward's
-    tile loop compiled, where NumPy's sgemm is found) and on the numba kernels with
-    the tile loop in Python."""
+    and the backward's tasks compiled, where NumPy's sgemm is found) and on the numba
+    kernels with both loops in Python."""
     monkeypatch.setattr(_kernels, "USE_COMPILED", request.param != "numpy")
     monkeypatch.setattr(_kernels, "USE_LOOP", request.param == "numba")
     return request.param
