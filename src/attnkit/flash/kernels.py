@@ -123,8 +123,8 @@ NUMPY = SimpleNamespace(name="numpy", softmax_tile=_np_softmax_tile,
 
 # Set to False to force the NumPy kernels everywhere (tests use it for the fallback).
 USE_COMPILED = True
-# Set to False to keep the compiled kernels but run the forward's tile loop in Python
-# (the path without NumPy's sgemm; tests use it).
+# Set to False to keep the compiled kernels but run the forward's and the backward's
+# tile loops in Python (the path without NumPy's sgemm; tests use it).
 USE_LOOP = True
 _compiled: list[Any] = []   # [] not tried yet; [None] numba missing; [kernels]
 
