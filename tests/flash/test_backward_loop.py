@@ -216,6 +216,48 @@ def test_a_task_that_overflows_part_way_starts_over_from_zero(monkeypatch, H, Hk
     assert np.isfinite(got[0][0, 0]).all()
 
 
+@pytest.mark.parametrize("shapes, kw, blocks, want", [
+    (((2, 4, 128, 32), (2, 4, 128, 32)), {}, {}, True),                    # a BERT-like batch
+    (((1, 8, 300, 32), (1, 8, 300, 32)), dict(causal=True), {}, True),     # causal: every key seen
+    (((1, 2, 300, 32), (1, 2, 300, 32)), dict(causal=True), {}, False),    # few units: key chunks of dq
+    (((2, 4, 128, 32), (2, 4, 128, 32)), dict(kv_lengths=np.array([128, 100])), {}, False),   # padded keys
+    (((2, 4, 128, 32), (2, 4, 128, 32)), dict(q_lengths=np.array([128, 100])), {}, False),    # padded rows
+    (((2, 8, 64, 32), (2, 2, 64, 32)), {}, {}, False),                     # a GQA group stacked: one dk
+    (((1, 1, 64, 32), (1, 1, 2048, 32)), {}, {}, False),                   # few units: key chunks of dq
+    (((1, 8, 1024, 32), (1, 8, 1024, 32)), dict(causal=True, window=(100, 0)), dict(block_m=64, block_n=512),
+     True),
+    (((1, 8, 64, 32), (1, 8, 1024, 32)), dict(causal=True, window=(10, 0), align="top_left"),
+     dict(block_n=128), False),                                           # key blocks no row sees
+])
+def test_the_tasks_cover_every_gradient_element_exactly_where_said(monkeypatch, shapes, kw, blocks, want):
+    """Where the compiled tasks write every element of dq, dk and dv, the backward
+    skips their zero fill (np.empty): the predicate against the tasks' own writes —
+    every element written, or (not covered) some left to the zero fill."""
+    from attnkit.flash import backward as bw
+    from attnkit.flash.plan import Call
+    q, k, v = make_qkv(*shapes, dtype="float32", seed=1)
+    spec = validate(q, k, v, **kw)
+    call = Call(spec, blocks.get("block_m"), blocks.get("block_n"), backward=True)
+    BN = call.BLOCK_N
+    kblocks = {id(u): [(c, min(c + BN, u.seg.k1)) for c in range(u.seg.k0, u.seg.k1, BN)] for u in call.units}
+    n_chunks = max(1, min(max((len(b) for b in kblocks.values()), default=1), -(-8 // max(len(call.units), 1))))
+    assert bw._covered(call, kblocks, n_chunks) == want
+    out, lse, _ = flash.rung_forward(spec)
+    real = np.empty
+    filled = []
+
+    def nan_empty(shape, dtype):                         # what np.empty may hold: NaN everywhere
+        x = real(shape, dtype)
+        x[...] = np.nan
+        filled.append(x)
+        return x
+    monkeypatch.setattr(np, "empty", nan_empty)
+    g = flash.rung_backward(spec, out, out, lse, **blocks)
+    monkeypatch.undo()
+    assert (len(filled) >= 3) == want
+    assert all(np.isfinite(x).all() for x in g[:3])
+
+
 def test_terms_inside_the_scores_keep_the_python_backward(monkeypatch):
     q, k, v = make_qkv((2, 100, 16), (2, 50, 16), dtype="float32")
     for kw in (dict(causal=True, softcap=5.0), dict(alibi_slopes=np.array([0.1, 0.2])), dict(dropout=0.2, seed=3),
