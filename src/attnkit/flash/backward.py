@@ -95,9 +95,9 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
     n_chunks = 1 if (bias_shape is not None and bias_shape[-1] == 1) else \
         max(1, min(max((len(b) for b in kblocks.values()), default=1), -(-MIN_TASKS // max(len(groups), 1))))
     compiled = call.flat is not None and bias_shape is None
-    # the compiled tasks write every element (a task that stops zeroes what it wrote
-    # before the Python loop adds into it): no zero fill then, which took 1.6 ms of a
-    # BERT batch's 22 before the tasks began
+    # where the compiled tasks write every element (_covered; a task that stops zeroes
+    # what it wrote before the Python loop adds into it), no zero fill: it took 1.6 ms
+    # of a BERT batch's 22 before the tasks began
     alloc = np.empty if compiled and _covered(call, kblocks, n_chunks) else np.zeros
     dq = alloc((n_chunks,) + spec.batch + (spec.H, spec.L, spec.D), dtype=acc)
     dk = alloc(spec.batch + (spec.H, spec.S, spec.D), dtype=acc)     # per query head, folded below
