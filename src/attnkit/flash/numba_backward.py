@@ -62,7 +62,7 @@ def backward_tasks(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tabl
     # offset in lo/hi of the unit's per-row key bounds (its g heads' rows side by side).
     # dlse3: empty (no gradient for lse) or (N, H, L).
     _wide()
-    T, D, Dv = table.shape[0], q4.shape[3], v4.shape[3]
+    T = table.shape[0]
     while True:
         i = _claim(counter)
         if i >= T:
@@ -70,11 +70,9 @@ def backward_tasks(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tabl
         n, nq, nkk, nv, h0, hk, nk, g, r0, r1, t0, t1, ch = (
             table[i, 0], table[i, 1], table[i, 2], table[i, 3], table[i, 4], table[i, 5], table[i, 6], table[i, 7],
             table[i, 8], table[i, 9], table[i, 10], table[i, 11], table[i, 12])
-        M = r1 - r0
-        C = g * M                                        # columns: the g heads' rows side by side
         tl = tiles[t0:t1]
         ok = _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, small, dq5, dk4, dv4,
-                   n, nq, nkk, nv, h0, hk, nk, g, r0, r1, ch, C, D, Dv)
+                   n, nq, nkk, nv, h0, hk, nk, g, r0, r1, ch)
         if not ok:                                       # the Python loop redoes it from zero
             for a in range(nk):
                 for f in range(g):
@@ -87,8 +85,10 @@ def backward_tasks(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tabl
 
 @numba.njit(**REDUCE)
 def _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, small, dq5, dk4, dv4,
-          n, nq, nkk, nv, h0, hk, nk, g, r0, r1, ch, C, D, Dv):
-    M = r1 - r0
+          n, nq, nkk, nv, h0, hk, nk, g, r0, r1, ch):
+    # one task (see backward_tasks); False where it met a NaN or inf
+    D, Dv, M = q4.shape[3], v4.shape[3], r1 - r0
+    C = g * M                                            # columns: the g heads' rows side by side
     if C == 0:
         return True
     W = Rm = 1                                       # the widest key block, the most columns of a tile
