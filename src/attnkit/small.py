@@ -106,7 +106,7 @@ STREAM_ROWS = 8
 
 
 def streams(spec: Spec, kern: Any) -> bool:
-    """Whether :func:`forward` runs the call in one compiled call (:func:`_stream`):
+    """Whether :func:`forward` runs the call in one compiled call (:func:`stream`):
     few query rows per kv head (at most STREAM_ROWS), float32 kernels, and none of bias,
     keep, drop, ALiBi or dropout."""
     return (spec.group * spec.L <= STREAM_ROWS and getattr(kern, "small_rows", None) is not None
@@ -114,26 +114,31 @@ def streams(spec: Spec, kern: Any) -> bool:
             and spec.dropout == 0)
 
 
-def _stream(spec: Spec, kern: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(out, lse) of a decoding-like call (few query rows per kv head; float32; no
-    bias, mask arrays, ALiBi or dropout) in one compiled call over every batch element
-    and head (flash.numba_small.small_rows), finished in place."""
+def streams_alone(spec: Spec) -> bool:
+    """Whether the call streams with q, k and v its only arrays (no sinks, no lengths):
+    then :func:`stream` reads no other array of the Spec, and a caller holding q, k, v
+    in another array library (the torch op) passes NumPy views of them."""
+    return spec.sinks is None and not spec.varlen and streams(spec, for_dtype(spec.acc_dtype))
+
+
+def stream(spec: Spec, q: Any, k: Any, v: Any, out: np.ndarray, lse: np.ndarray) -> None:
+    """out (..., H, L, Dv) and lse (..., H, L), float32 C-ordered, of a decoding-like
+    call (:func:`streams`) on these q, k, v (NumPy arrays; the Spec's are not read, its
+    sinks and lengths are) in one compiled call over every batch element and head
+    (flash.numba_small.small_rows), finished in place."""
     N, A, R = prod(spec.batch), spec.Hkv, spec.group * spec.L
     # q in C order, each sequence's keys and values too (as the flash rung's streaming
     # kernel reads them): the kernel's sums then take one order, so the same bits,
     # whatever the caller's layout
-    q = np.ascontiguousarray(_heads(spec.q, spec.batch, N, A))
-    k, v = (c_sequences(_heads(x, spec.batch, N, A)) for x in (spec.k, spec.v))
+    q = np.ascontiguousarray(_heads(q, spec.batch, N, A))
+    k, v = c_sequences(_heads(k, spec.batch, N, A)), c_sequences(_heads(v, spec.batch, N, A))
     m, l, lo, hi = _NO_STATE, _NO_STATE, _NO_BOUNDS, _NO_BOUNDS
     if spec.sinks is not None:
         m, l = (x.reshape(N, A * R) for x in _sink_state(spec, np.float32))
     if spec.has_index_mask or spec.varlen:
         lo, hi = (x.reshape(N, A * R) for x in _row_bounds(spec))
-    out = np.empty(spec.out_shape, dtype=np.float32)
-    lse = np.empty(spec.lse_shape, dtype=np.float32)
-    kern.small_rows(q, k, v, np.float32(spec.scale), np.float32(spec.softcap or 0.0), lo, hi, m, l,
-                    out.reshape(N, A, R, spec.Dv), lse.reshape(N, A, R))
-    return out, lse
+    for_dtype("float32").small_rows(q, k, v, np.float32(spec.scale), np.float32(spec.softcap or 0.0), lo, hi, m, l,
+                                    out.reshape(N, A, R, spec.Dv), lse.reshape(N, A, R))
 
 
 _NO_STATE, _NO_BOUNDS = np.zeros((1, 0), dtype=np.float32), np.zeros((1, 0), dtype=np.int64)
@@ -151,8 +156,10 @@ def _heads(x: Any, batch: tuple[int, ...], N: int, A: int) -> np.ndarray:
 def forward(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse) in the accumulation dtype, shapes (..., H, L, Dv) and (..., H, L)."""
     kern = for_dtype(spec.acc_dtype)
-    if streams(spec, kern):
-        out, lse = _stream(spec, kern)                   # compiled: no NumPy warnings to quiet
+    if streams(spec, kern):                              # compiled: no NumPy warnings to quiet
+        out = np.empty(spec.out_shape, dtype=np.float32)
+        lse = np.empty(spec.lse_shape, dtype=np.float32)
+        stream(spec, spec.q, spec.k, spec.v, out, lse)
     else:
         with quiet():
             out, lse = _product(spec, kern)

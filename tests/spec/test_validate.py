@@ -406,6 +406,44 @@ def test_a_repeated_signature_gives_the_same_spec_on_the_new_arrays(lib):
         assert not (attnkit.attention(*first, **kw) == attnkit.attention(*second, **kw)).all()
 
 
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_a_decoding_step_with_one_more_key_reuses_the_check(lib):
+    """Without array keywords the key length is no part of the signature (each
+    decoding step has one more key): a call with another S reuses the check, and every
+    field, S and the shapes included, is what the full check gives; a repeat of the
+    same shapes with array keywords keeps S in the signature."""
+    v_mod = importlib.import_module("attnkit.spec.validate")
+    conv = (lambda x: x) if lib == "numpy" else pytest.importorskip("torch").from_numpy
+    v_mod._SEEN.clear()
+    kw = dict(scale=0.3)
+    for S in (5, 6, 9, 1):
+        q, k, v = (conv(x) for x in make_qkv((2, 4, 1, 8), (2, 2, S, 8), 3, seed=S))
+        got = v_mod.validate(q, k, v, **kw)
+        full = v_mod._validate(q, k, v, "auto", True, dict(kw))
+        assert _fields(got) == _fields(full) and got.S == S and got.shapes["k"] == (2, 2, S, 8)
+        assert got.k is k and got.v is v
+    assert len(v_mod._SEEN) == 1
+    lengths = conv(np.array([1, 1]))
+    for S in (5, 6):
+        q, k, v = (conv(x) for x in make_qkv((2, 4, 1, 8), (2, 2, S, 8), 3, seed=S))
+        v_mod.validate(q, k, v, kv_lengths=lengths)
+    assert len(v_mod._SEEN) == 3
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_a_seen_signature_with_another_key_length_still_checks_k_against_v(lib):
+    """The reused check still refuses a v whose key length is not k's, and no keys."""
+    conv = (lambda x: x) if lib == "numpy" else pytest.importorskip("torch").from_numpy
+    q, k, v = (conv(x) for x in make_qkv((2, 4, 1, 8), (2, 2, 6, 8), 3, seed=0))
+    attnkit.attention(q, k, v)
+    with pytest.raises(ValueError, match="v: expected shape"):
+        attnkit.attention(q, k[..., :5, :], v)
+    with pytest.raises(ValueError, match="must be positive"):
+        attnkit.attention(q, k[..., :0, :], v[..., :0, :])
+    with pytest.raises(ValueError, match="must be positive"):
+        attnkit.attention_weights(q, k[..., :0, :])
+
+
 def test_a_seen_signature_still_refuses_bad_keywords_and_checks_array_values():
     q, k, v = make_qkv((2, 1, 3, 4), (2, 1, 5, 4), seed=0)
     attnkit.attention(q, k, v, causal=True)

@@ -191,8 +191,11 @@ def _loop_works(tasks: Any) -> bool:
             and (sm[0], sl[0], sacc[0, 0]) == (2.0, 1.0, 2.0))
 
 
+_FLOAT32 = frozenset({"float32", np.dtype(np.float32), np.float32})
+
+
 def for_dtype(dtype: Any) -> Any:
     """The kernel set for a tile dtype: compiled for float32 when available."""
-    if np.dtype(dtype) == np.float32 and USE_COMPILED:
+    if (dtype in _FLOAT32 or np.dtype(dtype) == np.float32) and USE_COMPILED:
         return compiled_kernels() or NUMPY
     return NUMPY

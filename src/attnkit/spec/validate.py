@@ -23,6 +23,7 @@ INT_KINDS = "iu"
 BACKENDS = ("auto", "reference", "flash", "small", "torch", "triton")
 ALIGNS = ("bottom_right", "top_left")
 _TENSOR_OPTIONS = tuple(n for n in NAMES if BY_NAME[n].schema == "Tensor?" and n != "seed")
+_TENSOR_SET = frozenset(_TENSOR_OPTIONS)
 _DEFAULTS = {n: BY_NAME[n].default for n in NAMES}
 
 
@@ -147,6 +148,9 @@ def _grad_enabled() -> bool:
 # offsets): such calls are checked in full once per signature and the Spec is reused
 # with the new arrays, the array keywords alone checked again (_array_keywords) — a
 # decoding step repeats one signature in every layer, a padded batch one per layer.
+# Without array keywords the key length S is left out of the signature (nothing else
+# the check decides depends on it): each decoding step has one more key, and reuses
+# the previous step's check.
 _SEEN: dict[tuple[Any, ...], Spec] = {}
 _SEEN_MAX = 256
 
@@ -159,38 +163,39 @@ def _typed(x: Any) -> Any:
     return type(x), x
 
 
-def _signature(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict) -> tuple[Any, ...] | None:
-    """The key of a call whose check can be reused, or None (other array types, array
-    keywords of another kind than q, torch.compile tracing)."""
-    arrays = (q, k, v) if need_v else (q, k)
+def _signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
+               options: dict) -> tuple[tuple[Any, ...] | None, bool]:
+    """(the key of a call whose check can be reused, or None: other array types, array
+    keywords of another kind than q, torch.compile tracing; whether array keywords
+    were given). Without them, k's and v's key length is not part of the key. The
+    keywords enter in the caller's order (another order: another key)."""
     kind = type(q)
-    torch = sys.modules.get("torch")
     if kind is np.ndarray:
-        def form(x: Any) -> tuple[Any, ...]:
-            return x.dtype, x.shape
-    elif torch is not None and kind is torch.Tensor and not compiling():
-        def form(x: Any) -> tuple[Any, ...]:
-            return x.dtype, x.shape, x.device, x.layout
+        torch = None
     else:
-        return None
-    for x in arrays[1:]:
-        if type(x) is not kind:
-            return None
-    key: tuple[Any, ...] = tuple(form(x) for x in arrays)
-    scalars = []
+        torch = sys.modules.get("torch")
+        if torch is None or kind is not torch.Tensor or torch.compiler.is_compiling():
+            return None, False
+    if type(k) is not kind or (need_v and type(v) is not kind) or k.ndim < 2 or (need_v and v.ndim < 2):
+        return None, False
+    arrays: tuple[Any, ...] = ()
+    scalars: tuple[Any, ...] = ()
     for name, x in options.items():
-        if name in _TENSOR_OPTIONS and x is not None:
+        if x is not None and name in _TENSOR_SET:
             if type(x) is not kind:
-                return None
-            key += ((name,) + form(x),)
+                return None, True
+            arrays += (name, x.dtype, x.shape) if torch is None else (name, x.dtype, x.shape, x.device, x.layout)
         else:
-            scalars.append((name, _typed(x)))
-    key += (backend, need_v, tuple(sorted(scalars)))
-    try:
-        hash(key)
-    except TypeError:                                    # an unhashable keyword: check it in full
-        return None
-    return key
+            scalars += (name, _typed(x)) if isinstance(x, (tuple, list)) else (name, type(x), x)
+    if arrays:                                           # their shapes follow S: keep it
+        key: tuple[Any, ...] = (q.dtype, q.shape, k.dtype, k.shape) + ((v.dtype, v.shape) if need_v else ())
+    else:
+        key = (q.dtype, q.shape, k.dtype, k.ndim, k.shape[:-2], k.shape[-1])
+        if need_v:
+            key += (v.dtype, v.ndim, v.shape[:-2], v.shape[-1])
+    if torch is not None:
+        key += (q.device, q.layout, k.device, k.layout) + ((v.device, v.layout) if need_v else ())
+    return key + arrays + (backend, need_v) + scalars, bool(arrays)
 
 
 _NUMBERS = (bool, int, float, np.bool_, np.integer, np.floating)
@@ -202,7 +207,7 @@ def torch_numbers(q: Any, options: dict) -> dict:
     as in a NumPy call, on q's device: bools bool, ints int64, floats in the
     accumulation dtype (float64 for float64 q, else float32). Arrays stay as given
     (a NumPy array with torch tensors is still refused: one library per call)."""
-    numbers_given = [n for n, x in options.items() if n in _TENSOR_OPTIONS and isinstance(x, _NUMBERS)]
+    numbers_given = [n for n, x in options.items() if n in _TENSOR_SET and isinstance(x, _NUMBERS)]
     if not numbers_given:
         return options
     import torch
@@ -223,15 +228,31 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
     v must be None."""
     if options and is_torch(q):
         options = torch_numbers(q, options)
-    key = _signature(q, k, v, backend, need_v, options)
-    seen = None if key is None else _SEEN.get(key)
-    if seen is not None:                                 # the arrays in normal form, as below
-        q, k, v = (None if x is None else x[None] if x.ndim == 2 else x for x in (q, k, v if need_v else None))
-        arrays = {}
-        if any(options.get(n) is not None for n in _TENSOR_OPTIONS):
-            arrays = _array_keywords({**_DEFAULTS, **options}, is_torch(q), seen.batch, seen.H, seen.L,
-                                     seen.S, {})
-        return seen.replace(q=q, k=k, v=v, chosen=seen.chosen, **arrays)
+    key, arrays_given = _signature(q, k, v, backend, need_v, options)
+    try:
+        seen = None if key is None else _SEEN.get(key)
+    except TypeError:                                    # an unhashable keyword: check it in full
+        key = seen = None
+    if seen is not None:
+        S = k.shape[-2]
+        if S > 0 and (not need_v or v.shape[-2] == S):   # else the full check's error
+            if arrays_given:                             # (S is part of the key then)
+                shapes = seen.shapes
+            else:
+                shapes = {"q": seen.shapes["q"], "k": tuple(k.shape)}
+                if need_v:
+                    shapes["v"] = tuple(v.shape)
+            if q.ndim == 2:                              # the arrays in normal form, as below
+                q = q[None]
+            if k.ndim == 2:
+                k = k[None]
+            if not need_v:
+                v = None
+            elif v.ndim == 2:
+                v = v[None]
+            arrays = {} if not arrays_given else _array_keywords({**_DEFAULTS, **options}, is_torch(q), seen.batch,
+                                                                 seen.H, seen.L, seen.S, {})
+            return seen.replace(q=q, k=k, v=v, S=int(S), shapes=shapes, chosen=seen.chosen, **arrays)
     spec = _validate(q, k, v, backend, need_v, options)
     if key is not None:
         if len(_SEEN) >= _SEEN_MAX:

@@ -138,6 +138,10 @@ def _np(t: Any) -> Any:
     upcast to float32, which copies."""
     if t is None:
         return None
+    try:
+        return t.numpy()                                 # the common case, in one call
+    except (RuntimeError, TypeError):                    # grad, bfloat16, conjugate or negative bit
+        pass
     if t.requires_grad:
         t = t.detach()
     if t.dtype == torch.bfloat16:
@@ -168,8 +172,9 @@ _VIEWED = tuple(n for n in ("q", "k", "v") + _ARRAY_OPTIONS if n != "seed")
 
 def numpy_spec(spec: Spec, **changes: Any) -> Spec:
     """The same call on NumPy views (for the NumPy rungs), with ``changes``."""
+    fields = spec.__dict__
     for name in _VIEWED:
-        x = getattr(spec, name)
+        x = fields[name]
         if x is not None:
             changes[name] = _np(x)
     if spec.dtype == "bfloat16":
@@ -200,6 +205,11 @@ def _forward(mod: Any, spec: Spec, keep_acc: bool = False, like_q: bool = False)
     if _takes_tensors(mod):
         out, lse, _ = mod.rung_forward(spec)
         return _out(out, spec.q, like_q), lse.contiguous()
+    if not keep_acc and getattr(mod, "streams_alone", None) is not None and mod.streams_alone(spec):
+        # the small rung's decoding call on views of q, k, v, into tensors: no NumPy Spec
+        o32, lse = np.empty(spec.out_shape, dtype=np.float32), np.empty(spec.lse_shape, dtype=np.float32)
+        mod.stream(spec, _np(spec.q), _np(spec.k), _np(spec.v), o32, lse)
+        return _out(o32, spec.q, like_q), torch.from_numpy(lse)
     out, lse, _ = mod.rung_forward(numpy_spec(spec, out_like_q=like_q, **({"dtype": "float32"} if keep_acc else {})))
     res = (_out(out, spec.q, like_q), _torch(lse, acc_dtype(spec.q)))
     return res + (_torch(out, torch.float32),) if keep_acc else res
@@ -230,10 +240,11 @@ def _eager(spec: Spec) -> bool:
             or torch._C._len_torch_dispatch_stack():
         return False
     grad = torch.is_grad_enabled()
+    fields = spec.__dict__
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     for name in _VIEWED:
-        x = getattr(spec, name)
-        if x is not None and (type(x) is not torch.Tensor or (grad and x.requires_grad)
-                              or torch._C._functorch.is_functorch_wrapped_tensor(x)):
+        x = fields[name]
+        if x is not None and (type(x) is not torch.Tensor or (grad and x.requires_grad) or wrapped(x)):
             return False
     return spec.q.device.type == "cpu"
 
