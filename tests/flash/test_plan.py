@@ -275,3 +275,30 @@ def test_units_kept_across_calls_are_those_of_each_call(monkeypatch):
     assert plan.Call(specs[1], 64, 64).units != plan.Call(specs[1], None, None).units   # tile sizes count
     # the same tile sizes both ways: only the direction tells the bias's units apart
     assert plan.Call(specs[-1], 256, 256).units != plan.Call(specs[-1], 256, 256, backward=True).units
+
+
+def test_forward_plans_kept_across_calls_are_those_of_each_call(monkeypatch):
+    """The forward's blocks, tasks and task table are kept with the units: after calls
+    of many geometries, each call's kept plan is the one a fresh plan makes, and its
+    results are the fresh plan's, bit for bit."""
+    from attnkit.flash import forward
+    q, k, v = make_qkv((2, 4, 96, 16), (2, 2, 1200, 16), dtype="float32", seed=5)
+    specs = [validate(q, k, v, causal=True), validate(q, k, v), validate(q, k, v, window=(40, 3)),
+             validate(q, k, v, kv_lengths=np.array([1200, 50])), validate(q, k, v, kv_lengths=np.array([1200, 51])),
+             validate(q, k, v, q_lengths=np.array([96, 7]), kv_lengths=np.array([1200, 51]), causal=True),
+             validate(q[:1], k[:1], v[:1]), validate(q[:, :2], k[:, :1], v[:, :1]), validate(q, k[:1], v[:1]),
+             validate(q[:1], k, v[1:]),
+             validate(q[:, :, :3], k, v), validate(q[:, :, :1], k, v), validate(q[:, :1, :1], k[:, :1], v[:, :1]),
+             validate(q[0], k[0], v[0], cu_seqlens_q=np.array([0, 40, 96]), cu_seqlens_k=np.array([0, 600, 1200]))]
+    runs = [(s, bm) for s in specs for bm in (None, 32)]
+    kept = [flash.rung_forward(s, block_m=bm, block_n=bm)[:2] for s, bm in runs + runs]
+    plans = []
+    for s, bm in runs:
+        call = plan.Call(s, bm, bm)
+        plans.append(call.kept_for_units(("forward", plan.MIN_SPLIT), lambda: pytest.fail("not kept")))
+    monkeypatch.setattr(plan, "_KEPT", {})
+    for (s, bm), got, (out, lse) in zip(runs, plans, kept[len(runs):]):
+        plan._KEPT.clear()
+        assert got == forward._plan(plan.Call(s, bm, bm))
+        fresh = flash.rung_forward(s, block_m=bm, block_n=bm)
+        assert np.array_equal(fresh[0], out, equal_nan=True) and np.array_equal(fresh[1], lse)

@@ -26,7 +26,7 @@ from ..spec import geometry as geo
 from ..spec.core import empty_out, heads_inner
 from . import runtime
 from .kernels import NUMPY, lse_from
-from .plan import BUDGET, Call, Unit
+from .plan import BUDGET, MIN_SPLIT, Call, Unit
 
 State = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
 
@@ -212,20 +212,13 @@ def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray 
     """(out | None, lse, weights | None) in the accumulation dtype (weights in q's)."""
     spec = call.spec
     lse = np.full(spec.lse_shape, -np.inf, dtype=call.acc)
-    blocks = [(u, r0, r1) for u in call.units for r0, r1 in call.row_blocks(u)]
+    blocks, tasks, covered, streams = call.kept_for_units(("forward", MIN_SPLIT), lambda: _plan(call))
     # every row of out is written when the blocks cover them all (no padding rows):
     # no zero fill then (a BERT batch's out is 12.6 MB, filled before the tasks start)
-    covered = sum(u.nk * u.g * (r1 - r0) for u, r0, r1 in blocks) == prod(spec.lse_shape)
     alloc = np.empty if covered else np.zeros
     inner = spec.out_like_q and heads_inner(spec.q)
     out = empty_out(spec.out_shape, inner, lambda sh: alloc(sh, dtype=call.acc)) if want_out else None
     weights = np.zeros(spec.score_shape, dtype=spec.dtype) if want_weights else None
-    tasks: list[tuple[Any, ...]] = []
-    for n_b, (u, r0, r1) in enumerate(blocks):
-        lo, hi = geo.key_range(u.seg, call.band, r0, r1)
-        n = call.splits(len(blocks), hi - lo)
-        cuts = [lo + (hi - lo) * i // n for i in range(n + 1)]
-        tasks += [(n_b, i, n, cuts[i], cuts[i + 1]) for i in range(n)]
     parts: dict[int, list[Any]] = {n_b: [None] * n for n_b, i, n, _, _ in tasks if n > 1 and i == 0}
 
     def task(t: tuple[Any, ...]) -> None:
@@ -241,10 +234,7 @@ def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray 
         if weights is not None and q_t is not None:
             weights_rows(call, u, q_t, r0, r1, lse_i, weights, r0, buf)
 
-    # heaviest tasks first (causal: the last query blocks see the most keys)
-    tasks.sort(key=lambda t: -(t[4] - t[3]) * (blocks[t[0]][2] - blocks[t[0]][1]) * blocks[t[0]][0].nk)
     if out is not None and weights is None and call.flat is not None:
-        streams = [call.streams(*blocks[t[0]]) for t in tasks]
         looped = [t for t, s in zip(tasks, streams) if not s]
         tasks = [t for t, s in zip(tasks, streams) if s] + (_tile_tasks(call, blocks, looped, out, lse, parts)
                                                             if looped else [])
@@ -260,6 +250,23 @@ def forward(call: Call, want_out: bool, want_weights: bool) -> tuple[np.ndarray 
                     lambda b: weights_rows(call, b[0], call.q_tile(*b), b[1], b[2],
                                            call.rows(lse, *b), weights, b[1], None))
     return out, lse, weights
+
+
+def _plan(call: Call) -> tuple[list[tuple[Unit, int, int]], list[tuple[int, int, int, int, int]], bool, list[bool]]:
+    """The forward's plan, kept with the call's units (a model repeats it in every
+    layer): the row blocks; the tasks (block, part i of n, keys [lo, hi)), heaviest
+    first (causal: the last query blocks see the most keys); whether the blocks cover
+    every row; which tasks stream (decoding)."""
+    blocks = [(u, r0, r1) for u in call.units for r0, r1 in call.row_blocks(u)]
+    covered = sum(u.nk * u.g * (r1 - r0) for u, r0, r1 in blocks) == prod(call.spec.lse_shape)
+    tasks = []
+    for n_b, (u, r0, r1) in enumerate(blocks):
+        lo, hi = geo.key_range(u.seg, call.band, r0, r1)
+        n = call.splits(len(blocks), hi - lo)
+        cuts = [lo + (hi - lo) * i // n for i in range(n + 1)]
+        tasks += [(n_b, i, n, cuts[i], cuts[i + 1]) for i in range(n)]
+    tasks.sort(key=lambda t: -(t[4] - t[3]) * (blocks[t[0]][2] - blocks[t[0]][1]) * blocks[t[0]][0].nk)
+    return blocks, tasks, covered, [call.streams(*blocks[t[0]]) for t in tasks]
 
 
 def weights_rows(call: Call, u: Unit, q_t: np.ndarray, r0: int, r1: int, lse_i: np.ndarray,

@@ -14,6 +14,7 @@ do not either.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -130,6 +131,12 @@ def _own_index(b: tuple[int, ...], own: tuple[int, ...]) -> int:
     return i
 
 
+@functools.lru_cache(maxsize=64)
+def _batch_index(batch: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Every index of the batch dims, in C order."""
+    return tuple(np.ndindex(*batch))
+
+
 def c_sequences(x: np.ndarray) -> np.ndarray:
     """x, or its C-ordered copy where one batch element's last three dims are not C
     ordered (batch dims of stride 0 are kept when they are)."""
@@ -153,7 +160,7 @@ class Call:
         self.kern = kernels.for_dtype(self.acc)
         self.band = geo.band(spec.causal, spec.window)
         self.qs = spec.scale / spec.softcap if spec.softcap else spec.scale   # folded into q
-        self.batch_index = list(np.ndindex(*spec.batch))
+        self.batch_index = _batch_index(spec.batch)
         self.q = broadcast_to(np.asarray(spec.q), spec.batch + tuple(spec.q.shape[-3:]))
         # paged keys (attention_kvcache): (k_pages, v_pages, block_table, page_size)
         self.pages = pages
@@ -220,7 +227,13 @@ class Call:
                spec.H, spec.Hkv, spec.L, spec.S, spec.align, spec.origin, spec.extent, SMALL_TILE, DECODE_ROWS,
                MIN_TASKS, *(None if x is None else (np.shape(x), np.asarray(x).dtype.str, np.asarray(x).tobytes())
                             for x in (spec.q_lengths, spec.kv_lengths, spec.cu_seqlens_q, spec.cu_seqlens_k)))
+        self._units_key = key
         return list(self._kept(key, lambda: self._make_units(backward)))
+
+    def kept_for_units(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """make() kept as :meth:`_kept` keeps plans, for a plan made from the whole list
+        of units (the forward's row blocks and tasks): under the units' own key too."""
+        return self._kept(key + self._units_key, make)
 
     def _make_units(self, backward: bool) -> list[Unit]:
         spec = self.spec
@@ -385,9 +398,8 @@ class Call:
         sinks start it); the tiles, lo, hi; the state rows the parts need. Kept across
         calls (see :meth:`_kept`): the units, rows and key ranges name every task."""
         assert self.flat is not None
-        key = (self.spec.group, self.sinks is not None, tuple(own for _, own in self.flat),
-               tuple((blocks[n_b], i, n, lo, hi) for n_b, i, n, lo, hi in tasks))
-        return self._kept(("table",) + key, lambda: self._task_table(blocks, tasks))
+        key = ("table", self.sinks is not None, tuple(own for _, own in self.flat), tuple(tasks))
+        return self.kept_for_units(key, lambda: self._task_table(blocks, tasks))
 
     def _task_table(self, blocks: list[tuple[Unit, int, int]], tasks: list[tuple[int, int, int, int, int]]
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:

@@ -59,8 +59,16 @@ def autocast(*xs: Any) -> tuple[Any, ...]:
 
 
 def broadcast_to(x: Any, shape: tuple[int, ...]) -> Any:
-    """A broadcast view (no copy) in x's own array library."""
-    return np.broadcast_to(x, shape) if isinstance(x, np.ndarray) else x.broadcast_to(shape)
+    """A broadcast view (no copy) in x's own array library (NumPy's read-only, as
+    ``np.broadcast_to`` makes them; to x's own shape a plain read-only view, which
+    costs a sixth of it)."""
+    if not isinstance(x, np.ndarray):
+        return x.broadcast_to(shape)
+    if x.shape != shape:
+        return np.broadcast_to(x, shape)
+    y = x.view()
+    y.flags.writeable = False
+    return y
 
 
 def reduce_to(grad: Any, shape: tuple[int, ...]) -> Any:
