@@ -91,7 +91,10 @@ def host_ints(name: str, x: Any) -> np.ndarray:
     if sys.modules["torch"]._C._functorch.is_functorch_wrapped_tensor(x):
         raise TypeError(f"{name}: its values are read to check them, which torch.func transforms (vmap) do "
                         "not allow; pass it unbatched (in_dims=None) or call once per sample")
-    return np.asarray(x.detach().cpu())
+    try:
+        return x.numpy()                                 # a CPU tensor: a view, in one call
+    except (RuntimeError, TypeError):                    # another device, grad, a conjugate bit
+        return np.asarray(x.detach().cpu())
 
 
 # ---- scalars -----------------------------------------------------------------------

@@ -153,7 +153,8 @@ def _np(t: Any) -> Any:
 
 def _torch(a: Any, dtype: torch.dtype) -> torch.Tensor:
     """A NumPy result as a contiguous tensor of ``dtype`` (no copy when it already is)."""
-    return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+    t = torch.from_numpy(a if a.flags.c_contiguous else np.ascontiguousarray(a))
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _out(out: Any, q: torch.Tensor, like_q: bool) -> torch.Tensor:
@@ -161,9 +162,13 @@ def _out(out: Any, q: torch.Tensor, like_q: bool) -> torch.Tensor:
     ``like_q``, with its heads inner where q's are (attnkit.spec.core.heads_inner; no
     copy when the rung wrote it so). Only calls outside the custom op take q's layout:
     under torch.compile the op may receive q in another layout than its fake saw."""
-    t = torch.from_numpy(out).to(q.dtype) if isinstance(out, np.ndarray) else out
+    t = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
+    if t.dtype != q.dtype:
+        t = t.to(q.dtype)
     if not (like_q and heads_inner(q)):
-        return t.contiguous()
+        return t if t.is_contiguous() else t.contiguous()
+    if heads_inner(t) and t.transpose(-3, -2).is_contiguous():     # the rung wrote it so
+        return t
     return t.transpose(-3, -2).contiguous().transpose(-3, -2)
 
 
