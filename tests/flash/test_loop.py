@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from attnkit import flash, reference
-from attnkit.flash import blas, forward, kernels, plan
+from attnkit.flash import blas, forward, kernels, numba_loop, plan, runtime
 from attnkit.spec import validate
 from attnkit.testing import error_budget, make_qkv, max_error
 
@@ -94,14 +94,25 @@ def _forward(monkeypatch, spec, loop, **blocks):
     return out, lse, len(counts)
 
 
+def _slot(address, i):
+    """Slot i of a packed block of the compiled loop's arguments at address."""
+    return ctypes.c_int64.from_address(address + 8 * i).value
+
+
 def _claims(monkeypatch, spec, loop, **blocks):
-    """(out, lse, where the task counter stood after each call of the compiled loop)."""
+    """(out, lse, where the task counter stood after each pass of the compiled loop):
+    passes of BUDGET scores (not one pass on torch's team)."""
     monkeypatch.setattr(kernels, "USE_LOOP", loop)
+    monkeypatch.setattr(runtime, "run_native", lambda *a: False)
     counts = []
-    kern = kernels.compiled_kernels()
-    real = kern.tile_tasks
-    if real is not None:
-        monkeypatch.setattr(kern, "tile_tasks", lambda *a: real(*a) or counts.append(int(a[8][0])))
+    tasks = kernels.compiled_kernels().tile_tasks
+    if tasks is not None:
+        real = tasks.run
+
+        def run(address):
+            real(address)
+            counts.append(ctypes.c_int64.from_address(_slot(address, numba_loop.AT_COUNTER)).value)
+        monkeypatch.setattr(tasks, "run", run)
     out, lse, _ = flash.rung_forward(spec, **blocks)
     return out, lse, counts
 
@@ -399,3 +410,61 @@ def test_task_tables_are_kept_by_geometry():
     assert other[0] is not first[0] and not np.array_equal(other[1], first[1])
     sinks = table([90, 60], sinks=np.zeros(4))               # the same tasks, started by their sinks
     assert (sinks[0][:, 14] == 1).all() and (first[0][:, 14] == 0).all()
+
+
+@pytest.mark.skipif(not LOOP, reason="NumPy's sgemm was not found")
+@pytest.mark.parametrize("case", ["causal, row strips", "split keys, sinks", "(B, S, H, D) views", "packed",
+                                  "GQA causal, each head in strips", "keys with fewer batch dims"])
+def test_one_native_pass_on_torchs_team_gives_the_passes_bits(monkeypatch, case):
+    """With torch's libgomp team, a call runs in one pass of the loop's C entry on every
+    thread (runtime.run_native): the bits of passes of BUDGET scores entered through
+    ctypes, on two threads and on one; a call over NATIVE_WORK scores takes the passes."""
+    pytest.importorskip("torch")
+    if runtime.blas_controller() is None or runtime._omp_team(2) is None:
+        pytest.skip("torch's OpenMP runtime is not GNU libgomp here (or no threadpoolctl)")
+    (q, k, v), kw = CASES[case]()
+    spec = validate(q, k, v, **kw)
+    budget = forward.BUDGET
+    monkeypatch.setattr(forward, "BUDGET", 1000)         # the one pass must not stop at it
+    real, native = runtime.run_native, []
+    monkeypatch.setattr(runtime, "run_native", lambda *a: real(*a) and (native.append(a[2]) or True))
+    with flash.threads(2):
+        out, lse, _ = flash.rung_forward(spec)
+    assert native == [2]
+    monkeypatch.setattr(forward, "NATIVE_WORK", 0)
+    with flash.threads(2):
+        big = flash.rung_forward(spec)
+    assert native == [2]
+    monkeypatch.undo()
+    assert forward.BUDGET == budget
+    for n in (2, 1):
+        with flash.threads(n):
+            got = _claims(monkeypatch, spec, True)
+        assert got[2] and np.array_equal(got[0], out) and np.array_equal(got[1], lse)
+    assert np.array_equal(big[0], out) and np.array_equal(big[1], lse)
+
+
+def test_the_packed_block_holds_each_argument_where_the_entry_reads_it():
+    """pack writes each array's address, shape, strides and extent at the slot that
+    team_tasks reads (a slot off by one would read another array's numbers)."""
+    f = np.float32
+    q = np.zeros((2, 5, 3, 4), f).transpose(0, 2, 1, 3)        # heads inner: strides (60, 4, 12, 1)
+    arrays = dict(k=np.zeros((1, 3, 6, 4), f), v=np.zeros((1, 3, 6, 2), f), out=np.zeros((2, 3, 5, 2), f),
+                  lse=np.zeros((2, 3, 5), f), m0=np.zeros((2, 3, 5), f), l0=np.ones((2, 3, 5), f),
+                  table=np.zeros((7, 15), np.int64), tiles=np.zeros((9, 5), np.int64), lo=np.zeros(11, np.int64),
+                  hi=np.zeros(12, np.int64), counter=np.zeros(1, np.int64), status=np.zeros(7, np.int8),
+                  sm=np.zeros(13, f), sl=np.zeros(14, f), sacc=np.zeros((13, 2), f))
+    a = arrays
+    block = np.zeros(numba_loop.SLOTS, np.int64)
+    numba_loop.pack(block, 11, 22, q, 0.25, a["k"], a["v"], a["table"], a["tiles"], a["lo"], a["hi"], 77, a["counter"],
+                    a["status"], a["m0"], a["l0"], a["out"], True, a["lse"], a["sm"], a["sl"], a["sacc"], 99)
+    assert (block[0], block[1]) == (11, 22)
+    for name, x in dict(q=q, **arrays).items():
+        at = getattr(numba_loop, f"AT_{name.upper()}")
+        n = x.ndim
+        assert block[at] == x.ctypes.data, name
+        assert tuple(block[at + 1:at + 1 + n]) == x.shape, name
+        assert tuple(block[at + 1 + n:at + 1 + 2 * n]) == tuple(s // x.itemsize for s in x.strides), name
+    assert block[numba_loop.AT_Q + 9] == 1 + sum((d - 1) * s // 4 for d, s in zip(q.shape, q.strides))
+    assert (block[numba_loop.AT_SMALL], block[numba_loop.AT_INNER], block[numba_loop.AT_BUDGET]) == (77, 1, 99)
+    assert block[numba_loop.AT_QSCALE] == np.float32(0.25).view(np.int32)

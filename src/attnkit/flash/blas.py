@@ -68,6 +68,12 @@ _KINDS: dict[str, tuple[tuple[str, ...], list[Any], Any, Any]] = {
 }
 
 
+def prototype(kind: str) -> Any:
+    """The ctypes function type of ``kind`` ("sgemm", "somatcopy") as looked up here."""
+    _, argtypes, restype, _ = _KINDS[kind]
+    return ctypes.CFUNCTYPE(restype, *argtypes)
+
+
 def _lookup(kind: str) -> Any:
     lib = _numpy_library()
     if lib is None:

@@ -28,6 +28,8 @@ from . import runtime
 from .kernels import NUMPY, lse_from
 from .plan import BUDGET, MIN_SPLIT, Call, Unit
 
+NATIVE_WORK = 1 << 26   # scores of a call whose loop runs in one pass on torch's team (see _tile_tasks)
+
 State = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
 
 
@@ -107,13 +109,15 @@ def online_softmax(call: Call, u: Unit, q_t: np.ndarray | None, r0: int, r1: int
 
 def _tile_tasks(call: Call, blocks: list[tuple[Unit, int, int]], tasks: list[tuple[Any, ...]], out: np.ndarray,
                 lse: np.ndarray, parts: dict[int, list[Any]]) -> list[tuple[Any, ...]]:
-    """``tasks`` (in their order) on the compiled loop (kernels' ``tile_tasks``): one
-    compiled call per thread, finishing each task into out and lse, or, a key part of
-    split-KV, into ``parts``; returns the tasks left (a product p v not finite) for
-    the Python loop. Each call returns after about BUDGET scores, so an interrupt is
-    seen between them. The loop scales q in its first product, so q is read in place
-    where BLAS can (transformers' (B, L, H, D) queries: 5–10% of a BERT layer went to
-    a strided copy of them): the same bits whatever the caller's layout."""
+    """``tasks`` (in their order) on the compiled loop (kernels' ``tile_tasks``), its
+    arguments packed once for every thread, finishing each task into out and lse, or, a
+    key part of split-KV, into ``parts``; returns the tasks left (a product p v not
+    finite) for the Python loop. On torch's team a call of at most NATIVE_WORK scores
+    runs in one pass with no Python on any thread (``runtime.run_native``); otherwise
+    in passes of about BUDGET scores, so an interrupt is seen between them, each thread
+    entering through ctypes (the GIL dropped). The loop scales q in its first product,
+    so q is read in place where BLAS can (transformers' (B, L, H, D) queries: 5–10% of
+    a BERT layer went to a strided copy of them): the same bits whatever the layout."""
     assert call.flat is not None
     (q4, _), (k4, _), (v4, _) = call.flat
     table, tiles, lo, hi, n_state = call.task_table(blocks, tasks)
@@ -127,11 +131,14 @@ def _tile_tasks(call: Call, blocks: list[tuple[Unit, int, int]], tasks: list[tup
     out4, lse3 = out.reshape((N,) + out.shape[-3:]), lse.reshape((N,) + lse.shape[-2:])   # views: forward made them
     heads = np.repeat(table[:, 6], table[:, 11] - table[:, 10])            # each tile's kv heads
     work = int(((tiles[:, 1] - tiles[:, 0]) * (tiles[:, 3] - tiles[:, 2]) * heads).sum())
-    # a call that stops for its budget did BUDGET scores: one more call than there can be
+    loop = call.kern.tile_tasks
+    block = loop.pack(q4, call.qs, k4, v4, table, tiles, lo, hi, counter, status, m0, l0, out4, lse3, sm, sl, sacc,
+                      BUDGET)
+    # a pass that stops for its budget did BUDGET scores: one more pass than there can be
     # such stops (one per thread at least) reaches the end of the table
-    runtime.run(range(work // BUDGET + runtime.get_threads()),
-                lambda _: call.kern.tile_tasks(q4, call.qs, k4, v4, table, tiles, lo, hi, counter, status, m0, l0,
-                                               out4, lse3, sm, sl, sacc, BUDGET))
+    n, address = runtime.get_threads(), block.ctypes.data
+    if work > NATIVE_WORK or not runtime.run_native(loop.address, loop.unbounded(block.copy()), min(n, len(table))):
+        runtime.run(range(work // BUDGET + n), lambda _: loop.run(address))
     if status.all() and not parts:
         return []
     left = []

@@ -8,7 +8,9 @@ counter, each finished straight into out and lse (or, a key part of split-KV, le
 its running state). One compiled call per thread instead of a Python call (and a wait
 for the GIL) per task: inside a model, where every Python line runs several times
 slower than alone, a BERT layer's tasks spent a sixth of their time in that Python.
-Which thread runs a task never changes its bits. The loop itself is
+Which thread runs a task never changes its bits. Threads enter it through
+:func:`team_tasks`, a C function reading the call's arguments from one packed block
+(:class:`Tasks`): libgomp's team calls it with no Python at all. The loop itself is
 :func:`_loop_body`, with the softmax bodies of :mod:`.numba_kernels` inlined (a
 reduction compiled into two callers may round differently in each: one caller only).
 
@@ -19,10 +21,12 @@ delete ``__pycache__/numba_loop*.nb*`` (a fresh clone, as CI's, has none).
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -192,21 +196,154 @@ def tile_tasks(gemm, omatcopy, q4, qscale, k4, v4, table, tiles, lo, hi, small, 
             done += (tl[t, 1] - tl[t, 0]) * (tl[t, 3] - tl[t, 2]) * nk
 
 
-def kernels() -> Any:
-    """tile_tasks bound to NumPy's sgemm and somatcopy, or None without them (see
-    .blas). The products are cut into chunks where ``blas.small_product_limit()`` says
-    (read at every call)."""
-    gemm, omatcopy = blas.sgemm(), blas.somatcopy()
-    if gemm is None or omatcopy is None:
-        return None
+# ---- the launch: one compiled entry per thread, without the GIL ---------------------------
+# tile_tasks' arguments as a block of int64 (addresses, shapes, strides, scalars) that
+# a C-callable entry (team_tasks) reads on every thread of the call: libgomp's team runs
+# it directly, no Python and no GIL on its threads (a BERT layer's second thread began
+# its tasks 60–120 µs after the first, waiting for the first thread's Python to reach
+# its kernel); elsewhere each thread calls it through ctypes, which drops the GIL.
+SLOTS = 112
+# where pack puts each argument (the arrays' slots: address, shape, strides, extent)
+(AT_Q, AT_K, AT_V, AT_OUT, AT_LSE, AT_M0, AT_L0, AT_TABLE, AT_TILES, AT_LO, AT_HI, AT_COUNTER, AT_STATUS, AT_SM, AT_SL,
+ AT_SACC) = 2, 12, 22, 32, 42, 50, 58, 66, 72, 78, 82, 86, 90, 94, 98, 102
+AT_SMALL, AT_INNER, AT_BUDGET, AT_QSCALE = 108, 109, 110, 111
+_GEMM, _OMATCOPY = (numba.typeof(blas.prototype(kind)(1)) for kind in ("sgemm", "somatcopy"))   # the types
+# of NumPy's own functions (an address stands in: only their signatures make the type)
 
-    def tasks(q4, qscale, k4, v4, table, tiles, lo, hi, counter, status, m0, l0, out4, lse3, sm, sl, sacc, budget):
+
+@intrinsic
+def _gemm_at(typingctx, addr):
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(_GEMM))
+    return _GEMM(types.int64), codegen
+
+
+@intrinsic
+def _omatcopy_at(typingctx, addr):
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(_OMATCOPY))
+    return _OMATCOPY(types.int64), codegen
+
+
+@intrinsic
+def _pointer(typingctx, addr):
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+    return types.voidptr(types.int64), codegen
+
+
+@numba.njit(cache=True, inline="always")
+def _put(block, i, x, c_order):
+    # x at slot i: its address, shape, strides (in items) and extent (items from its
+    # address to its last one, + 1); the next free slot. c_order: the team's entry
+    # reads x as C-ordered (and C-ordered it must be)
+    assert x.flags.c_contiguous or not c_order
+    block[i] = x.ctypes.data
+    extent = 1 if x.size else 0
+    for d in range(x.ndim):
+        block[i + 1 + d], block[i + 1 + x.ndim + d] = x.shape[d], x.strides[d] // x.itemsize
+        extent += (x.shape[d] - 1) * (x.strides[d] // x.itemsize) if x.size else 0
+    block[i + 1 + 2 * x.ndim] = extent
+    return i + 2 + 2 * x.ndim
+
+
+@numba.njit(cache=True)
+def pack(block, gemm, omatcopy, q4, qscale, k4, v4, table, tiles, lo, hi, small, counter, status, m0, l0,
+         out4, inner, lse3, sm, sl, sacc, budget):
+    """tile_tasks' arguments into block (int64, SLOTS): gemm and omatcopy as addresses;
+    q4, k4, v4 any strides; every other array C-ordered."""
+    block[0], block[1] = gemm, omatcopy
+    i = 2
+    i = _put(block, i, q4, False)
+    i = _put(block, i, k4, False)
+    i = _put(block, i, v4, False)
+    i = _put(block, i, out4, True)
+    i = _put(block, i, lse3, True)
+    i = _put(block, i, m0, True)
+    i = _put(block, i, l0, True)
+    i = _put(block, i, table, True)
+    i = _put(block, i, tiles, True)
+    i = _put(block, i, lo, True)
+    i = _put(block, i, hi, True)
+    i = _put(block, i, counter, True)
+    i = _put(block, i, status, True)
+    i = _put(block, i, sm, True)
+    i = _put(block, i, sl, True)
+    i = _put(block, i, sacc, True)
+    assert i == AT_SMALL
+    block[AT_SMALL], block[AT_INNER], block[AT_BUDGET] = small, inner, budget
+    block[AT_QSCALE] = np.float32(qscale).view(np.int32)
+
+
+@numba.njit(cache=True, inline="always")
+def _strided(a, i):
+    # float32 (N, A, B, C) at slot i, any strides
+    x = numba.carray(_pointer(a[i]), (a[i + 9],), np.float32)
+    return np.lib.stride_tricks.as_strided(x, shape=(a[i + 1], a[i + 2], a[i + 3], a[i + 4]),
+                                           strides=(a[i + 5] * 4, a[i + 6] * 4, a[i + 7] * 4, a[i + 8] * 4))
+
+
+@numba.cfunc(types.void(types.voidptr), cache=True, error_model="numpy")
+def team_tasks(data):
+    """tile_tasks on the arguments that :func:`pack` wrote at ``data``."""
+    a = numba.carray(data, (SLOTS,), np.int64)
+    out4 = numba.carray(_pointer(a[AT_OUT]), (a[AT_OUT + 1], a[AT_OUT + 2], a[AT_OUT + 3], a[AT_OUT + 4]), np.float32)
+    lse3 = numba.carray(_pointer(a[AT_LSE]), (a[AT_LSE + 1], a[AT_LSE + 2], a[AT_LSE + 3]), np.float32)
+    m0 = numba.carray(_pointer(a[AT_M0]), (a[AT_M0 + 1], a[AT_M0 + 2], a[AT_M0 + 3]), np.float32)
+    l0 = numba.carray(_pointer(a[AT_L0]), (a[AT_L0 + 1], a[AT_L0 + 2], a[AT_L0 + 3]), np.float32)
+    table = numba.carray(_pointer(a[AT_TABLE]), (a[AT_TABLE + 1], a[AT_TABLE + 2]), np.int64)
+    tiles = numba.carray(_pointer(a[AT_TILES]), (a[AT_TILES + 1], a[AT_TILES + 2]), np.int64)
+    lo, hi = (numba.carray(_pointer(a[AT_LO]), (a[AT_LO + 1],), np.int64),
+              numba.carray(_pointer(a[AT_HI]), (a[AT_HI + 1],), np.int64))
+    counter = numba.carray(_pointer(a[AT_COUNTER]), (a[AT_COUNTER + 1],), np.int64)
+    status = numba.carray(_pointer(a[AT_STATUS]), (a[AT_STATUS + 1],), np.int8)
+    sm, sl = (numba.carray(_pointer(a[AT_SM]), (a[AT_SM + 1],), np.float32),
+              numba.carray(_pointer(a[AT_SL]), (a[AT_SL + 1],), np.float32))
+    sacc = numba.carray(_pointer(a[AT_SACC]), (a[AT_SACC + 1], a[AT_SACC + 2]), np.float32)
+    tile_tasks(_gemm_at(a[0]), _omatcopy_at(a[1]), _strided(a, AT_Q), np.int32(a[AT_QSCALE]).view(np.float32),
+               _strided(a, AT_K), _strided(a, AT_V), table, tiles, lo, hi, a[AT_SMALL], counter, status, m0, l0, out4,
+               a[AT_INNER] != 0, lse3, sm, sl, sacc, a[AT_BUDGET])
+
+
+class Tasks:
+    """The compiled loop on one call's arguments: ``pack`` them into a block, then
+    ``run(block)`` (one pass of at most ``budget`` scores, on the calling thread, GIL
+    dropped) on each thread, or libgomp's team calls ``address`` with the block."""
+
+    def __init__(self, gemm: Any, omatcopy: Any) -> None:
+        self.gemm, self.omatcopy = (ctypes.cast(f, ctypes.c_void_p).value for f in (gemm, omatcopy))
+        self.address = team_tasks.address
+        self.run = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(team_tasks.address)
+
+    def pack(self, q4, qscale, k4, v4, table, tiles, lo, hi, counter, status, m0, l0, out4, lse3, sm, sl, sacc,
+             budget) -> np.ndarray:
         # out4 (N, H, L, Dv) as the loop writes it: C-ordered, or the (N, L, H, Dv)
         # memory of out with its heads inner (any other layout: an error)
         inner = not out4.flags.c_contiguous
         if inner:
             out4 = out4.swapaxes(1, 2)
-            assert out4.flags.c_contiguous, "out4: C order, or heads inner"
-        return tile_tasks(gemm, omatcopy, q4, f32(qscale), k4, v4, table, tiles, lo, hi, blas.small_product_limit(),
-                          counter, status, m0, l0, out4, inner, lse3, sm, sl, sacc, budget)
-    return tasks
+        block = np.empty(SLOTS, dtype=np.int64)
+        pack(block, self.gemm, self.omatcopy, q4, f32(qscale), k4, v4, table, tiles, lo, hi,
+             blas.small_product_limit(), counter, status, m0, l0, out4, inner, lse3, sm, sl, sacc, budget)
+        return block
+
+    @staticmethod
+    def unbounded(block: np.ndarray) -> np.ndarray:
+        """The block with no budget: one pass runs until no task is left."""
+        block[AT_BUDGET] = 1 << 62
+        return block
+
+    def __call__(self, *args: Any) -> None:
+        """One pass of tile_tasks (pack's arguments) on the calling thread."""
+        block = self.pack(*args)
+        self.run(block.ctypes.data)
+
+
+def kernels() -> Any:
+    """The compiled loop bound to NumPy's sgemm and somatcopy (:class:`Tasks`), or
+    None without them (see .blas). The products are cut into chunks where
+    ``blas.small_product_limit()`` says (read at every call)."""
+    gemm, omatcopy = blas.sgemm(), blas.somatcopy()
+    if gemm is None or omatcopy is None:
+        return None
+    return Tasks(gemm, omatcopy)

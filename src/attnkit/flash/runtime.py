@@ -3,40 +3,32 @@ and safety under fork and KeyboardInterrupt.
 
 Threads: :func:`run` executes a call's tasks on the calling thread plus up to
 ``get_threads() − 1`` pool workers, which take tasks in order from a shared counter
-(so load balances itself) and sleep on a queue between calls (nothing spins). The
-worker count is :func:`get_threads`: the :func:`threads` setting of the current
-context, else the process default of :func:`set_threads`, else the number of usable
-cores. Results never depend on it: every output element is reduced by one task in a
+(load balances itself) and sleep on a queue between calls. The worker count is
+:func:`get_threads` (:func:`threads`, else :func:`set_threads`, else the usable
+cores); results never depend on it: each output element is reduced by one task in a
 fixed order.
 
 torch's OpenMP team: where torch is loaded with GNU libgomp, the tasks run on the
-calling thread's libgomp team instead of the pool (the calling thread plus n − 1 of
-libgomp's threads, which take tasks from the same counter). After each of torch's ops
-those threads spin for milliseconds (libgomp's default wait policy) before they sleep,
-so a call between two ops of a model shared its cores with a spinning thread: a Llama
-layer's attention took twice as long inside the model as alone. On the team, the
-spinning thread takes the call's tasks at once. A fork child never uses the team (its
-threads stayed in the parent, and libgomp would wait for them forever): not in a
-process other than the one that imported attnkit, nor in a multiprocessing child; and
-a call never asks for more threads than torch runs (more take the pool: libgomp ends
-the process when it cannot start a thread). While the region is open, Ctrl-C cancels
-the job and is raised once the region is closed (:func:`_on_team`).
+calling thread's libgomp team instead (its threads take tasks from the same counter):
+after each of torch's ops those threads spin for milliseconds, so a call between two
+ops of a model shared its cores with a spinning thread (a Llama layer's attention took
+twice as long inside the model as alone). A compiled entry runs there with no Python
+(:func:`run_native`). Never in a fork child (libgomp would wait for the parent's
+threads forever) or a multiprocessing child, nor with more threads than torch runs
+(libgomp ends the process when it cannot start one). Ctrl-C while the region is open
+cancels the job and is raised once the region is closed (:func:`_on_team`).
 
 BLAS: while any call's tasks run, NumPy's BLAS is held to one thread per worker (a
-tile's matmul is small; OpenBLAS's own threads on top of ours are many times slower).
-threadpoolctl's limit is process-wide, so overlapping calls share it: one dedicated
-thread applies it when the first call enters and restores it when the last leaves
-(OpenMP-based libraries keep the setting per thread, so set and restore happen on the
-same thread). Where NumPy's BLAS is one OpenBLAS threaded by pthreads (its wheels),
-whose count any thread may set, the calls set and restore it themselves instead
-(:meth:`_Blas._inline`: no hand-off). Without threadpoolctl the tiles run on the
-calling thread and BLAS threads itself.
+tile's matmul is small). threadpoolctl's limit is process-wide, so overlapping calls
+share it: one dedicated thread applies it when the first call enters and restores it
+when the last leaves (OpenMP libraries keep it per thread); one OpenBLAS threaded by
+pthreads (NumPy's wheels) is set by the calls themselves (:meth:`_Blas._inline`).
+Without threadpoolctl the tiles run on the calling thread.
 
 Interrupts and fork: no lock is held across a wait and no Condition is used; every
-wait is on a state that is re-checked, so a KeyboardInterrupt at any point lets the
-call stop its workers (they finish the task in hand and take no more), restore BLAS
-and re-raise. After ``os.fork()`` (multiprocessing, DataLoader workers) the child
-starts with no workers and no BLAS limit of its own: they are made again on first use.
+wait re-checks its state, so a KeyboardInterrupt anywhere lets the call stop its
+workers (they finish the task in hand), restore BLAS and re-raise. After ``os.fork()``
+the child starts with no workers and no BLAS limit: they are made again on first use.
 """
 
 from __future__ import annotations
@@ -164,8 +156,8 @@ def _release(lock: Any) -> None:
 
 # ---- the worker pool -------------------------------------------------------------------
 class _Job:
-    """One call's tasks: claimed in order from a shared counter by the caller and the
-    workers that join. ``inside`` holds the workers currently in the job."""
+    """One call's tasks, claimed in order from a shared counter by the caller and the
+    workers that join (``inside``: those in the job now)."""
 
     def __init__(self, fn: Callable[[Any], None], tasks: Sequence[Any]) -> None:
         self.fn, self.tasks = fn, tasks
@@ -270,16 +262,26 @@ def run(tasks: Sequence[Any], fn: Callable[[Any], None], *, blas: bool = True) -
             raise job.errors[0]
 
 
+def run_native(fn: int, data: Any, n: int) -> bool:
+    """The C function at address ``fn`` on ``data``'s address, on the calling thread
+    and n − 1 of torch's libgomp threads (no Python, no GIL), BLAS held to one thread;
+    False where the team cannot take it (:func:`run` then). Ctrl-C waits for its end."""
+    team = None if n <= 1 or getattr(_local, "worker", False) or blas_controller() is None else _omp_team(n)
+    if team is not None:
+        with blas_single_threaded():
+            team.GOMP_parallel(fn, data.ctypes.data, n, 0)
+    return team is not None
+
+
 # ---- torch's OpenMP team -------------------------------------------------------------------
 _CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _omp: list[Any] = [_UNSET]                  # libgomp (ctypes) once torch is loaded, or None
 
 
 def _team_member(job: _Job) -> None:
-    """A libgomp thread's part of a job (nested calls inside its tasks run inline). On
-    its first job a thread keeps its Python thread state for good (one PyGILState_Ensure
-    never released): ctypes makes and deletes one around each callback of a thread that
-    has none, 25 of the 57 µs a job with no task cost."""
+    """A libgomp thread's part of a job (nested calls inside its tasks run inline). A
+    thread keeps its Python thread state for good (one PyGILState_Ensure never released):
+    ctypes made and deleted one per callback, 25 of the 57 µs a job of no task cost."""
     if not getattr(_local, "kept", False):
         _local.kept = ctypes.pythonapi.PyGILState_Ensure() is not None
     _local.worker = True
@@ -375,12 +377,12 @@ def _find_libgomp(torch: Any) -> Any:
     paths.sort(key=lambda p: not p.startswith(home))   # torch's own copy first, where there are two
     try:
         lib = ctypes.CDLL(paths[0])
-        lib.GOMP_parallel_start.argtypes = [_CALLBACK, ctypes.c_void_p, ctypes.c_uint]
-        lib.GOMP_parallel_start.restype = None
-        lib.GOMP_parallel_end.argtypes = []
-        lib.GOMP_parallel_end.restype = None
-        lib.omp_get_level.argtypes = []      # nesting depth of regions: 0 outside any
-        lib.omp_get_level.restype = ctypes.c_int
+        void, uint = ctypes.c_void_p, ctypes.c_uint         # omp_get_level: regions open, 0 outside any
+        for name, args, result in (("GOMP_parallel", [void, void, uint, uint], None),
+                                   ("GOMP_parallel_start", [_CALLBACK, void, uint], None),
+                                   ("GOMP_parallel_end", [], None), ("omp_get_level", [], ctypes.c_int)):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, result
     except (OSError, AttributeError):       # not the GNU runtime's symbols after all
         return None
     return lib
@@ -388,8 +390,8 @@ def _find_libgomp(torch: Any) -> Any:
 
 # ---- BLAS held to one thread -------------------------------------------------------------
 class _Token:
-    """One call's hold on the BLAS limit (weakly referenced by the BLAS thread or the
-    inline count: a token that dies without its exit still releases the limit)."""
+    """One call's hold on the BLAS limit (weakly referenced: a token that dies without
+    its exit still releases the limit)."""
 
     def __init__(self) -> None:
         self.acked = False
@@ -399,9 +401,8 @@ class _Token:
 
 
 class _Blas:
-    """The thread that sets and restores the BLAS limit, and its bookkeeping (touched
-    only on that thread); or, for one pthreads OpenBLAS (NumPy's wheels), the calls
-    themselves (:meth:`_inline`)."""
+    """The thread that sets and restores the BLAS limit and its bookkeeping; or, for
+    one pthreads OpenBLAS (NumPy's wheels), the calls themselves (:meth:`_inline`)."""
 
     def __init__(self) -> None:
         self.cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -573,8 +574,7 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    """The child has only the forking thread: start over with no workers, and undo a
-    BLAS limit that a parent call held at the fork."""
+    """A child has only the forking thread: no workers, and no parent call's BLAS limit."""
     global _pool, _blas
     parent = _blas
     _pool = _Pool()
