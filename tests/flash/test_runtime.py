@@ -1116,3 +1116,18 @@ def test_every_interrupt_reaches_a_handler_that_returns(monkeypatch):
     finally:
         signal.signal(signal.SIGINT, old)
     assert calls == [signal.SIGINT, signal.SIGINT]
+
+
+def test_the_native_entry_is_refused_where_the_team_cannot_take_it(monkeypatch):
+    """runtime.run_native runs nothing and says so (False: the caller runs its passes)
+    for one thread, inside a worker (a nested call runs inline), and without
+    threadpoolctl (no BLAS hold)."""
+    team_or_skip()
+    from attnkit.flash import numba_loop
+    data = np.zeros(numba_loop.SLOTS, dtype=np.int64)        # never read: nothing may run
+    assert not runtime.run_native(0, data, 1)
+    monkeypatch.setattr(runtime._local, "worker", True, raising=False)
+    assert not runtime.run_native(0, data, 2)
+    monkeypatch.undo()
+    monkeypatch.setattr(runtime, "blas_controller", lambda: None)
+    assert not runtime.run_native(0, data, 2)

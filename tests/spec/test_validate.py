@@ -423,11 +423,16 @@ def test_a_decoding_step_with_one_more_key_reuses_the_check(lib):
         assert _fields(got) == _fields(full) and got.S == S and got.shapes["k"] == (2, 2, S, 8)
         assert got.k is k and got.v is v
     assert len(v_mod._SEEN) == 1
+    for S in (4, 5):                                     # 2-D keys too
+        q, k, v = (conv(x) for x in make_qkv((2, 4, 1, 8), (S, 8), 3, seed=S))
+        got = v_mod.validate(q, k, v, **kw)
+        assert _fields(got) == _fields(v_mod._validate(q, k, v, "auto", True, dict(kw)))
+    assert len(v_mod._SEEN) == 2
     lengths = conv(np.array([1, 1]))
     for S in (5, 6):
         q, k, v = (conv(x) for x in make_qkv((2, 4, 1, 8), (2, 2, S, 8), 3, seed=S))
         v_mod.validate(q, k, v, kv_lengths=lengths)
-    assert len(v_mod._SEEN) == 3
+    assert len(v_mod._SEEN) == 4
 
 
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
@@ -438,6 +443,8 @@ def test_a_seen_signature_with_another_key_length_still_checks_k_against_v(lib):
     attnkit.attention(q, k, v)
     with pytest.raises(ValueError, match="v: expected shape"):
         attnkit.attention(q, k[..., :5, :], v)
+    with pytest.raises(ValueError, match="k: expected last dim D=8"):
+        attnkit.attention(q, k[..., :7], v)                   # the head dim stays in the signature
     with pytest.raises(ValueError, match="must be positive"):
         attnkit.attention(q, k[..., :0, :], v[..., :0, :])
     with pytest.raises(ValueError, match="must be positive"):

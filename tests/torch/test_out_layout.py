@@ -20,7 +20,8 @@ def _blhd(*shape):
     return torch.randn(B, L, H, D, generator=torch.Generator().manual_seed(L * H)).transpose(1, 2)
 
 
-@pytest.mark.parametrize("case", ["flash", "small", "GQA causal, lengths", "3-D", "two heads of two rows"])
+@pytest.mark.parametrize("case", ["flash", "small", "GQA causal, lengths", "3-D", "two heads of two rows",
+                                  "3-D, small"])
 def test_heads_inner_queries_give_out_in_their_layout_outside_the_op(case):
     """The flash cases hold more than SMALL_TOTAL scores (the flash rung writes the
     layout itself); "small" and the two-by-two case take the small rung (the op lays
@@ -34,12 +35,14 @@ def test_heads_inner_queries_give_out_in_their_layout_outside_the_op(case):
         q, k, v = _blhd(3, 2, 2, 8), _blhd(3, 2, 2, 8), _blhd(3, 2, 2, 8)
     elif case == "3-D":                                  # (L, H, D) seen as (H, L, D): no batch axis
         q, k, v = _blhd(1, 4, 600, 16)[0], _blhd(1, 4, 600, 16)[0], _blhd(1, 4, 600, 16)[0]
+    elif case == "3-D, small":
+        q, k, v = _blhd(1, 4, 6, 8)[0], _blhd(1, 4, 6, 8)[0], _blhd(1, 4, 6, 8)[0]
     else:
         q, k, v = _blhd(3, 8, 300, 16), _blhd(3, 2, 300, 16), _blhd(3, 2, 300, 16)
         kw = dict(causal=True, kv_lengths=torch.tensor([300, 150, 7]), q_lengths=torch.tensor([300, 150, 7]))
     assert heads_inner(q)
     spec = validate(q, k, v, **kw)
-    assert (select(spec, "auto").mod.name == "flash") == (case not in ("small", "two heads of two rows"))
+    assert (select(spec, "auto").mod.name == "flash") == (case not in ("small", "two heads of two rows", "3-D, small"))
     with torch.no_grad():
         out = attnkit.attention(q, k, v, **kw)
         want = attnkit.attention(*(x.contiguous() for x in (q, k, v)), **kw)
@@ -76,3 +79,19 @@ def test_the_flash_rung_writes_out_in_qs_layout_when_asked():
     want, want_lse, _ = flash.rung_forward(spec)
     assert heads_inner(out) and want.flags.c_contiguous
     assert np.array_equal(out, want) and np.array_equal(lse, want_lse)
+
+
+def test_a_decoding_call_runs_on_views_of_the_tensors(monkeypatch):
+    """A decoding step (few rows per kv head, no mask arrays, no gradient) of CPU tensors
+    runs the small rung's compiled call on NumPy views of them, without a NumPy Spec:
+    the bits of the NumPy call, in q's layout."""
+    from attnkit.torch import op
+    q, k, v = _blhd(4, 8, 1, 32), _blhd(4, 2, 45, 32), _blhd(4, 2, 45, 32)
+    want = attnkit.attention(*(x.numpy() for x in (q, k, v)), return_lse=True)
+
+    def refuse(*a, **kw):
+        raise AssertionError("a NumPy Spec was made")
+    monkeypatch.setattr(op, "numpy_spec", refuse)
+    with torch.no_grad():
+        out, lse = attnkit.attention(q, k, v, return_lse=True)
+    assert np.array_equal(out.numpy(), want[0]) and np.array_equal(lse.numpy(), want[1])
