@@ -424,6 +424,11 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      '`0` -> `1`'):
         'the streaming kernel applies ALiBi only when slopes has one entry per row (A·R); for one row the '
         'placeholder slope 0 subtracts 0·|0 − p| = 0',
+    ('flash/forward.py',
+     'if work > NATIVE_WORK or not runtime.run_native(loop.address, loop.unbounded(block.copy()), min(n, len(table))):',
+     '`>` -> `>=`'):
+        'only a call of exactly NATIVE_WORK scores changes path; the one pass and the passes give the same bits '
+        '(test_one_native_pass_on_torchs_team_gives_the_passes_bits)',
     ('flash/forward.py', 'if z > a:',
      '`>` -> `>=`'):
         "z == a: the kernel's key loop runs zero times, the state is unchanged",

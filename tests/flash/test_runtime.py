@@ -1,6 +1,7 @@
 """The flash runtime: the threads knob, concurrent calls, BLAS held to one thread and
 restored, no threadpoolctl, and safety after fork and under KeyboardInterrupt."""
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -1122,12 +1123,22 @@ def test_the_native_entry_is_refused_where_the_team_cannot_take_it(monkeypatch):
     """runtime.run_native runs nothing and says so (False: the caller runs its passes)
     for one thread, inside a worker (a nested call runs inline), and without
     threadpoolctl (no BLAS hold)."""
-    team_or_skip()
-    from attnkit.flash import numba_loop
-    data = np.zeros(numba_loop.SLOTS, dtype=np.int64)        # never read: nothing may run
-    assert not runtime.run_native(0, data, 1)
+    opened = []
+
+    class Team:
+        def GOMP_parallel(self, *args):
+            opened.append(args)
+
+    monkeypatch.setattr(runtime, "_omp_team", lambda n: Team())
+    monkeypatch.setattr(runtime, "blas_controller", lambda: object())
+    monkeypatch.setattr(runtime, "blas_single_threaded", contextlib.nullcontext)
+    data = np.zeros(4, dtype=np.int64)
+    assert runtime.run_native(7, data, 2) and opened == [(7, data.ctypes.data, 2, 0)]
+    opened.clear()
+    assert not runtime.run_native(7, data, 1)
     monkeypatch.setattr(runtime._local, "worker", True, raising=False)
-    assert not runtime.run_native(0, data, 2)
-    monkeypatch.undo()
+    assert not runtime.run_native(7, data, 2)
+    monkeypatch.setattr(runtime._local, "worker", False)
     monkeypatch.setattr(runtime, "blas_controller", lambda: None)
-    assert not runtime.run_native(0, data, 2)
+    assert not runtime.run_native(7, data, 2)
+    assert not opened

@@ -435,6 +435,21 @@ def test_a_decoding_step_with_one_more_key_reuses_the_check(lib):
     assert len(v_mod._SEEN) == 4
 
 
+def test_a_kept_check_serves_one_key_and_weights_calls_without_v():
+    """S = 1 reuses the check (its rung choices too); a weights call (need_v=False)
+    reusing its check leaves v out of the Spec as the full check does; 0-D keys or
+    values get the named error, not one from inside the signature."""
+    v_mod = importlib.import_module("attnkit.spec.validate")
+    q, k, v = make_qkv((2, 4, 1, 8), (2, 2, 5, 8), 3, seed=0)
+    a = v_mod.validate(q, k, v)
+    assert v_mod.validate(q, k[..., :1, :], v[..., :1, :]).chosen is a.chosen
+    for _ in range(2):
+        assert v_mod.validate(q, k, v, need_v=False).v is None
+    for bad_k, bad_v, name in ((np.zeros(()), v, "k"), (k, np.zeros(()), "v")):
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            v_mod.validate(q, bad_k, bad_v)
+
+
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 def test_a_seen_signature_with_another_key_length_still_checks_k_against_v(lib):
     """The reused check still refuses a v whose key length is not k's, and no keys."""

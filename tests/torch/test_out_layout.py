@@ -95,3 +95,11 @@ def test_a_decoding_call_runs_on_views_of_the_tensors(monkeypatch):
     with torch.no_grad():
         out, lse = attnkit.attention(q, k, v, return_lse=True)
     assert np.array_equal(out.numpy(), want[0]) and np.array_equal(lse.numpy(), want[1])
+
+
+def test_out_already_in_qs_layout_is_no_copy():
+    """out that a rung wrote with its heads inner where q has them comes back as is."""
+    from attnkit.torch import op
+    q, t = _blhd(2, 3, 5, 4), _blhd(2, 3, 5, 4)
+    assert op._out(t, q, True) is t
+    assert op._out(t.contiguous(), q, True).data_ptr() != t.data_ptr()   # C order: laid out like q
