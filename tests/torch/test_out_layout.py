@@ -102,4 +102,6 @@ def test_out_already_in_qs_layout_is_no_copy():
     from attnkit.torch import op
     q, t = _blhd(2, 3, 5, 4), _blhd(2, 3, 5, 4)
     assert op._out(t, q, True) is t
-    assert op._out(t.contiguous(), q, True).data_ptr() != t.data_ptr()   # C order: laid out like q
+    c = t.contiguous()                                   # C order: copied into q's layout
+    laid = op._out(c, q, True)
+    assert heads_inner(laid) and laid.data_ptr() != c.data_ptr() and torch.equal(laid, c)
