@@ -133,8 +133,9 @@ def test_float32_by_the_twice_the_reference_rule_and_bits_across_threads(paged, 
 
 @pytest.mark.parametrize("paged,page_size", [(True, 1), (True, 16), (True, 65), (False, 300)],
                          ids=["pages of 1", "pages of 16", "pages of 65", "contiguous"])
-@pytest.mark.parametrize("H,Hkv,L,D,Dv", [(8, 2, 1, 32, 24), (6, 2, 2, 17, 5), (8, 1, 3, 8, 16), (3, 3, 1, 64, 64)],
-                         ids=["g4", "g3x2 odd dims", "g8x3", "mha"])
+@pytest.mark.parametrize("H,Hkv,L,D,Dv", [(8, 2, 1, 32, 24), (6, 2, 2, 17, 5), (8, 1, 3, 8, 16), (3, 3, 1, 64, 64),
+                                        (10, 2, 1, 72, 70)],
+                         ids=["g4", "g3x2 odd dims", "g8x3", "mha", "g5 wide"])
 @pytest.mark.parametrize("kw", CASES, ids=["plain", "causal", "window", "softcap", "alibi", "sinks"])
 def test_float32_streaming_kernel_takes_every_term(paged, page_size, H, Hkv, L, D, Dv, kw):
     """The compiled kernel's row blocks (four rows per key read, and the rest), its
@@ -162,6 +163,31 @@ def test_float32_streaming_kernel_takes_every_term(paged, page_size, H, Hkv, L, 
                                        block_table=table, return_lse=True, backend="reference", **kw)
     for g, s, o in zip(runs[0], same, oracle):
         assert max_error(g, o) <= error_budget(o, s)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["pages", "contiguous"])
+def test_float32_caches_strided_along_d_give_the_bits_of_their_copies(paged):
+    """The streaming kernel reads cache rows as vectors: a cache strided along D (every
+    other float of a wider array) gives the same bits as its C-ordered copy, the
+    append still lands in the caller's array."""
+    B, Hkv, D, cap, page_size = 2, 2, 24, 48, 16
+    k2, v2, table = make_cache(B, Hkv, 2 * D, 2 * D, cap, page_size, paged, dtype="float32")
+    k, v = k2[..., ::2], v2[..., ::2]
+    rng = RNG(8)
+    lengths = np.array([37, 20])
+    for b in range(B):
+        for cache in (k, v):
+            write(cache, table, b, range(lengths[b]), rng.standard_normal((Hkv, lengths[b], D)).astype(np.float32),
+                  page_size)
+    q = rng.standard_normal((B, 8, 1, D)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((B, Hkv, 1, D)).astype(np.float32) for _ in range(2))
+    kc, vc = k.copy(), v.copy()
+    want = attnkit.attention_kvcache(q, kc, vc, lengths, block_table=table, k_new=k_new, v_new=v_new,
+                                     return_lse=True, backend="flash")
+    got = attnkit.attention_kvcache(q, k, v, lengths, block_table=table, k_new=k_new, v_new=v_new, return_lse=True,
+                                    backend="flash")
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    assert np.array_equal(k, kc, equal_nan=True) and np.array_equal(v, vc, equal_nan=True)
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["pages of 16", "contiguous"])

@@ -18,13 +18,10 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
-# no "arcp" in either: a division stays a division (finishing, inlined into the tile
-# loop, divides by each row's sum; with arcp it became a reciprocal times x, 1 ulp off)
-ORDERED = dict(nogil=True, cache=True, error_model="numpy", fastmath={"nsz", "contract", "afn"})
-REDUCE = dict(ORDERED, fastmath={"reassoc", "nsz", "contract", "afn"})
+from .numba_simd import ORDERED, REDUCE, address, prefetch, scores, weighted_values
+
 f32 = np.float32
 LOG2E = f32(1.44269504088896341)                          # exp(x) = 2^(x · log2 e)
 EXP2_MIN = f32(-125.0)                                   # below 2^-125 the result is 0
@@ -314,34 +311,17 @@ def dropout_tile(p, heads, r0, c0, seed, thr, scale):
 
 
 # ---- decoding: few query rows against many keys, streamed from the cache -------------
-CHUNK = 64                                               # keys per pass over the rows
+CHUNK = 32                                               # keys per pass over the rows (pages of 16:
+                                                         # 3% faster than 64 from memory, B = 8 and 1)
 CHUNK_LONG = 256                                         # the same where pages hold at least this many keys
-
-
-@intrinsic
-def _prefetch(typingctx, arr, i, j, k, m):
-    # llvm.prefetch (read, locality 2: into L2, not L1) of arr[i, j, k, m]: the address
-    # from the array's strides; a prefetch never faults and changes no value. A chunk's
-    # rows prefetched into L1 (locality 3) pushed out the scores, q and the output rows
-    # there: on a Zen 4 host, decoding from memory ran 1.2–1.4× faster on one thread
-    # and 1.05–1.6× on two with L2 (docs/decisions.md)
-    def codegen(context, builder, signature, args):
-        aty = signature.args[0]
-        ary = context.make_array(aty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aty, ary, list(args[1:]))
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
-                                              ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])
-        return context.get_dummy_value()
-    return types.none(arr, types.intp, types.intp, types.intp, types.intp), codegen
 
 
 @numba.njit(**REDUCE, inline="always")
 def _prefetch_row(x, page, h, slot):
-    # every 64-byte line of the row x[page, h, slot, :]
-    for d in range(0, x.shape[3], 16):
-        _prefetch(x, page, h, slot, d)
+    # every 64-byte line of the row x[page, h, slot, :] (numba_simd.prefetch: into L2)
+    p = address(x, (page, h, slot, 0))
+    for o in range(0, 4 * x.shape[3], 64):
+        prefetch(p + o)
 
 
 @numba.njit(**REDUCE, inline="always")
@@ -355,39 +335,6 @@ def _walk(table, row, P, start, n, pages, slots):
             pi, slot = pi + 1, 0
 
 
-@numba.njit(**REDUCE, inline="always")
-def _weighted_values(s, f0, R, j0, j4, v, i0, i1, sl0, acc, a):
-    # acc[a, r, :] += Σ s[f0 + r, j] · v[i0, i1, sl0 + j, :] over keys j0 … j4 − 1 (a multiple
-    # of four) for rows r < R: four keys by four rows per pass, the row blocks outside
-    # (with the keys outside, more than four rows ran 4× slower per row: R = 8, 155
-    # against 36 ns per key), each element's sum in key order whatever R. The value pass
-    # of both decode kernels where every row sees every key
-    R4, Dv = R - R % 4, acc.shape[2]
-    for r in range(0, R4, 4):
-        f = f0 + r
-        for jj in range(j0, j4, 4):
-            sl = sl0 + jj
-            w00, w01, w02, w03 = s[f, jj], s[f, jj + 1], s[f, jj + 2], s[f, jj + 3]
-            w10, w11, w12, w13 = s[f + 1, jj], s[f + 1, jj + 1], s[f + 1, jj + 2], s[f + 1, jj + 3]
-            w20, w21, w22, w23 = s[f + 2, jj], s[f + 2, jj + 1], s[f + 2, jj + 2], s[f + 2, jj + 3]
-            w30, w31, w32, w33 = s[f + 3, jj], s[f + 3, jj + 1], s[f + 3, jj + 2], s[f + 3, jj + 3]
-            for d in range(Dv):
-                v0, v1 = v[i0, i1, sl, d], v[i0, i1, sl + 1, d]
-                v2, v3 = v[i0, i1, sl + 2, d], v[i0, i1, sl + 3, d]
-                acc[a, r, d] += w00 * v0 + w01 * v1 + w02 * v2 + w03 * v3
-                acc[a, r + 1, d] += w10 * v0 + w11 * v1 + w12 * v2 + w13 * v3
-                acc[a, r + 2, d] += w20 * v0 + w21 * v1 + w22 * v2 + w23 * v3
-                acc[a, r + 3, d] += w30 * v0 + w31 * v1 + w32 * v2 + w33 * v3
-    for r in range(R4, R):
-        f = f0 + r
-        for jj in range(j0, j4, 4):
-            sl = sl0 + jj
-            w0, w1, w2, w3 = s[f, jj], s[f, jj + 1], s[f, jj + 2], s[f, jj + 3]
-            for d in range(Dv):
-                acc[a, r, d] += (w0 * v[i0, i1, sl, d] + w1 * v[i0, i1, sl + 1, d]
-                                 + w2 * v[i0, i1, sl + 2, d] + w3 * v[i0, i1, sl + 3, d])
-
-
 @numba.njit(**REDUCE)
 def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, diag, m_i, l_i, acc):
     """Rows q (A, R, D) — already times scale (and / softcap) — of kv heads hk … hk + A − 1
@@ -398,22 +345,23 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     Updates the online softmax state m_i, l_i (A·R,) and acc (A, R, Dv) in place.
 
     Keys go in chunks of CHUNK (CHUNK_LONG where a page holds at least that many), in
-    three passes: the scores (each key row read once for all rows of its head, four
-    rows per read — a GQA group's heads share one read — while the same keys' value
-    rows are prefetched); the softmax of the chunk row by row (caps, ALiBi and bounds
-    over whole rows: vectorised, and no call of tanh inside the score loop, whose
-    registers it would spill); the values, four keys by four rows per pass over the
-    output while the next chunk's key rows are prefetched — where some row's bounds
-    cut the chunk, or a score inside them is −inf (an infinite q or k entry), key by
-    key and only the keys each row sees (an excluded key's value is never read). A
-    page's heads go head after head through the chunk's keys in that page (a page is
+    three passes: the scores (:func:`.numba_simd.scores`: four rows by four keys per
+    pass over their 16 vector accumulators — a GQA group's heads share each key read —
+    while the same keys' value rows are prefetched); the softmax of the chunk row by
+    row (caps, ALiBi and bounds over whole rows: vectorised, and no call of tanh inside
+    the score loop, whose registers it would spill); the values
+    (:func:`.numba_simd.weighted_values`: four output rows by 64 lanes in registers
+    across the keys) — where some row's bounds cut the chunk, or a score inside them is
+    −inf (an infinite q or k entry), key by key and only the keys each row sees (an
+    excluded key's value is never read). On pages, the next chunk's key rows are
+    prefetched during the value pass; a dense cache is read in address order, which the
+    hardware prefetcher follows (prefetching it too ran 4–6% slower on an Intel host).
+    A page's heads go head after head through the chunk's keys in that page (a page is
     one contiguous block); on a dense cache each head takes the three passes in turn
-    (what a pass prefetches then stays in L2). Against one pass per key and row
-    without prefetching (the kernel before): 1.4–1.5× less compute per key from cache,
-    1.1–1.2× faster on contiguous caches and 1.3–1.45× on pages of 16 keys from memory
-    (docs/decisions.md). Compiled with reassociation (sums run in vector lanes, in an
-    order fixed at compile time) and indexing the cache element by element: a view
-    per key row would cost more than the row."""
+    (what a pass prefetches then stays in L2). q, and each cache row, must have unit
+    stride along D. Against LLVM's own vectorisation of the same loops (the kernel
+    before, docs/decisions.md): 1.5× less compute per key from cache; B = 8 from memory
+    12.4–13.6 → 11.1–11.9 ms on two threads of an Intel host."""
     _wide()
     A, R, D = q.shape
     Dv = acc.shape[2]
@@ -422,7 +370,7 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     use_alibi = slopes.shape[0] == A * R
     pages, slots = np.empty(chunk, dtype=np.int64), np.empty(chunk, dtype=np.int64)
     n_pages, n_slots = np.empty(chunk, dtype=np.int64), np.empty(chunk, dtype=np.int64)
-    R4 = R - R % 4
+    kst, vst, sst = kc.strides[2], vc.strides[2], s.strides[0]
     # heads per pass: a page's heads together (a page is one block); on a dense cache one
     # head at a time, so that the rows a pass prefetches (a chunk of one head's keys or
     # values, 128 KiB) stay in L2 until read — all eight heads' (1 MiB each way) did not:
@@ -441,25 +389,10 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
                 j1 = min(n, j0 + P - slots[j0])
                 page = pages[j0]
                 for a in range(g0, g1):
-                    h = hk + a
-                    for jj in range(j0, j1):
-                        sl = slots[jj]
-                        _prefetch_row(vc, page, h, sl)
-                        for r in range(0, R4, 4):
-                            x0, x1, x2, x3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
-                            for d in range(D):
-                                kk = kc[page, h, sl, d]
-                                x0 += q[a, r, d] * kk
-                                x1 += q[a, r + 1, d] * kk
-                                x2 += q[a, r + 2, d] * kk
-                                x3 += q[a, r + 3, d] * kk
-                            f = a * R + r
-                            s[f, jj], s[f + 1, jj], s[f + 2, jj], s[f + 3, jj] = x0, x1, x2, x3
-                        for r in range(R4, R):
-                            x = f32(0.0)
-                            for d in range(D):
-                                x += q[a, r, d] * kc[page, h, sl, d]
-                            s[a * R + r, jj] = x
+                    kp = address(kc, (page, hk + a, slots[j0], 0)) - j0 * kst
+                    vp = address(vc, (page, hk + a, slots[j0], 0)) - j0 * vst
+                    scores(address(q, (a, 0, 0)), q.strides[1], R, D, kp, kst, j0, j1, address(s, (a * R, 0)),
+                           sst, vp, vst, 4 * Dv)
                 j0 = j1
             full = True                                    # every row sees every key of the chunk
             for f in range(g0 * R, g1 * R):
@@ -506,13 +439,9 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
             while j0 < n:
                 j1 = min(n, j0 + P - slots[j0])
                 page, sl0 = pages[j0], slots[j0] - j0      # key jj of the run at slot sl0 + jj
-                j4 = j0 + (j1 - j0) // 4 * 4
                 for a in range(g0, g1):
                     h = hk + a
-                    if g1 < A:                             # the next score pass's key rows: the
-                        for jj in range(j0, j1):           # next heads' in this chunk, or the
-                            _prefetch_row(kc, page, h + G, slots[jj])   # first heads' in the next
-                    else:
+                    if P < chunk:                          # pages: the next chunk's key rows
                         for jj in range(j0, min(j1, n_next)):
                             _prefetch_row(kc, n_pages[jj], hk + a - g0, n_slots[jj])
                     if not full:                           # some row's edge in the chunk, or a
@@ -525,13 +454,9 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
                                     for d in range(Dv):
                                         acc[a, r, d] += w * vc[page, h, sl, d]
                         continue
-                    _weighted_values(s, a * R, R, j0, j4, vc, page, h, sl0, acc, a)
-                    for jj in range(j4, j1):
-                        sl = sl0 + jj
-                        for r in range(R):
-                            w = s[a * R + r, jj]
-                            for d in range(Dv):
-                                acc[a, r, d] += w * vc[page, h, sl, d]
+                    vp = address(vc, (page, h, sl0 + j0, 0)) - j0 * vst
+                    weighted_values(address(s, (a * R, 0)), sst, R, j0, j1, vp, vst, address(acc, (a, 0, 0)),
+                                    acc.strides[1], Dv)
                 j0 = j1
 
 

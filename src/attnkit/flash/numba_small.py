@@ -6,7 +6,8 @@ keys, D = 32 took 23 µs that way, 14 this way (the kernel 10).
 
 Developers: numba's disk cache follows this file's own timestamp, not that of
 :mod:`.numba_kernels`, whose bodies and flags are compiled in here: after editing those,
-delete ``__pycache__/numba_small*.nb*`` (a fresh clone, as CI's, has none).
+delete ``__pycache__/numba_small*.nb*`` (a fresh clone, as CI's, has none); the same
+for :mod:`.numba_simd`.
 """
 
 from __future__ import annotations
@@ -14,52 +15,43 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .numba_kernels import REDUCE, _lse_value, _normalized, _softmax_span, _weighted_values, _wide, f32
+from .numba_kernels import REDUCE, _lse_value, _normalized, _softmax_span, _wide, f32
+from .numba_simd import address, scores, weighted_values
 
 
 @numba.njit(**REDUCE)
 def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
     """A whole small call with few query rows per kv head (decoding), finished: rows
     q (N, A, R, D) of batch element n and kv head a against keys k (N, A, S, D) and
-    values v (N, A, S, Dv) of the same n and a (any strides), into out (N, A, R, Dv)
+    values v (N, A, S, Dv) of the same n and a (unit stride along D), into out (N, A, R, Dv)
     and lse (N, A, R). Scores scale · q kᵀ, then softcap · tanh(s / softcap) where
     softcap > 0. Flat row f = a·R + r of element n sees keys [lo[n, f], hi[n, f]) (lo
     with no columns: all S); m_i, l_i (N, A·R) hold each row's state before its keys
     (a sink's; with no columns: none, −inf and 0).
 
-    Per head: the scores key by key, four rows per read of a key row (the rows of a
-    GQA group share it), the row softmax by :func:`_softmax_span`, then the weighted
-    sum of the value rows, by decode_part's ``_weighted_values`` where every row sees
-    every key, else row by row over its own keys — a key whose score is −inf never
+    Per head: the scores (:func:`.numba_simd.scores`, four rows by four keys per pass:
+    the rows of a GQA group share each key read), the row softmax by
+    :func:`_softmax_span`, then the weighted sum of the value rows, by
+    :func:`.numba_simd.weighted_values` where every row sees every key, else row by row
+    over its own keys — a key whose score is −inf never
     read (the reference's exempt product: an inf or NaN value reaches a row only
     through a key it sees)."""
     _wide()
     N, A, R, D = q.shape
     S, Dv = k.shape[2], v.shape[3]
-    R4, S4 = R - R % 4, S - S % 4
     s = np.empty((R, S), dtype=np.float32)
-    acc = np.empty((1, R, Dv), dtype=np.float32)      # (one head: _weighted_values' form)
+    acc = np.empty((1, R, Dv), dtype=np.float32)      # one head's output rows
     row_lo, row_hi = np.zeros(R, dtype=np.int64), np.full(R, S, dtype=np.int64)
     m_r, l_r, alpha = np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32)
     hole = np.empty(S, dtype=np.bool_)
     for n in range(N):
         for a in range(A):
             full = True                                # no bounds or holes cut a row
-            for j in range(S):
-                for r in range(0, R4, 4):
-                    x0, x1, x2, x3 = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
-                    for d in range(D):
-                        kk = k[n, a, j, d]
-                        x0 += q[n, a, r, d] * kk
-                        x1 += q[n, a, r + 1, d] * kk
-                        x2 += q[n, a, r + 2, d] * kk
-                        x3 += q[n, a, r + 3, d] * kk
-                    s[r, j], s[r + 1, j], s[r + 2, j], s[r + 3, j] = x0 * scale, x1 * scale, x2 * scale, x3 * scale
-                for r in range(R4, R):
-                    x = f32(0.0)
-                    for d in range(D):
-                        x += q[n, a, r, d] * k[n, a, j, d]
-                    s[r, j] = x * scale
+            scores(address(q, (n, a, 0, 0)), q.strides[2], R, D, address(k, (n, a, 0, 0)), k.strides[2], 0, S,
+                   address(s, (0, 0)), s.strides[0], 0, 0, 0)
+            for r in range(R):
+                for j in range(S):
+                    s[r, j] *= scale
             for r in range(R):
                 f = a * R + r
                 if lo.shape[1]:
@@ -88,12 +80,8 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
                 lse[n, a, r] = _lse_value(m_r[r], l_r[r])
             acc[:] = f32(0.0)
             if full:                                   # every row reads every value row
-                _weighted_values(s, 0, R, 0, S4, v, n, a, 0, acc, 0)
-                for j in range(S4, S):
-                    for r in range(R):
-                        w = s[r, j]
-                        for d in range(Dv):
-                            acc[0, r, d] += w * v[n, a, j, d]
+                weighted_values(address(s, (0, 0)), s.strides[0], R, 0, S, address(v, (n, a, 0, 0)), v.strides[2],
+                                address(acc, (0, 0, 0)), acc.strides[1], Dv)
             else:                                      # each row its own keys
                 for r in range(R):
                     for j in range(np.uint64(row_lo[r]), np.uint64(row_hi[r])):

@@ -199,6 +199,9 @@ class Call:
         self.stream = (not backward and self.tuned and getattr(self.kern, "decode_part", None) is not None
                        and not self.masked and spec.bias is None and not self.drop_thr
                        and (pages is None or pages[0].dtype == self.acc))
+        if self.stream and pages is not None and any(x.strides[-1] != x.itemsize for x in pages[:2]):
+            # the kernel reads rows of unit stride: a pool strided along D is read from a copy
+            self.pages = (np.ascontiguousarray(pages[0]), np.ascontiguousarray(pages[1])) + tuple(pages[2:])
         # the compiled loop's operands (numba_loop.tile_tasks), once per call: q, k, v in
         # float32 (float16 converted here, not per task), each as (N, heads, rows, D)
         # over its own batch dims flattened (broadcast ones never expanded), read only

@@ -1,0 +1,375 @@
+"""Explicit 16-lane float32 vectors in numba code, and the decoding kernels' products
+written with them: scores (rows of q against key rows) and weighted sums of value rows.
+
+LLVM vectorises a plain loop over the head dim with one accumulator per row and key,
+summed across its lanes after every key: four rows against one key cost 4 horizontal
+sums, and chains of dependent multiply-adds (57 cycles a key where 32 multiply-adds
+take 16). Here the code says what the vectors hold: four rows by four keys of scores
+from one pass over their 16 accumulators, summed across lanes together (15 shuffle
+steps for 16 sums); the value pass keeps four output rows by 64 lanes in registers
+across its keys. Decoding from memory then waits less on arithmetic (docs/decisions.md).
+
+Operands are addresses (``address(arr, idx)``) with byte strides between rows; rows
+are float32 with unit stride. A vector is ``f32x16``; ``load_part``/``store_part``
+touch only the first n lanes (a head dim that is not a multiple of 16). Every sum runs
+in an order fixed here (``fma`` is a multiply-add, fused where the machine has FMA), so
+results are the same whatever the thread count. On machines without 512-bit vectors
+LLVM splits each vector into narrower ones: the same values, more instructions.
+Vectors live in local variables (registers), never in lists, arrays or tuples kept in
+memory: numba does not align such storage for them.
+
+Developers: numba's disk cache follows a function's own file: after editing this one,
+delete ``__pycache__/numba_kernels*.nb*`` and ``numba_small*.nb*`` (they inline it).
+"""
+
+from __future__ import annotations
+
+import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+LANES = 16
+_F, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+_V = ir.VectorType(_F, LANES)
+_MASK = ir.VectorType(ir.IntType(1), LANES)
+# the compiled kernels' flags (here and in .numba_kernels). No "arcp" in either: a
+# division stays a division (finishing, inlined into the tile loop, divides by each
+# row's sum; with arcp it became a reciprocal times x, 1 ulp off)
+ORDERED = dict(nogil=True, cache=True, error_model="numpy", fastmath={"nsz", "contract", "afn"})
+REDUCE = dict(ORDERED, fastmath={"reassoc", "nsz", "contract", "afn"})
+
+
+class F32x16(types.Type):
+    """numba's type of a 16-lane float32 vector (an LLVM <16 x float> value)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="f32x16")
+
+
+f32x16 = F32x16()
+
+
+@register_model(F32x16)
+class _VectorModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _V)
+
+
+def _at(builder, addr, ty=_V):
+    return builder.inttoptr(addr, ty.as_pointer())
+
+
+def _lanes_below(builder, n):
+    # the mask of lanes i < n
+    wide = ir.VectorType(_I64, LANES)
+    nv = builder.insert_element(ir.Constant(wide, ir.Undefined), n, _I32(0))
+    nv = builder.shuffle_vector(nv, nv, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+    return builder.icmp_signed("<", ir.Constant(wide, list(range(LANES))), nv)
+
+
+def _function(builder, name, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+@intrinsic
+def address(typingctx, arr, idx):
+    """The address of arr[idx] (idx: a tuple of ints, one per dimension, none negative)."""
+    def codegen(context, builder, sig, args):
+        aty, ity = sig.args
+        ary = context.make_array(aty)(context, builder, args[0])
+        inds = [context.cast(builder, x, t, types.intp) for x, t in zip(cgutils.unpack_tuple(builder, args[1]), ity)]
+        return builder.ptrtoint(cgutils.get_item_pointer(context, builder, aty, ary, inds), _I64)
+    return types.intp(arr, idx), codegen
+
+
+@intrinsic
+def prefetch(typingctx, addr):
+    """llvm.prefetch (read, locality 2: into L2, not L1) of the line at addr; never
+    faults and changes no value. A chunk's rows prefetched into L1 (locality 3) pushed
+    out the scores, q and the output rows there: on a Zen 4 host, decoding from memory
+    ran 1.2–1.4× faster on one thread and 1.05–1.6× on two with L2 (docs/decisions.md)."""
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(),
+                                                                                      [i8p, _I32, _I32, _I32]))
+        builder.call(fn, [builder.inttoptr(args[0], i8p), _I32(0), _I32(2), _I32(1)])
+        return context.get_dummy_value()
+    return types.none(types.intp), codegen
+
+
+@intrinsic
+def get(typingctx, addr):
+    """The float32 at addr."""
+    def codegen(context, builder, sig, args):
+        return builder.load(_at(builder, args[0], _F), align=4)
+    return types.float32(types.intp), codegen
+
+
+@intrinsic
+def put(typingctx, addr, x):
+    """Store the float32 x at addr."""
+    def codegen(context, builder, sig, args):
+        builder.store(context.cast(builder, args[1], sig.args[1], types.float32), _at(builder, args[0], _F), align=4)
+        return context.get_dummy_value()
+    return types.none(types.intp, x), codegen
+
+
+@intrinsic
+def load(typingctx, addr):
+    """16 float32 from addr."""
+    def codegen(context, builder, sig, args):
+        return builder.load(_at(builder, args[0]), align=4)
+    return f32x16(types.intp), codegen
+
+
+@intrinsic
+def load_part(typingctx, addr, n):
+    """Lanes [0, n) from addr, the others 0; nothing past lane n − 1 is read."""
+    def codegen(context, builder, sig, args):
+        fn = _function(builder, "llvm.masked.load.v16f32.p0", _V, [_V.as_pointer(), _I32, _MASK, _V])
+        n = context.cast(builder, args[1], sig.args[1], types.int64)
+        zero = ir.Constant(_V, [0.0] * LANES)
+        return builder.call(fn, [_at(builder, args[0]), _I32(4), _lanes_below(builder, n), zero])
+    return f32x16(types.intp, n), codegen
+
+
+@intrinsic
+def store(typingctx, addr, x):
+    """Store the 16 lanes of x at addr."""
+    def codegen(context, builder, sig, args):
+        builder.store(args[1], _at(builder, args[0]), align=4)
+        return context.get_dummy_value()
+    return types.none(types.intp, f32x16), codegen
+
+
+@intrinsic
+def store_part(typingctx, addr, x, n):
+    """Store lanes [0, n) of x at addr; nothing past them is written."""
+    def codegen(context, builder, sig, args):
+        fn = _function(builder, "llvm.masked.store.v16f32.p0", ir.VoidType(), [_V, _V.as_pointer(), _I32, _MASK])
+        n = context.cast(builder, args[2], sig.args[2], types.int64)
+        builder.call(fn, [args[1], _at(builder, args[0]), _I32(4), _lanes_below(builder, n)])
+        return context.get_dummy_value()
+    return types.none(types.intp, f32x16, n), codegen
+
+
+@intrinsic
+def splat(typingctx, x):
+    """x (a float32) in every lane."""
+    def codegen(context, builder, sig, args):
+        x = context.cast(builder, args[0], sig.args[0], types.float32)
+        v = builder.insert_element(ir.Constant(_V, ir.Undefined), x, _I32(0))
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+    return f32x16(x), codegen
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """a · b + c lane by lane (llvm.fmuladd: fused where the machine has FMA)."""
+    def codegen(context, builder, sig, args):
+        return builder.call(_function(builder, "llvm.fmuladd.v16f32", _V, [_V, _V, _V]), args)
+    return f32x16(f32x16, f32x16, f32x16), codegen
+
+
+def _pairs(builder, a, b, size):
+    # lanes of blocks of 2·size: the low size of each block plus its high size, a's
+    # blocks first, then b's (so a vector of one row's partial sums becomes half as many)
+    n = a.type.count
+    lo = [i for i in range(n) if (i // size) % 2 == 0]
+    hi = [i for i in range(n) if (i // size) % 2 == 1]
+    x = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, n), lo + [n + i for i in lo]))
+    y = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, n), hi + [n + i for i in hi]))
+    return builder.fadd(x, y)
+
+
+def _sums(builder, xs):
+    # the lane sums of len(xs) ∈ {1, 2, 4, 8, 16} vectors, in one vector's first lanes (in order)
+    size = LANES // 2
+    while len(xs) > 1:
+        xs = [_pairs(builder, xs[i], xs[i + 1], size) for i in range(0, len(xs), 2)]
+        size //= 2
+    x = xs[0]
+    while size:                                  # one vector's lanes: pairs within itself
+        x = _pairs(builder, x, x, size)
+        size //= 2
+    return x
+
+
+@intrinsic
+def sum4(typingctx, a, b, c, d):
+    """(Σ a, Σ b, Σ c, Σ d) over lanes, in a fixed order."""
+    def codegen(context, builder, sig, args):
+        x = _sums(builder, list(args))
+        return context.make_tuple(builder, sig.return_type, [builder.extract_element(x, _I32(i)) for i in range(4)])
+    return types.UniTuple(types.float32, 4)(f32x16, f32x16, f32x16, f32x16), codegen
+
+
+@intrinsic
+def hsum(typingctx, a):
+    """Σ a over lanes, in a fixed order."""
+    def codegen(context, builder, sig, args):
+        return builder.extract_element(_sums(builder, [args[0]]), _I32(0))
+    return types.float32(f32x16), codegen
+
+
+@intrinsic
+def put_sums4x4(typingctx, p, st, *xs):
+    """Row i's four sums Σ x[4i + j] (j < 4) over lanes stored at p + i·st (bytes), for
+    16 vectors x: 15 pairwise steps instead of 16 separate sums."""
+    def codegen(context, builder, sig, args):
+        p, st = args[0], args[1]
+        x = _sums(builder, cgutils.unpack_tuple(builder, args[2]))
+        q4 = ir.VectorType(_F, 4)
+        for i in range(4):
+            part = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, 4), [4 * i + j for j in range(4)]))
+            builder.store(part, _at(builder, builder.add(p, builder.mul(st, _I64(i))), q4), align=4)
+        return context.get_dummy_value()
+    return types.none(types.intp, types.intp, types.StarArgTuple([f32x16] * 16)), codegen
+
+
+# ---- the decoding kernels' products ---------------------------------------------------
+@numba.njit(**REDUCE, inline="always")
+def _dot4x4(q0, qst, k0, kst, D, s0, sst):
+    # at s0 + i·sst, four floats: Σ_d q_i[d]·k_j[d] for rows q_i at q0 + i·qst, keys k_j at k0 + j·kst
+    q1, q2, q3 = q0 + qst, q0 + 2 * qst, q0 + 3 * qst
+    k1, k2, k3 = k0 + kst, k0 + 2 * kst, k0 + 3 * kst
+    z = splat(0.0)
+    x00 = x01 = x02 = x03 = x10 = x11 = x12 = x13 = x20 = x21 = x22 = x23 = x30 = x31 = x32 = x33 = z
+    for d in range(0, D, LANES):
+        o, t = 4 * d, min(LANES, D - d)
+        if t == LANES:
+            a0, a1, a2, a3 = load(q0 + o), load(q1 + o), load(q2 + o), load(q3 + o)
+            b0, b1, b2, b3 = load(k0 + o), load(k1 + o), load(k2 + o), load(k3 + o)
+        else:
+            a0, a1, a2, a3 = load_part(q0 + o, t), load_part(q1 + o, t), load_part(q2 + o, t), load_part(q3 + o, t)
+            b0, b1, b2, b3 = load_part(k0 + o, t), load_part(k1 + o, t), load_part(k2 + o, t), load_part(k3 + o, t)
+        x00, x01, x02, x03 = fma(a0, b0, x00), fma(a0, b1, x01), fma(a0, b2, x02), fma(a0, b3, x03)
+        x10, x11, x12, x13 = fma(a1, b0, x10), fma(a1, b1, x11), fma(a1, b2, x12), fma(a1, b3, x13)
+        x20, x21, x22, x23 = fma(a2, b0, x20), fma(a2, b1, x21), fma(a2, b2, x22), fma(a2, b3, x23)
+        x30, x31, x32, x33 = fma(a3, b0, x30), fma(a3, b1, x31), fma(a3, b2, x32), fma(a3, b3, x33)
+    put_sums4x4(s0, sst, x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33)
+
+
+@numba.njit(**REDUCE, inline="always")
+def _dot4(p0, st, y, D):
+    # Σ_d p_i[d]·y[d] for four rows p_i at p0 + i·st and one row y
+    p1, p2, p3 = p0 + st, p0 + 2 * st, p0 + 3 * st
+    x0 = x1 = x2 = x3 = splat(0.0)
+    for d in range(0, D, LANES):
+        o, t = 4 * d, min(LANES, D - d)
+        if t == LANES:
+            yy, a0, a1, a2, a3 = load(y + o), load(p0 + o), load(p1 + o), load(p2 + o), load(p3 + o)
+        else:
+            yy, a0, a1, a2, a3 = (load_part(y + o, t), load_part(p0 + o, t), load_part(p1 + o, t),
+                                  load_part(p2 + o, t), load_part(p3 + o, t))
+        x0, x1, x2, x3 = fma(a0, yy, x0), fma(a1, yy, x1), fma(a2, yy, x2), fma(a3, yy, x3)
+    return sum4(x0, x1, x2, x3)
+
+
+@numba.njit(**REDUCE, inline="always")
+def _dot1(p, y, D):
+    x = splat(0.0)
+    for d in range(0, D, LANES):
+        o, t = 4 * d, min(LANES, D - d)
+        x = fma(load(p + o), load(y + o), x) if t == LANES else fma(load_part(p + o, t), load_part(y + o, t), x)
+    return hsum(x)
+
+
+@numba.njit(**REDUCE, inline="always")
+def scores(q0, qst, R, D, k0, kst, j0, j1, s0, sst, v0, vst, pf):
+    """s[r, j] (at s0 + r·sst + 4j) = q_r · k_j for rows r < R (at q0 + r·qst) and keys
+    j in [j0, j1) (at k0 + j·kst), four rows by four keys per pass; the first pf bytes
+    of each key's value row (at v0 + j·vst) prefetched on the way."""
+    R4, j4 = R - R % 4, j0 + (j1 - j0) // 4 * 4
+    for jb in range(j0, j1, 4):
+        for jj in range(jb, min(jb + 4, j1)):
+            for o in range(0, pf, 64):
+                prefetch(v0 + jj * vst + o)
+        pk = k0 + jb * kst
+        if jb < j4:
+            for r in range(0, R4, 4):
+                _dot4x4(q0 + r * qst, qst, pk, kst, D, s0 + r * sst + 4 * jb, sst)
+            for r in range(R4, R):
+                x0, x1, x2, x3 = _dot4(pk, kst, q0 + r * qst, D)
+                ps = s0 + r * sst + 4 * jb
+                put(ps, x0), put(ps + 4, x1), put(ps + 8, x2), put(ps + 12, x3)
+        else:                                            # the last keys, one by one
+            for jj in range(jb, j1):
+                pk = k0 + jj * kst
+                for r in range(0, R4, 4):
+                    x0, x1, x2, x3 = _dot4(q0 + r * qst, qst, pk, D)
+                    ps = s0 + r * sst + 4 * jj
+                    put(ps, x0), put(ps + sst, x1), put(ps + 2 * sst, x2), put(ps + 3 * sst, x3)
+                for r in range(R4, R):
+                    put(s0 + r * sst + 4 * jj, _dot1(q0 + r * qst, pk, D))
+
+
+@numba.njit(**REDUCE, inline="always")
+def _values4(s0, sst, j0, j1, v0, vst, p0, ast, Dv):
+    # rows p_i (at p0 + i·ast, i < 4) += Σ_j s_i[j]·v_j: four rows by four vectors in registers
+    p1, p2, p3 = p0 + ast, p0 + 2 * ast, p0 + 3 * ast
+    s1, s2, s3 = s0 + sst, s0 + 2 * sst, s0 + 3 * sst
+    D64 = Dv - Dv % 64
+    for d in range(0, D64, 64):
+        o = 4 * d
+        t00, t01, t02, t03 = load(p0 + o), load(p0 + o + 64), load(p0 + o + 128), load(p0 + o + 192)
+        t10, t11, t12, t13 = load(p1 + o), load(p1 + o + 64), load(p1 + o + 128), load(p1 + o + 192)
+        t20, t21, t22, t23 = load(p2 + o), load(p2 + o + 64), load(p2 + o + 128), load(p2 + o + 192)
+        t30, t31, t32, t33 = load(p3 + o), load(p3 + o + 64), load(p3 + o + 128), load(p3 + o + 192)
+        for j in range(j0, j1):
+            pv = v0 + j * vst + o
+            y0, y1, y2, y3 = load(pv), load(pv + 64), load(pv + 128), load(pv + 192)
+            w = splat(get(s0 + 4 * j))
+            t00, t01, t02, t03 = fma(w, y0, t00), fma(w, y1, t01), fma(w, y2, t02), fma(w, y3, t03)
+            w = splat(get(s1 + 4 * j))
+            t10, t11, t12, t13 = fma(w, y0, t10), fma(w, y1, t11), fma(w, y2, t12), fma(w, y3, t13)
+            w = splat(get(s2 + 4 * j))
+            t20, t21, t22, t23 = fma(w, y0, t20), fma(w, y1, t21), fma(w, y2, t22), fma(w, y3, t23)
+            w = splat(get(s3 + 4 * j))
+            t30, t31, t32, t33 = fma(w, y0, t30), fma(w, y1, t31), fma(w, y2, t32), fma(w, y3, t33)
+        store(p0 + o, t00), store(p0 + o + 64, t01), store(p0 + o + 128, t02), store(p0 + o + 192, t03)
+        store(p1 + o, t10), store(p1 + o + 64, t11), store(p1 + o + 128, t12), store(p1 + o + 192, t13)
+        store(p2 + o, t20), store(p2 + o + 64, t21), store(p2 + o + 128, t22), store(p2 + o + 192, t23)
+        store(p3 + o, t30), store(p3 + o + 64, t31), store(p3 + o + 128, t32), store(p3 + o + 192, t33)
+    for d in range(D64, Dv, LANES):
+        o, t = 4 * d, min(LANES, Dv - d)
+        t0, t1, t2, t3 = load_part(p0 + o, t), load_part(p1 + o, t), load_part(p2 + o, t), load_part(p3 + o, t)
+        for j in range(j0, j1):
+            y = load_part(v0 + j * vst + o, t)
+            t0, t1 = fma(splat(get(s0 + 4 * j)), y, t0), fma(splat(get(s1 + 4 * j)), y, t1)
+            t2, t3 = fma(splat(get(s2 + 4 * j)), y, t2), fma(splat(get(s3 + 4 * j)), y, t3)
+        store_part(p0 + o, t0, t), store_part(p1 + o, t1, t), store_part(p2 + o, t2, t), store_part(p3 + o, t3, t)
+
+
+@numba.njit(**REDUCE, inline="always")
+def _values1(s0, j0, j1, v0, vst, p, Dv):
+    # row p += Σ_j s[j]·v_j, four vectors in registers
+    D64 = Dv - Dv % 64
+    for d in range(0, D64, 64):
+        o = 4 * d
+        t0, t1, t2, t3 = load(p + o), load(p + o + 64), load(p + o + 128), load(p + o + 192)
+        for j in range(j0, j1):
+            pv, w = v0 + j * vst + o, splat(get(s0 + 4 * j))
+            t0, t1 = fma(w, load(pv), t0), fma(w, load(pv + 64), t1)
+            t2, t3 = fma(w, load(pv + 128), t2), fma(w, load(pv + 192), t3)
+        store(p + o, t0), store(p + o + 64, t1), store(p + o + 128, t2), store(p + o + 192, t3)
+    for d in range(D64, Dv, LANES):
+        o, t = 4 * d, min(LANES, Dv - d)
+        t0 = load_part(p + o, t)
+        for j in range(j0, j1):
+            t0 = fma(splat(get(s0 + 4 * j)), load_part(v0 + j * vst + o, t), t0)
+        store_part(p + o, t0, t)
+
+
+@numba.njit(**REDUCE, inline="always")
+def weighted_values(s0, sst, R, j0, j1, v0, vst, a0, ast, Dv):
+    """Output rows r < R (at a0 + r·ast, Dv floats) += Σ_j s[r, j]·v_j over keys j in
+    [j0, j1) (s[r, j] at s0 + r·sst + 4j, v_j at v0 + j·vst), each element's sum in key
+    order, four rows at a time."""
+    R4 = R - R % 4
+    for r in range(0, R4, 4):
+        _values4(s0 + r * sst, sst, j0, j1, v0, vst, a0 + r * ast, ast, Dv)
+    for r in range(R4, R):
+        _values1(s0 + r * sst, j0, j1, v0, vst, a0 + r * ast, Dv)

@@ -1,0 +1,89 @@
+"""The explicit vectors of numba_simd: each primitive on its own (partial loads and
+stores touch only their lanes, sums put each vector's sum where it is said to), and
+the decoding products against NumPy for every remainder of rows, keys and head dims."""
+
+import numba
+import numpy as np
+import pytest
+
+from attnkit.flash import numba_simd as V
+
+
+@numba.njit
+def _round_trip(src, dst, n):
+    # dst[0:16] ← src[0:16]; dst[16:32] ← the first n lanes of src[16:]; dst[32:48] ← src[32:48] with only n lanes stored
+    V.store(V.address(dst, (0,)), V.load(V.address(src, (0,))))
+    V.store(V.address(dst, (16,)), V.load_part(V.address(src, (16,)), n))
+    V.store_part(V.address(dst, (32,)), V.load(V.address(src, (32,))), n)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 15, 16])
+def test_partial_loads_read_and_partial_stores_write_only_their_lanes(n):
+    src = np.arange(48, dtype=np.float32) + 1
+    dst = np.full(48, -5.0, dtype=np.float32)
+    _round_trip(src, dst, n)
+    assert np.array_equal(dst[:16], src[:16])
+    assert np.array_equal(dst[16:32], np.where(np.arange(16) < n, src[16:32], 0))       # the rest zero
+    assert np.array_equal(dst[32:48], np.where(np.arange(16) < n, src[32:48], -5))      # the rest untouched
+
+
+@numba.njit
+def _row(x, i):
+    return V.load(V.address(x, (i, 0)))
+
+
+@numba.njit
+def _sums(x, out):
+    V.put_sums4x4(V.address(out, (0, 0)), out.strides[0], _row(x, 0), _row(x, 1), _row(x, 2), _row(x, 3), _row(x, 4),
+                  _row(x, 5), _row(x, 6), _row(x, 7), _row(x, 8), _row(x, 9), _row(x, 10), _row(x, 11), _row(x, 12),
+                  _row(x, 13), _row(x, 14), _row(x, 15))
+    return V.sum4(_row(x, 0), _row(x, 1), _row(x, 2), _row(x, 3)), V.hsum(V.fma(_row(x, 5), V.splat(2.0), _row(x, 6)))
+
+
+def test_lane_sums_land_where_they_are_said_to():
+    """sum4 gives each vector's sum in argument order, hsum one vector's (of a·b + c),
+    and the 4×4 form row i's four sums (vectors 4i … 4i + 3) at row i — exact here
+    (integers)."""
+    x = np.random.default_rng(0).integers(-50, 50, (16, 16)).astype(np.float32)
+    out = np.full((4, 6), 7.0, dtype=np.float32)
+    s, h = _sums(x, out)
+    assert s == tuple(x[:4].sum(axis=1))
+    assert h == (2 * x[5] + x[6]).sum()
+    assert np.array_equal(out[:, :4], x.sum(axis=1).reshape(4, 4))
+    assert np.all(out[:, 4:] == 7)                       # nothing past each row's four
+
+
+@numba.njit
+def _scores(q, k, v, s, j0, j1):
+    V.scores(V.address(q, (0, 0)), q.strides[0], q.shape[0], q.shape[1], V.address(k, (0, 0)), k.strides[0], j0, j1,
+             V.address(s, (0, 0)), s.strides[0], V.address(v, (0, 0)), v.strides[0], 4 * v.shape[1])
+
+
+@numba.njit
+def _values(s, v, acc, j0, j1):
+    V.weighted_values(V.address(s, (0, 0)), s.strides[0], acc.shape[0], j0, j1, V.address(v, (0, 0)), v.strides[0],
+                      V.address(acc, (0, 0)), acc.strides[0], acc.shape[1])
+
+
+@pytest.mark.parametrize("R", [1, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("D", [1, 16, 17, 64, 72, 130])
+def test_scores_and_weighted_values_match_numpy(R, D):
+    """Every row block (4 and the rest) and key block (4 and the rest), head dims with
+    and without a partial vector, value widths around the 64-lane blocks; keys j0 … j1
+    only (the others' scores and the output past Dv untouched), rows padded in memory."""
+    rng = np.random.default_rng(R * 1000 + D)
+    S, j0, j1, Dv = 11, 2, 9, D + 3
+    q = rng.standard_normal((R, D + 5)).astype(np.float32)[:, :D]        # rows a row apart, padded
+    k = rng.standard_normal((S, D + 2)).astype(np.float32)[:, :D]
+    v = rng.standard_normal((S, Dv + 1)).astype(np.float32)[:, :Dv]
+    s = np.full((R, S + 3), 99.0, dtype=np.float32)
+    _scores(q, k, v, s, j0, j1)
+    want = q.astype(np.float64) @ k.T.astype(np.float64)
+    np.testing.assert_allclose(s[:, j0:j1], want[:, j0:j1], rtol=1e-5, atol=1e-5 * np.sqrt(D))
+    assert np.all(s[:, :j0] == 99) and np.all(s[:, j1:] == 99)
+    acc0 = rng.standard_normal((R, Dv + 4)).astype(np.float32)
+    acc = acc0.copy()
+    _values(s, v, acc[:, :Dv], j0, j1)
+    want = acc0[:, :Dv] + s[:, j0:j1].astype(np.float64) @ v[j0:j1].astype(np.float64)
+    np.testing.assert_allclose(acc[:, :Dv], want, rtol=1e-5, atol=1e-4)
+    assert np.array_equal(acc[:, Dv:], acc0[:, Dv:])
