@@ -353,110 +353,109 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     (:func:`.numba_simd.weighted_values`: four output rows by 64 lanes in registers
     across the keys) — where some row's bounds cut the chunk, or a score inside them is
     −inf (an infinite q or k entry), key by key and only the keys each row sees (an
-    excluded key's value is never read). On pages, the next chunk's key rows are
-    prefetched during the value pass; a dense cache is read in address order, which the
+    excluded key's value is never read). Each kv head takes the three passes in turn
+    (what a pass prefetches then stays in L2). On pages the value pass prefetches the
+    next score pass's key rows; a dense cache is read in address order, which the
     hardware prefetcher follows (prefetching it too ran 4–6% slower on an Intel host).
-    A page's heads go head after head through the chunk's keys in that page (a page is
-    one contiguous block); on a dense cache each head takes the three passes in turn
-    (what a pass prefetches then stays in L2). q, and each cache row, must have unit
-    stride along D. Against LLVM's own vectorisation of the same loops (the kernel
+    q, and each cache row, must have unit stride along D. Against LLVM's own vectorisation of the same loops (the kernel
     before, docs/decisions.md): 1.5× less compute per key from cache; B = 8 from memory
     12.4–13.6 → 11.1–11.9 ms on two threads of an Intel host."""
     _wide()
     A, R, D = q.shape
     Dv = acc.shape[2]
     chunk = CHUNK_LONG if P >= CHUNK_LONG else CHUNK
-    s = np.empty((A * R, chunk), dtype=np.float32)
+    s = np.empty((R, chunk), dtype=np.float32)            # one head's scores, then weights
     use_alibi = slopes.shape[0] == A * R
     pages, slots = np.empty(chunk, dtype=np.int64), np.empty(chunk, dtype=np.int64)
     n_pages, n_slots = np.empty(chunk, dtype=np.int64), np.empty(chunk, dtype=np.int64)
     kst, vst, sst = kc.strides[2], vc.strides[2], s.strides[0]
-    # heads per pass: a page's heads together (a page is one block); on a dense cache one
-    # head at a time, so that the rows a pass prefetches (a chunk of one head's keys or
-    # values, 128 KiB) stay in L2 until read — all eight heads' (1 MiB each way) did not:
-    # B = 8 from memory 18.7 → 15.1 ms on an Intel host (docs/decisions.md)
-    G = A if P < chunk else 1
+    # one kv head at a time through the three passes, so that the rows a pass prefetches
+    # (a chunk of one head's keys or values) stay in L2 until read: all eight heads' of
+    # a dense chunk (1 MiB each way) did not (B = 8 from memory 18.7 → 15.1 ms on an
+    # Intel host), and all heads of pages of 16 together ran 1.2× slower than one at a
+    # time (docs/decisions.md)
     _walk(table, row, P, c0, min(chunk, c1 - c0), n_pages, n_slots)
     for start in range(c0, c1, chunk):
         n = min(chunk, c1 - start)
         pages, n_pages, slots, n_slots = n_pages, pages, n_slots, slots
         n_next = max(0, min(chunk, c1 - start - chunk))
         _walk(table, row, P, start + chunk, n_next, n_pages, n_slots)
-        for g0 in range(0, A, G):                          # heads g0 … g1 − 1: all three passes
-            g1 = g0 + G
+        for a in range(A):
+            h = hk + a
             j0 = 0
             while j0 < n:                                  # a run of keys in one page
                 j1 = min(n, j0 + P - slots[j0])
-                page = pages[j0]
-                for a in range(g0, g1):
-                    kp = address(kc, (page, hk + a, slots[j0], 0)) - j0 * kst
-                    vp = address(vc, (page, hk + a, slots[j0], 0)) - j0 * vst
-                    scores(address(q, (a, 0, 0)), q.strides[1], R, D, kp, kst, j0, j1, address(s, (a * R, 0)),
-                           sst, vp, vst, 4 * Dv)
+                kp = address(kc, (pages[j0], h, slots[j0], 0)) - j0 * kst
+                vp = address(vc, (pages[j0], h, slots[j0], 0)) - j0 * vst
+                scores(address(q, (a, 0, 0)), q.strides[1], R, D, kp, kst, j0, j1, address(s, (0, 0)), sst,
+                       vp, vst, 4 * Dv)
                 j0 = j1
             full = True                                    # every row sees every key of the chunk
-            for f in range(g0 * R, g1 * R):
+            for r in range(R):
+                f = a * R + r
                 if softcap > f32(0.0):
                     for jj in range(n):
-                        s[f, jj] = softcap * np.tanh(s[f, jj])
+                        s[r, jj] = softcap * np.tanh(s[r, jj])
                 if use_alibi:
                     slope, dg = slopes[f], diag[f] - start
                     for jj in range(n):
-                        s[f, jj] -= slope * f32(abs(dg - jj))
+                        s[r, jj] -= slope * f32(abs(dg - jj))
                 a0 = min(max(lo[f] - start, 0), n)
                 a1 = min(max(hi[f] - start, a0), n)
                 full = full and a0 == 0 and a1 == n
                 m_new = m_i[f]
                 for jj in range(n):
-                    x = s[f, jj] if a0 <= jj < a1 else f32(-np.inf)
-                    s[f, jj] = x
+                    x = s[r, jj] if a0 <= jj < a1 else f32(-np.inf)
+                    s[r, jj] = x
                     m_new = _fmax(m_new, x)
                 low = f32(np.inf)                          # the least score inside the bounds
                 for jj in range(np.uint64(a0), np.uint64(a1)):   # (unsigned: no wraparound check;
-                    low = -_fmax(-low, -s[f, jj])          # min() would stay scalar)
+                    low = -_fmax(-low, -s[r, jj])          # min() would stay scalar)
                 shift = f32(0.0) if m_new == -np.inf else m_new
                 total = f32(0.0)
                 if low == -np.inf:                         # a −inf score (inf in q or k) excludes its
                     full = False                           # key: its weight marked −1, and the
                     for jj in range(n):                    # key-by-key value pass below skips it
-                        x = s[f, jj]
+                        x = s[r, jj]
                         e = f32(0.0) if x == -np.inf else exp2_f32((x - shift) * LOG2E)
                         total += e
-                        s[f, jj] = f32(-1.0) if x == -np.inf and a0 <= jj < a1 else e
+                        s[r, jj] = f32(-1.0) if x == -np.inf and a0 <= jj < a1 else e
                 else:
                     for jj in range(n):
-                        x = s[f, jj]
+                        x = s[r, jj]
                         e = f32(0.0) if x == -np.inf else exp2_f32((x - shift) * LOG2E)
-                        s[f, jj] = e
+                        s[r, jj] = e
                         total += e
                 al = exp2_f32((m_i[f] - shift) * LOG2E)
                 l_i[f] = l_i[f] * al + total
                 m_i[f] = m_new
                 if al != f32(1.0):
                     for d in range(Dv):
-                        acc[f // R, f % R, d] *= al
+                        acc[a, r, d] *= al
             j0 = 0
             while j0 < n:
                 j1 = min(n, j0 + P - slots[j0])
                 page, sl0 = pages[j0], slots[j0] - j0      # key jj of the run at slot sl0 + jj
-                for a in range(g0, g1):
-                    h = hk + a
-                    if P < chunk:                          # pages: the next chunk's key rows
+                if P < chunk:                              # pages: the next pass's key rows (the
+                    if a + 1 < A:                          # next head's in this chunk, or the
+                        for jj in range(j0, j1):           # first head's in the next), which
+                            _prefetch_row(kc, page, h + 1, slots[jj])   # no hardware prefetcher
+                    else:                                  # can predict
                         for jj in range(j0, min(j1, n_next)):
-                            _prefetch_row(kc, n_pages[jj], hk + a - g0, n_slots[jj])
-                    if not full:                           # some row's edge in the chunk, or a
-                        for jj in range(j0, j1):           # −inf score (weight −1): key by key,
-                            sl = sl0 + jj                  # an excluded key's value never read
-                            for r in range(R):
-                                f = a * R + r
-                                w = s[f, jj]
-                                if lo[f] <= start + jj < hi[f] and not w < 0:
-                                    for d in range(Dv):
-                                        acc[a, r, d] += w * vc[page, h, sl, d]
-                        continue
+                            _prefetch_row(kc, n_pages[jj], hk, n_slots[jj])
+                if full:
                     vp = address(vc, (page, h, sl0 + j0, 0)) - j0 * vst
-                    weighted_values(address(s, (a * R, 0)), sst, R, j0, j1, vp, vst, address(acc, (a, 0, 0)),
+                    weighted_values(address(s, (0, 0)), sst, R, j0, j1, vp, vst, address(acc, (a, 0, 0)),
                                     acc.strides[1], Dv)
+                else:                                      # some row's edge in the chunk, or a
+                    for jj in range(j0, j1):               # −inf score (weight −1): key by key,
+                        sl = sl0 + jj                      # an excluded key's value never read
+                        for r in range(R):
+                            f = a * R + r
+                            w = s[r, jj]
+                            if lo[f] <= start + jj < hi[f] and not w < 0:
+                                for d in range(Dv):
+                                    acc[a, r, d] += w * vc[page, h, sl, d]
                 j0 = j1
 
 
