@@ -188,6 +188,26 @@ def test_without_numba_float32_takes_the_numpy_kernels(monkeypatch):
     assert max_error(attnkit.attention(q, k, v, backend="flash"), want) <= 1e-5
 
 
+def test_without_working_vectors_decoding_takes_the_tiles(monkeypatch):
+    """A numba whose vector intrinsics fail their probe: no decode_part, no small_rows
+    (asked once), and decoding on the flash and small rungs still computes, by the
+    tiles and the products."""
+    pytest.importorskip("numba")
+    from attnkit.flash import numba_kernels as nk
+    from attnkit.flash import numba_simd
+    for name in ("decode_part", "small_rows"):
+        monkeypatch.setattr(nk.KERNELS, name, getattr(nk.KERNELS, name))   # restored after
+    monkeypatch.setattr(K, "_compiled", [])
+    monkeypatch.setattr(numba_simd, "works", lambda: False)
+    kern = K.compiled_kernels()
+    assert kern.decode_part is None and kern.small_rows is None and kern.tile_tasks is not None
+    q, k, v = make_qkv((2, 8, 1, 16), (2, 2, 40, 16), dtype="float32", seed=2)
+    want = attnkit.attention(*(x.astype(np.float64) for x in (q, k, v)), backend="reference")
+    lengths = np.array([40, 40])
+    assert max_error(attnkit.attention_kvcache(q, k, v, lengths, backend="flash"), want) <= 1e-5
+    assert max_error(attnkit.attention(q, k, v, backend="small"), want) <= 1e-5
+
+
 def test_compiled_kernels_ask_llvm_for_wide_vectors():
     """The kernels' LLVM functions carry the 512-bit vector attributes (a silent loss —
     a numba or llvmlite that drops them — would cost AVX-512 machines 5–20%)."""

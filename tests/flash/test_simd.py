@@ -11,7 +11,8 @@ from attnkit.flash import numba_simd as V
 
 @numba.njit
 def _round_trip(src, dst, n):
-    # dst[0:16] ← src[0:16]; dst[16:32] ← the first n lanes of src[16:]; dst[32:48] ← src[32:48] with only n lanes stored
+    # dst[0:16] ← src[0:16]; dst[16:32] ← the first n lanes of src[16:32] (the rest 0);
+    # dst[32:48] ← src[32:48], only n lanes stored
     V.store(V.address(dst, (0,)), V.load(V.address(src, (0,))))
     V.store(V.address(dst, (16,)), V.load_part(V.address(src, (16,)), n))
     V.store_part(V.address(dst, (32,)), V.load(V.address(src, (32,))), n)
@@ -87,3 +88,29 @@ def test_scores_and_weighted_values_match_numpy(R, D):
     want = acc0[:, :Dv] + s[:, j0:j1].astype(np.float64) @ v[j0:j1].astype(np.float64)
     np.testing.assert_allclose(acc[:, :Dv], want, rtol=1e-5, atol=1e-4)
     assert np.array_equal(acc[:, Dv:], acc0[:, Dv:])
+
+
+@pytest.mark.parametrize("wrong", [None, "raises", "past_n", "sums", "get", "sum4", "hsum"])
+def test_the_probe_accepts_these_intrinsics_and_refuses_wrong_ones(monkeypatch, wrong):
+    """works() is True here, and False when the probe's compile fails or any one of its
+    results is off (a store past its lanes, a lane sum, a scalar move, sum4, hsum)."""
+    real = V._probe
+
+    def probe(x, out):
+        if wrong == "raises":
+            raise numba.core.errors.TypingError("no such intrinsic")
+        s4, h = real(x, out)
+        if wrong == "past_n":
+            out[0, 7] = out[1, 7]
+        elif wrong == "sums":
+            out[3, 2] += 1
+        elif wrong == "get":
+            out[6, 0] += 1
+        elif wrong == "sum4":
+            s4 = s4[:3] + (s4[3] + 1,)
+        elif wrong == "hsum":
+            h += 1
+        return s4, h
+
+    monkeypatch.setattr(V, "_probe", probe)
+    assert V.works() is (wrong is None)

@@ -147,7 +147,8 @@ def _probed(nk: Any) -> Any:
     numba or llvmlite refuse the 512-bit vector attributes, the kernels compile
     without them; should it refuse to compile at all, the NumPy kernels run. The
     compiled tile loop (:mod:`.numba_loop`) joins them where it runs and gets one
-    query against one key right; else the tiles stay in Python."""
+    query against one key right; else the tiles stay in Python. The decoding kernels
+    (``decode_part``, ``small_rows``) join where :func:`.numba_simd.works`."""
     one = np.ones((1, 1), dtype=np.float32)
     for attrs in (nk.WIDE_ATTRIBUTES, ()):
         nk.WIDE_ATTRIBUTES = attrs
@@ -164,8 +165,12 @@ def _probed(nk: Any) -> Any:
             nk.KERNELS.tile_tasks = tasks
             from . import numba_backward
             nk.KERNELS.backward_tasks = numba_backward.kernels()
-        from . import numba_small
-        nk.KERNELS.small_rows = numba_small.small_rows   # compiled at its first call
+        from . import numba_simd
+        if numba_simd.works():              # the decoding kernels' vectors
+            from . import numba_small
+            nk.KERNELS.small_rows = numba_small.small_rows   # compiled at its first call
+        else:                               # decoding takes the tiles and products
+            nk.KERNELS.decode_part = nk.KERNELS.small_rows = None
         return nk.KERNELS
     return None
 

@@ -20,7 +20,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .numba_simd import ORDERED, REDUCE, address, prefetch, scores, weighted_values
+from .numba_simd import ORDERED, REDUCE, address, prefetch_bytes, scores, weighted_values
 
 f32 = np.float32
 LOG2E = f32(1.44269504088896341)                          # exp(x) = 2^(x · log2 e)
@@ -318,10 +318,8 @@ CHUNK_LONG = 256                                         # the same where pages 
 
 @numba.njit(**REDUCE, inline="always")
 def _prefetch_row(x, page, h, slot):
-    # every 64-byte line of the row x[page, h, slot, :] (numba_simd.prefetch: into L2)
-    p = address(x, (page, h, slot, 0))
-    for o in range(0, 4 * x.shape[3], 64):
-        prefetch(p + o)
+    # every 64-byte line of the row x[page, h, slot, :], into L2
+    prefetch_bytes(address(x, (page, h, slot, 0)), 4 * x.shape[3])
 
 
 @numba.njit(**REDUCE, inline="always")
@@ -354,12 +352,14 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     across the keys) — where some row's bounds cut the chunk, or a score inside them is
     −inf (an infinite q or k entry), key by key and only the keys each row sees (an
     excluded key's value is never read). Each kv head takes the three passes in turn
-    (what a pass prefetches then stays in L2). On pages the value pass prefetches the
-    next score pass's key rows; a dense cache is read in address order, which the
-    hardware prefetcher follows (prefetching it too ran 4–6% slower on an Intel host).
-    q, and each cache row, must have unit stride along D. Against LLVM's own vectorisation of the same loops (the kernel
-    before, docs/decisions.md): 1.5× less compute per key from cache; B = 8 from memory
-    12.4–13.6 → 11.1–11.9 ms on two threads of an Intel host."""
+    (what a pass prefetches then stays in L2). On pages of fewer keys than a chunk the
+    value pass prefetches the next score pass's key rows; longer runs (a dense cache,
+    pages of 32 keys and more) the hardware prefetcher follows (prefetching them too ran
+    4–7% slower on an Intel host: dense, pages of 256 and 1,024; pages of 32 and 64 the
+    same within noise). q, and each cache row, must have unit stride along D. Against
+    LLVM's own vectorisation of the same loops (the kernel before, docs/decisions.md):
+    1.5× less compute per key from cache; B = 8 from memory 12.4–13.6 → 11.1–11.9 ms on
+    two threads of an Intel host."""
     _wide()
     A, R, D = q.shape
     Dv = acc.shape[2]
@@ -436,11 +436,11 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
             while j0 < n:
                 j1 = min(n, j0 + P - slots[j0])
                 page, sl0 = pages[j0], slots[j0] - j0      # key jj of the run at slot sl0 + jj
-                if P < chunk:                              # pages: the next pass's key rows (the
-                    if a + 1 < A:                          # next head's in this chunk, or the
-                        for jj in range(j0, j1):           # first head's in the next), which
-                            _prefetch_row(kc, page, h + 1, slots[jj])   # no hardware prefetcher
-                    else:                                  # can predict
+                if P < chunk:                              # short pages: the next pass's key rows
+                    if a + 1 < A:                          # (the next head's in this chunk, or the
+                        for jj in range(j0, j1):           # first head's in the next), which no
+                            _prefetch_row(kc, page, h + 1, slots[jj])   # hardware prefetcher
+                    else:                                  # predicts
                         for jj in range(j0, min(j1, n_next)):
                             _prefetch_row(kc, n_pages[jj], hk, n_slots[jj])
                 if full:

@@ -12,8 +12,9 @@ across its keys. Decoding from memory then waits less on arithmetic (docs/decisi
 Operands are addresses (``address(arr, idx)``) with byte strides between rows; rows
 are float32 with unit stride. A vector is ``f32x16``; ``load_part``/``store_part``
 touch only the first n lanes (a head dim that is not a multiple of 16). Every sum runs
-in an order fixed here (``fma`` is a multiply-add, fused where the machine has FMA), so
-results are the same whatever the thread count. On machines without 512-bit vectors
+in an order fixed when the kernels compile (``fma`` is a multiply-add, fused where the
+machine has FMA; compiled with reassociation, LLVM may regroup them, once), so results
+are the same whatever the thread count. On machines without 512-bit vectors
 LLVM splits each vector into narrower ones: the same values, more instructions.
 Vectors live in local variables (registers), never in lists, arrays or tuples kept in
 memory: numba does not align such storage for them.
@@ -25,7 +26,8 @@ delete ``__pycache__/numba_kernels*.nb*`` and ``numba_small*.nb*`` (they inline 
 from __future__ import annotations
 
 import numba
-from llvmlite import ir
+import numpy as np
+from llvmlite import binding, ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
@@ -34,6 +36,9 @@ LANES = 16
 _F, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 _V = ir.VectorType(_F, LANES)
 _MASK = ir.VectorType(ir.IntType(1), LANES)
+# llvm.masked.* are named by their pointer type: "p0" where LLVM has only opaque pointers
+# (17 on), "p0v16f32" before (LLVM renames either on parsing, where it can)
+_MASKED = ".v16f32.p0" if binding.llvm_version_info[0] >= 17 else ".v16f32.p0v16f32"
 # the compiled kernels' flags (here and in .numba_kernels). No "arcp" in either: a
 # division stays a division (finishing, inlined into the tile loop, divides by each
 # row's sum; with arcp it became a reciprocal times x, 1 ulp off)
@@ -75,12 +80,17 @@ def _function(builder, name, ret, args):
 
 @intrinsic
 def address(typingctx, arr, idx):
-    """The address of arr[idx] (idx: a tuple of ints, one per dimension, none negative)."""
+    """The address of arr[idx] for a float32 array (idx: a tuple of ints, one per
+    dimension, none negative); anything else does not compile."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and isinstance(idx, types.BaseTuple)
+            and len(idx) == arr.ndim and all(isinstance(t, types.Integer) for t in idx)):
+        return None
     def codegen(context, builder, sig, args):
         aty, ity = sig.args
         ary = context.make_array(aty)(context, builder, args[0])
         inds = [context.cast(builder, x, t, types.intp) for x, t in zip(cgutils.unpack_tuple(builder, args[1]), ity)]
-        return builder.ptrtoint(cgutils.get_item_pointer(context, builder, aty, ary, inds), _I64)
+        ptr = cgutils.get_item_pointer(context, builder, aty, ary, inds)
+        return builder.ptrtoint(ptr, context.get_value_type(types.intp))
     return types.intp(arr, idx), codegen
 
 
@@ -97,6 +107,13 @@ def prefetch(typingctx, addr):
         builder.call(fn, [builder.inttoptr(args[0], i8p), _I32(0), _I32(2), _I32(1)])
         return context.get_dummy_value()
     return types.none(types.intp), codegen
+
+
+@numba.njit(**REDUCE, inline="always")
+def prefetch_bytes(p, n):
+    """:func:`prefetch` every 64-byte line of the n bytes at p."""
+    for o in range(0, n, 64):
+        prefetch(p + o)
 
 
 @intrinsic
@@ -128,7 +145,7 @@ def load(typingctx, addr):
 def load_part(typingctx, addr, n):
     """Lanes [0, n) from addr, the others 0; nothing past lane n − 1 is read."""
     def codegen(context, builder, sig, args):
-        fn = _function(builder, "llvm.masked.load.v16f32.p0", _V, [_V.as_pointer(), _I32, _MASK, _V])
+        fn = _function(builder, "llvm.masked.load" + _MASKED, _V, [_V.as_pointer(), _I32, _MASK, _V])
         n = context.cast(builder, args[1], sig.args[1], types.int64)
         zero = ir.Constant(_V, [0.0] * LANES)
         return builder.call(fn, [_at(builder, args[0]), _I32(4), _lanes_below(builder, n), zero])
@@ -148,7 +165,7 @@ def store(typingctx, addr, x):
 def store_part(typingctx, addr, x, n):
     """Store lanes [0, n) of x at addr; nothing past them is written."""
     def codegen(context, builder, sig, args):
-        fn = _function(builder, "llvm.masked.store.v16f32.p0", ir.VoidType(), [_V, _V.as_pointer(), _I32, _MASK])
+        fn = _function(builder, "llvm.masked.store" + _MASKED, ir.VoidType(), [_V, _V.as_pointer(), _I32, _MASK])
         n = context.cast(builder, args[2], sig.args[2], types.int64)
         builder.call(fn, [args[1], _at(builder, args[0]), _I32(4), _lanes_below(builder, n)])
         return context.get_dummy_value()
@@ -285,8 +302,7 @@ def scores(q0, qst, R, D, k0, kst, j0, j1, s0, sst, v0, vst, pf):
     R4, j4 = R - R % 4, j0 + (j1 - j0) // 4 * 4
     for jb in range(j0, j1, 4):
         for jj in range(jb, min(jb + 4, j1)):
-            for o in range(0, pf, 64):
-                prefetch(v0 + jj * vst + o)
+            prefetch_bytes(v0 + jj * vst, pf)
         pk = k0 + jb * kst
         if jb < j4:
             for r in range(0, R4, 4):
@@ -366,10 +382,42 @@ def _values1(s0, j0, j1, v0, vst, p, Dv):
 @numba.njit(**REDUCE, inline="always")
 def weighted_values(s0, sst, R, j0, j1, v0, vst, a0, ast, Dv):
     """Output rows r < R (at a0 + r·ast, Dv floats) += Σ_j s[r, j]·v_j over keys j in
-    [j0, j1) (s[r, j] at s0 + r·sst + 4j, v_j at v0 + j·vst), each element's sum in key
-    order, four rows at a time."""
+    [j0, j1) (s[r, j] at s0 + r·sst + 4j, v_j at v0 + j·vst), four rows at a time."""
     R4 = R - R % 4
     for r in range(0, R4, 4):
         _values4(s0 + r * sst, sst, j0, j1, v0, vst, a0 + r * ast, ast, Dv)
     for r in range(R4, R):
         _values1(s0 + r * sst, j0, j1, v0, vst, a0 + r * ast, Dv)
+
+
+@numba.njit(**REDUCE)
+def _probe(x, out):
+    # every intrinsic once, on x (16, 16) into out (7, 16): see works()
+    a, b = load(address(x, (0, 0))), load_part(address(x, (1, 0)), 5)
+    c = fma(a, splat(2.0), b)
+    store_part(address(out, (0, 0)), c, 7)
+    store(address(out, (1, 0)), c)
+    put_sums4x4(address(out, (2, 0)), out.strides[0], a, b, c, a, load(address(x, (4, 0))), load(address(x, (5, 0))),
+                load(address(x, (6, 0))), load(address(x, (7, 0))), load(address(x, (8, 0))),
+                load(address(x, (9, 0))), load(address(x, (10, 0))), load(address(x, (11, 0))),
+                load(address(x, (12, 0))), load(address(x, (13, 0))), load(address(x, (14, 0))),
+                load(address(x, (15, 0))))
+    prefetch(address(x, (3, 0)))
+    put(address(out, (6, 0)), get(address(x, (2, 3))))
+    return sum4(a, b, c, a), hsum(c)
+
+
+def works() -> bool:
+    """Whether this numba and LLVM compile the intrinsics and get them right (else the
+    callers keep their other paths: :func:`.kernels._probed`)."""
+    x = (np.arange(256, dtype=np.float32).reshape(16, 16) % 7 - 3).astype(np.float32)   # integers: exact sums
+    out = np.full((7, 16), -1.0, dtype=np.float32)
+    try:
+        s4, h = _probe(x, out)
+    except Exception:                       # noqa: BLE001 — any compile error: not here
+        return False
+    c = 2 * x[0] + np.where(np.arange(16) < 5, x[1], 0)
+    rows = np.stack([x[0], c - 2 * x[0], c, x[0]] + list(x[4:]))
+    return bool(np.array_equal(out[0], np.where(np.arange(16) < 7, c, -1)) and np.array_equal(out[1], c)
+                and np.array_equal(out[2:6, :4], rows.sum(axis=1).reshape(4, 4)) and np.all(out[2:6, 4:] == -1)
+                and out[6, 0] == x[2, 3] and s4 == tuple(rows[:4].sum(axis=1)) and h == c.sum())

@@ -199,9 +199,6 @@ class Call:
         self.stream = (not backward and self.tuned and getattr(self.kern, "decode_part", None) is not None
                        and not self.masked and spec.bias is None and not self.drop_thr
                        and (pages is None or pages[0].dtype == self.acc))
-        if self.stream and pages is not None and any(x.strides[-1] != x.itemsize for x in pages[:2]):
-            # the kernel reads rows of unit stride: a pool strided along D is read from a copy
-            self.pages = (np.ascontiguousarray(pages[0]), np.ascontiguousarray(pages[1])) + tuple(pages[2:])
         # the compiled loop's operands (numba_loop.tile_tasks), once per call: q, k, v in
         # float32 (float16 converted here, not per task), each as (N, heads, rows, D)
         # over its own batch dims flattened (broadcast ones never expanded), read only
@@ -212,13 +209,17 @@ class Call:
         # what the plan's keys leave out: the band, the tile sizes and the strip heights
         self._geom = (self.band, self.BLOCK_M, self.BLOCK_N, self.tuned, SUB_M, LOOP_SUB_M)
         self.units = self._units(backward)
-        if pages is None and self.stream and self.v is not None and any(
+        if self.stream and (pages is not None or self.v is not None) and any(
                 self.streams(u, r0, r1) for u in self.units for r0, r1 in self.row_blocks(u)):
-            # the streaming kernel reads each sequence's (Hkv, S, D) in C order (copied once
-            # per call; broadcast batch dims stay broadcast): its sums then take the same
-            # order, so the same bits, whatever the caller's layout
-            self.k, self.v = (broadcast_to(c_sequences(tile_ready(x, self.acc)), spec.batch + tuple(np.shape(x)[-3:]))
-                              for x in (spec.k, spec.v))
+            if pages is None:
+                # the streaming kernel reads each sequence's (Hkv, S, D) in C order (copied
+                # once per call; broadcast batch dims stay broadcast): its sums then take
+                # the same order, so the same bits, whatever the caller's layout
+                self.k, self.v = (broadcast_to(c_sequences(tile_ready(x, self.acc)),
+                                               spec.batch + tuple(np.shape(x)[-3:])) for x in (spec.k, spec.v))
+            elif any(x.strides[-1] != x.itemsize for x in pages[:2]):
+                # and rows of unit stride: a pool strided along D is read from a copy
+                self.pages = (np.ascontiguousarray(pages[0]), np.ascontiguousarray(pages[1])) + tuple(pages[2:])
 
     # ---- the plan -----------------------------------------------------------------
     def _units(self, backward: bool) -> list[Unit]:
