@@ -245,9 +245,9 @@ def _decoding_case(seed):
     that path takes drawn at random: GQA, broadcast batch dims, causal and window in
     both alignments, lengths, softcap, sinks, a heads-inner q."""
     rng = np.random.default_rng(seed)
-    L, Hkv, group = int(rng.choice([1, 2])), int(rng.choice([1, 2])), int(rng.choice([1, 2, 4]))
-    S, D = int(rng.choice([1, 5, 45, 130])), int(rng.choice([8, 32, 59]))
-    Dv = int(rng.choice([D, 12]))
+    L, Hkv, group = int(rng.choice([1, 2, 4])), int(rng.choice([1, 2])), int(rng.choice([1, 2, 4]))
+    S, D = int(rng.choice([1, 5, 45, 130])), int(rng.choice([8, 32, 59, 72]))
+    Dv = int(rng.choice([D, 12, 67]))
     batch = [(), (3,), (2, 3)][rng.integers(3)]
     batch_k = batch if rng.random() < 0.5 else tuple(1 if rng.random() < 0.6 else n for n in batch)
     q, k, v = make_qkv(batch + (Hkv * group, L, D), batch_k + (Hkv, S, D), Dv, seed=seed)
@@ -271,7 +271,7 @@ def _decoding_case(seed):
     return [x.astype(np.float32) for x in (q, k, v)], kw
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(60))
 def test_decoding_calls_in_one_compiled_call_match_the_reference(seed):
     """Few query rows per kv head run as one compiled call (small_rows): within twice
     the float32 reference's error of the float64 oracle, out and lse."""

@@ -101,8 +101,9 @@ def _row_bounds(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
 
 
 # query rows per kv head (group · L) up to which a call streams: against the products,
-# 1.0–2.1× as fast at 1 to 8 rows (45–1024 keys), 0.6–0.9× at 16 (an Intel Xeon host)
-STREAM_ROWS = 8
+# 1.0–2.1× as fast at 1 to 8 rows (45–1024 keys); with the vector passes 1.02–1.74× at
+# 16 (8 shapes, causal or not), 0.6–1.3× at 32 to 128 (an Intel Xeon host)
+STREAM_ROWS = 16
 
 
 def streams(spec: Spec, kern: Any) -> bool:

@@ -90,6 +90,35 @@ def test_scores_and_weighted_values_match_numpy(R, D):
     assert np.array_equal(acc[:, Dv:], acc0[:, Dv:])
 
 
+@numba.njit
+def _bounded(s, v, acc, lo, hi, skip):
+    V.weighted_values_bounded(V.address(s, (0, 0)), s.strides[0], acc.shape[0], lo, hi, skip, V.address(v, (0, 0)),
+                              v.strides[0], V.address(acc, (0, 0)), acc.strides[0], acc.shape[1])
+
+
+@pytest.mark.parametrize("R", [1, 4, 6, 9])
+@pytest.mark.parametrize("Dv", [16, 40, 64, 100])
+def test_weighted_values_over_each_rows_own_keys(R, Dv):
+    """Each row over its own keys only (the four rows' shared keys at once, the rest
+    alone; empty and disjoint ranges too): a NaN value row outside every row's range
+    is never read; skipped rows are left as they were."""
+    rng = np.random.default_rng(R * 100 + Dv)
+    S = 30
+    lo = rng.integers(0, 12, R)
+    hi = lo + rng.integers(0, 17, R)
+    lo[R // 2], hi[R // 2] = 20, 20                       # an empty row
+    skip = rng.random(R) < 0.25
+    s = rng.standard_normal((R, S)).astype(np.float32)
+    v = rng.standard_normal((S + 1, Dv)).astype(np.float32)
+    v[29] = np.nan                                        # past every range
+    acc0 = rng.standard_normal((R, Dv)).astype(np.float32)
+    acc = acc0.copy()
+    _bounded(s, v, acc, lo, hi, skip)
+    for r in range(R):
+        want = acc0[r] if skip[r] else acc0[r] + s[r, lo[r]:hi[r]].astype(np.float64) @ v[lo[r]:hi[r]]
+        np.testing.assert_allclose(acc[r], want, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("wrong", [None, "raises", "past_n", "sums", "get", "sum4", "hsum"])
 def test_the_probe_accepts_these_intrinsics_and_refuses_wrong_ones(monkeypatch, wrong):
     """works() is True here, and False when the probe's compile fails or any one of its

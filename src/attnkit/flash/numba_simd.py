@@ -143,7 +143,8 @@ def load(typingctx, addr):
 
 @intrinsic
 def load_part(typingctx, addr, n):
-    """Lanes [0, n) from addr, the others 0; nothing past lane n − 1 is read."""
+    """Lanes [0, n) from addr (all 16 for n ≥ 16, none for n ≤ 0), the others 0;
+    nothing past lane n − 1 is read."""
     def codegen(context, builder, sig, args):
         fn = _function(builder, "llvm.masked.load" + _MASKED, _V, [_V.as_pointer(), _I32, _MASK, _V])
         n = context.cast(builder, args[1], sig.args[1], types.int64)
@@ -163,7 +164,8 @@ def store(typingctx, addr, x):
 
 @intrinsic
 def store_part(typingctx, addr, x, n):
-    """Store lanes [0, n) of x at addr; nothing past them is written."""
+    """Store lanes [0, n) of x at addr (as :func:`load_part` counts them); nothing past
+    them is written."""
     def codegen(context, builder, sig, args):
         fn = _function(builder, "llvm.masked.store" + _MASKED, ir.VoidType(), [_V, _V.as_pointer(), _I32, _MASK])
         n = context.cast(builder, args[2], sig.args[2], types.int64)
@@ -323,20 +325,40 @@ def scores(q0, qst, R, D, k0, kst, j0, j1, s0, sst, v0, vst, pf):
 
 
 @numba.njit(**REDUCE, inline="always")
+def _ld(p, n, full):
+    # load, or load_part where the block is partial (full: known for the whole loop)
+    return load(p) if full else load_part(p, n)
+
+
+@numba.njit(**REDUCE, inline="always")
+def _st(p, x, n, full):
+    if full:
+        store(p, x)
+    else:
+        store_part(p, x, n)
+
+
+@numba.njit(**REDUCE, inline="always")
 def _values4(s0, sst, j0, j1, v0, vst, p0, ast, Dv):
-    # rows p_i (at p0 + i·ast, i < 4) += Σ_j s_i[j]·v_j: four rows by four vectors in registers
+    # rows p_i (at p0 + i·ast, i < 4) += Σ_j s_i[j]·v_j: four rows by four vectors (64
+    # lanes) in registers across the keys; past Dv no lane is read or written
     p1, p2, p3 = p0 + ast, p0 + 2 * ast, p0 + 3 * ast
     s1, s2, s3 = s0 + sst, s0 + 2 * sst, s0 + 3 * sst
-    D64 = Dv - Dv % 64
-    for d in range(0, D64, 64):
+    for d in range(0, Dv, 64):
         o = 4 * d
-        t00, t01, t02, t03 = load(p0 + o), load(p0 + o + 64), load(p0 + o + 128), load(p0 + o + 192)
-        t10, t11, t12, t13 = load(p1 + o), load(p1 + o + 64), load(p1 + o + 128), load(p1 + o + 192)
-        t20, t21, t22, t23 = load(p2 + o), load(p2 + o + 64), load(p2 + o + 128), load(p2 + o + 192)
-        t30, t31, t32, t33 = load(p3 + o), load(p3 + o + 64), load(p3 + o + 128), load(p3 + o + 192)
+        n0, n1, n2, n3 = Dv - d, Dv - d - 16, Dv - d - 32, Dv - d - 48   # lanes: min(16, n), none below 1
+        full = d + 64 <= Dv                                  # (the loop is unswitched on it)
+        t00, t01, t02, t03 = _ld(p0 + o, n0, full), _ld(p0 + o + 64, n1, full), _ld(p0 + o + 128, n2, full), \
+            _ld(p0 + o + 192, n3, full)
+        t10, t11, t12, t13 = _ld(p1 + o, n0, full), _ld(p1 + o + 64, n1, full), _ld(p1 + o + 128, n2, full), \
+            _ld(p1 + o + 192, n3, full)
+        t20, t21, t22, t23 = _ld(p2 + o, n0, full), _ld(p2 + o + 64, n1, full), _ld(p2 + o + 128, n2, full), \
+            _ld(p2 + o + 192, n3, full)
+        t30, t31, t32, t33 = _ld(p3 + o, n0, full), _ld(p3 + o + 64, n1, full), _ld(p3 + o + 128, n2, full), \
+            _ld(p3 + o + 192, n3, full)
         for j in range(j0, j1):
             pv = v0 + j * vst + o
-            y0, y1, y2, y3 = load(pv), load(pv + 64), load(pv + 128), load(pv + 192)
+            y0, y1, y2, y3 = _ld(pv, n0, full), _ld(pv + 64, n1, full), _ld(pv + 128, n2, full), _ld(pv + 192, n3, full)
             w = splat(get(s0 + 4 * j))
             t00, t01, t02, t03 = fma(w, y0, t00), fma(w, y1, t01), fma(w, y2, t02), fma(w, y3, t03)
             w = splat(get(s1 + 4 * j))
@@ -345,38 +367,29 @@ def _values4(s0, sst, j0, j1, v0, vst, p0, ast, Dv):
             t20, t21, t22, t23 = fma(w, y0, t20), fma(w, y1, t21), fma(w, y2, t22), fma(w, y3, t23)
             w = splat(get(s3 + 4 * j))
             t30, t31, t32, t33 = fma(w, y0, t30), fma(w, y1, t31), fma(w, y2, t32), fma(w, y3, t33)
-        store(p0 + o, t00), store(p0 + o + 64, t01), store(p0 + o + 128, t02), store(p0 + o + 192, t03)
-        store(p1 + o, t10), store(p1 + o + 64, t11), store(p1 + o + 128, t12), store(p1 + o + 192, t13)
-        store(p2 + o, t20), store(p2 + o + 64, t21), store(p2 + o + 128, t22), store(p2 + o + 192, t23)
-        store(p3 + o, t30), store(p3 + o + 64, t31), store(p3 + o + 128, t32), store(p3 + o + 192, t33)
-    for d in range(D64, Dv, LANES):
-        o, t = 4 * d, min(LANES, Dv - d)
-        t0, t1, t2, t3 = load_part(p0 + o, t), load_part(p1 + o, t), load_part(p2 + o, t), load_part(p3 + o, t)
-        for j in range(j0, j1):
-            y = load_part(v0 + j * vst + o, t)
-            t0, t1 = fma(splat(get(s0 + 4 * j)), y, t0), fma(splat(get(s1 + 4 * j)), y, t1)
-            t2, t3 = fma(splat(get(s2 + 4 * j)), y, t2), fma(splat(get(s3 + 4 * j)), y, t3)
-        store_part(p0 + o, t0, t), store_part(p1 + o, t1, t), store_part(p2 + o, t2, t), store_part(p3 + o, t3, t)
+        _st(p0 + o, t00, n0, full), _st(p0 + o + 64, t01, n1, full), _st(p0 + o + 128, t02, n2, full)
+        _st(p0 + o + 192, t03, n3, full), _st(p1 + o, t10, n0, full), _st(p1 + o + 64, t11, n1, full)
+        _st(p1 + o + 128, t12, n2, full), _st(p1 + o + 192, t13, n3, full), _st(p2 + o, t20, n0, full)
+        _st(p2 + o + 64, t21, n1, full), _st(p2 + o + 128, t22, n2, full), _st(p2 + o + 192, t23, n3, full)
+        _st(p3 + o, t30, n0, full), _st(p3 + o + 64, t31, n1, full), _st(p3 + o + 128, t32, n2, full)
+        _st(p3 + o + 192, t33, n3, full)
 
 
 @numba.njit(**REDUCE, inline="always")
 def _values1(s0, j0, j1, v0, vst, p, Dv):
-    # row p += Σ_j s[j]·v_j, four vectors in registers
-    D64 = Dv - Dv % 64
-    for d in range(0, D64, 64):
+    # row p += Σ_j s[j]·v_j, four vectors in registers (as _values4, one row)
+    for d in range(0, Dv, 64):
         o = 4 * d
-        t0, t1, t2, t3 = load(p + o), load(p + o + 64), load(p + o + 128), load(p + o + 192)
+        n0, n1, n2, n3 = Dv - d, Dv - d - 16, Dv - d - 32, Dv - d - 48
+        full = d + 64 <= Dv
+        t0, t1, t2, t3 = _ld(p + o, n0, full), _ld(p + o + 64, n1, full), _ld(p + o + 128, n2, full), \
+            _ld(p + o + 192, n3, full)
         for j in range(j0, j1):
             pv, w = v0 + j * vst + o, splat(get(s0 + 4 * j))
-            t0, t1 = fma(w, load(pv), t0), fma(w, load(pv + 64), t1)
-            t2, t3 = fma(w, load(pv + 128), t2), fma(w, load(pv + 192), t3)
-        store(p + o, t0), store(p + o + 64, t1), store(p + o + 128, t2), store(p + o + 192, t3)
-    for d in range(D64, Dv, LANES):
-        o, t = 4 * d, min(LANES, Dv - d)
-        t0 = load_part(p + o, t)
-        for j in range(j0, j1):
-            t0 = fma(splat(get(s0 + 4 * j)), load_part(v0 + j * vst + o, t), t0)
-        store_part(p + o, t0, t)
+            t0, t1 = fma(w, _ld(pv, n0, full), t0), fma(w, _ld(pv + 64, n1, full), t1)
+            t2, t3 = fma(w, _ld(pv + 128, n2, full), t2), fma(w, _ld(pv + 192, n3, full), t3)
+        _st(p + o, t0, n0, full), _st(p + o + 64, t1, n1, full), _st(p + o + 128, t2, n2, full)
+        _st(p + o + 192, t3, n3, full)
 
 
 @numba.njit(**REDUCE, inline="always")
@@ -421,3 +434,26 @@ def works() -> bool:
     return bool(np.array_equal(out[0], np.where(np.arange(16) < 7, c, -1)) and np.array_equal(out[1], c)
                 and np.array_equal(out[2:6, :4], rows.sum(axis=1).reshape(4, 4)) and np.all(out[2:6, 4:] == -1)
                 and out[6, 0] == x[2, 3] and s4 == tuple(rows[:4].sum(axis=1)) and h == c.sum())
+
+
+@numba.njit(**REDUCE, inline="always")
+def weighted_values_bounded(s0, sst, R, lo, hi, skip, v0, vst, a0, ast, Dv):
+    """As :func:`weighted_values` with row r over its own keys [lo[r], hi[r]), rows with
+    skip[r] left alone: four rows at a time over the keys all four see, then each row
+    alone over the rest of its keys (a causal band's rows see nearly the same keys)."""
+    for r0 in range(0, R, 4):
+        r1 = min(r0 + 4, R)
+        m0, m1, four = lo[r0], hi[r0], r1 - r0 == 4
+        for r in range(r0, r1):
+            m0, m1, four = max(m0, lo[r]), min(m1, hi[r]), four and not skip[r]
+        if not (four and m1 > m0):
+            m0 = m1 = hi[r0]                             # (no shared keys: each row alone)
+        else:
+            _values4(s0 + r0 * sst, sst, m0, m1, v0, vst, a0 + r0 * ast, ast, Dv)
+        for r in range(r0, r1):
+            if not skip[r]:
+                if m1 > m0:
+                    _values1(s0 + r * sst, lo[r], m0, v0, vst, a0 + r * ast, Dv)
+                    _values1(s0 + r * sst, m1, hi[r], v0, vst, a0 + r * ast, Dv)
+                else:
+                    _values1(s0 + r * sst, lo[r], hi[r], v0, vst, a0 + r * ast, Dv)

@@ -16,7 +16,7 @@ import numba
 import numpy as np
 
 from .numba_kernels import REDUCE, _lse_value, _normalized, _softmax_span, _wide, f32
-from .numba_simd import address, scores, weighted_values
+from .numba_simd import address, scores, weighted_values, weighted_values_bounded
 
 
 @numba.njit(**REDUCE)
@@ -43,7 +43,7 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
     acc = np.empty((1, R, Dv), dtype=np.float32)      # one head's output rows
     row_lo, row_hi = np.zeros(R, dtype=np.int64), np.full(R, S, dtype=np.int64)
     m_r, l_r, alpha = np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32)
-    hole = np.empty(S, dtype=np.bool_)
+    hole, cut = np.empty(S, dtype=np.bool_), np.empty(R, dtype=np.bool_)   # a row's keys with −inf scores
     for n in range(N):
         for a in range(A):
             full = True                                # no bounds or holes cut a row
@@ -71,6 +71,7 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
                     for j in range(j0, j1):            # softmax: never read
                         hole[j] = s[r, j] == -np.inf
                 _softmax_span(s, r, j0, j1, m_r, l_r, alpha)
+                cut[r] = holes > 0
                 if holes:
                     full = False
                     for j in range(j0, j1):
@@ -83,7 +84,12 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
                 weighted_values(address(s, (0, 0)), s.strides[0], R, 0, S, address(v, (n, a, 0, 0)), v.strides[2],
                                 address(acc, (0, 0, 0)), acc.strides[1], Dv)
             else:                                      # each row its own keys
-                for r in range(R):
+                weighted_values_bounded(address(s, (0, 0)), s.strides[0], R, row_lo, row_hi, cut,
+                                        address(v, (n, a, 0, 0)), v.strides[2], address(acc, (0, 0, 0)),
+                                        acc.strides[1], Dv)
+                for r in range(R):                     # rows with −inf scores: key by key
+                    if not cut[r]:
+                        continue
                     for j in range(np.uint64(row_lo[r]), np.uint64(row_hi[r])):
                         w = s[r, j]
                         if not w < f32(0.0):
