@@ -20,7 +20,7 @@ Vectors live in local variables (registers), never in lists, arrays or tuples ke
 memory: numba does not align such storage for them.
 
 Developers: numba's disk cache follows a function's own file: after editing this one,
-delete ``__pycache__/numba_kernels*.nb*`` and ``numba_small*.nb*`` (they inline it).
+delete ``__pycache__/numba_kernels*.nb*``, ``numba_small*.nb*`` and ``numba_simd*.nb*`` (they inline it).
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
     Per head: the scores (:func:`.numba_simd.scores`, four rows by four keys per pass:
     the rows of a GQA group share each key read), the row softmax by
     :func:`_softmax_span`, then the weighted sum of the value rows, by
-    :func:`.numba_simd.weighted_values` where every row sees every key, else row by row
-    over its own keys — a key whose score is −inf never
-    read (the reference's exempt product: an inf or NaN value reaches a row only
+    :func:`.numba_simd.weighted_values` where every row sees every key, else each row
+    over its own keys (:func:`.numba_simd.weighted_values_bounded`: four rows at a time
+    over the keys they share), and key by key in a row with a −inf score, whose key is
+    never read (the reference's exempt product: an inf or NaN value reaches a row only
     through a key it sees)."""
     _wide()
     N, A, R, D = q.shape
