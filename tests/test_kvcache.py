@@ -165,14 +165,20 @@ def test_float32_streaming_kernel_takes_every_term(paged, page_size, H, Hkv, L, 
         assert max_error(g, o) <= error_budget(o, s)
 
 
+@pytest.mark.parametrize("layout", ["k and v strided along D", "v strided along D", "padded rows", "heads inner"])
 @pytest.mark.parametrize("paged", [True, False], ids=["pages", "contiguous"])
-def test_float32_caches_strided_along_d_give_the_bits_of_their_copies(paged):
-    """The streaming kernel reads cache rows as vectors: a cache strided along D (every
-    other float of a wider array) gives the same bits as its C-ordered copy, the
-    append still lands in the caller's array."""
+def test_float32_caches_in_any_layout_give_the_bits_of_their_copies(paged, layout):
+    """The streaming kernel reads cache rows as vectors and follows every other stride:
+    a cache strided along D (every other float of a wider array: read from a copy),
+    one whose rows are padded or whose heads are inner (read in place) gives the same
+    bits as its C-ordered copy, and the append lands in the caller's array."""
     B, Hkv, D, cap, page_size = 2, 2, 24, 48, 16
-    k2, v2, table = make_cache(B, Hkv, 2 * D, 2 * D, cap, page_size, paged, dtype="float32")
-    k, v = k2[..., ::2], v2[..., ::2]
+    wide = 2 * D if "strided" in layout else D + 5 if layout == "padded rows" else D
+    k2, v2, table = make_cache(B, Hkv, wide, wide, cap, page_size, paged, dtype="float32")
+    if layout == "heads inner":                       # (…, slots, Hkv, D) memory, viewed as (…, Hkv, slots, D)
+        k2, v2 = (np.ascontiguousarray(x.swapaxes(1, 2)).swapaxes(1, 2) for x in (k2, v2))
+    cut = slice(None, None, 2) if "strided" in layout else slice(None, D)
+    k, v = (k2[..., :D] if layout == "v strided along D" else k2[..., cut]), v2[..., cut]
     rng = RNG(8)
     lengths = np.array([37, 20])
     for b in range(B):
@@ -181,13 +187,28 @@ def test_float32_caches_strided_along_d_give_the_bits_of_their_copies(paged):
                   page_size)
     q = rng.standard_normal((B, 8, 1, D)).astype(np.float32)
     k_new, v_new = (rng.standard_normal((B, Hkv, 1, D)).astype(np.float32) for _ in range(2))
-    kc, vc = k.copy(), v.copy()
+    kc, vc = np.ascontiguousarray(k), np.ascontiguousarray(v)
     want = attnkit.attention_kvcache(q, kc, vc, lengths, block_table=table, k_new=k_new, v_new=v_new,
                                      return_lse=True, backend="flash")
     got = attnkit.attention_kvcache(q, k, v, lengths, block_table=table, k_new=k_new, v_new=v_new, return_lse=True,
                                     backend="flash")
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
     assert np.array_equal(k, kc, equal_nan=True) and np.array_equal(v, vc, equal_nan=True)
+
+
+def test_a_pool_read_in_place_unless_strided_along_d():
+    """Only a pool whose rows are not of unit stride is copied for the kernel (a padded
+    or heads-inner pool is read where it is)."""
+    from attnkit.flash.plan import Call
+    from attnkit.spec.kvcache import validate_kvcache
+    k2, v2, table = make_cache(1, 2, 16, 16, 32, 16, True, dtype="float32")
+    q = np.ones((1, 4, 1, 8), np.float32)
+    for k, v, copied in ((k2[..., :8], v2[..., :8], (False, False)), (k2[..., ::2], v2[..., :8], (True, False)),
+                         (k2[..., :8], v2[..., ::2], (False, True))):
+        kv = validate_kvcache(q, k, v, np.array([20]), block_table=table)
+        call = Call(kv.spec, None, None, pages=(kv.k_cache, kv.v_cache, np.asarray(table, np.int64), kv.page_size))
+        assert call.stream
+        assert (not np.shares_memory(call.pages[0], k), not np.shares_memory(call.pages[1], v)) == copied
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["pages of 16", "contiguous"])

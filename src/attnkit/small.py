@@ -48,7 +48,7 @@ from . import flash, reference
 from .backends import Grads
 from .flash.forward import finish
 from .flash.kernels import for_dtype
-from .flash.plan import c_sequences
+from .flash.plan import unit_rows
 from .nonfinite import all_finite, quiet
 from .spec import Spec
 from .spec import geometry as geo
@@ -128,11 +128,9 @@ def stream(spec: Spec, q: Any, k: Any, v: Any, out: np.ndarray, lse: np.ndarray)
     sinks and lengths are) in one compiled call over every batch element and head
     (flash.numba_small.small_rows), finished in place."""
     N, A, R = prod(spec.batch), spec.Hkv, spec.group * spec.L
-    # q in C order, each sequence's keys and values too (as the flash rung's streaming
-    # kernel reads them): the kernel's sums then take one order, so the same bits,
-    # whatever the caller's layout
-    q = np.ascontiguousarray(_heads(q, spec.batch, N, A))
-    k, v = c_sequences(_heads(k, spec.batch, N, A)), c_sequences(_heads(v, spec.batch, N, A))
+    # rows of unit stride, as the kernel reads them (its sums take one order whatever
+    # the other strides: the same bits for any layout)
+    q, k, v = (unit_rows(_heads(x, spec.batch, N, A)) for x in (q, k, v))
     m, l, lo, hi = _NO_STATE, _NO_STATE, _NO_BOUNDS, _NO_BOUNDS
     if spec.sinks is not None:
         m, l = (x.reshape(N, A * R) for x in _sink_state(spec, np.float32))

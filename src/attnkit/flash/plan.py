@@ -137,11 +137,11 @@ def _batch_index(batch: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     return tuple(np.ndindex(*batch))
 
 
-def c_sequences(x: np.ndarray) -> np.ndarray:
-    """x, or its C-ordered copy where one batch element's last three dims are not C
-    ordered (batch dims of stride 0 are kept when they are)."""
-    one = x[(0,) * (x.ndim - 3)] if x.ndim > 3 else x
-    return x if one.flags.c_contiguous else np.ascontiguousarray(x)
+def unit_rows(x: np.ndarray) -> np.ndarray:
+    """x, or its C-ordered copy where its last dim is not of unit stride (the streaming
+    kernels read rows as vectors; any other strides they follow, in one order of sums
+    whatever the layout)."""
+    return x if x.strides[-1] == x.itemsize or x.shape[-1] <= 1 else np.ascontiguousarray(x)
 
 
 class Call:
@@ -209,17 +209,11 @@ class Call:
         # what the plan's keys leave out: the band, the tile sizes and the strip heights
         self._geom = (self.band, self.BLOCK_M, self.BLOCK_N, self.tuned, SUB_M, LOOP_SUB_M)
         self.units = self._units(backward)
-        if self.stream and (pages is not None or self.v is not None) and any(
+        if self.stream and pages is not None and any(
                 self.streams(u, r0, r1) for u in self.units for r0, r1 in self.row_blocks(u)):
-            if pages is None:
-                # the streaming kernel reads each sequence's (Hkv, S, D) in C order (copied
-                # once per call; broadcast batch dims stay broadcast): its sums then take
-                # the same order, so the same bits, whatever the caller's layout
-                self.k, self.v = (broadcast_to(c_sequences(tile_ready(x, self.acc)),
-                                               spec.batch + tuple(np.shape(x)[-3:])) for x in (spec.k, spec.v))
-            elif any(x.strides[-1] != x.itemsize for x in pages[:2]):
-                # and rows of unit stride: a pool strided along D is read from a copy
-                self.pages = (np.ascontiguousarray(pages[0]), np.ascontiguousarray(pages[1])) + tuple(pages[2:])
+            # the streaming kernel reads rows of unit stride (dense keys: tile_ready's): a
+            # pool strided along D is read from a copy
+            self.pages = (unit_rows(pages[0]), unit_rows(pages[1])) + tuple(pages[2:])
 
     # ---- the plan -----------------------------------------------------------------
     def _units(self, backward: bool) -> list[Unit]:
