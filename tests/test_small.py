@@ -351,3 +351,8 @@ def test_decoding_calls_give_the_same_bits_in_any_layout(backend):
     for f in (inner, lambda x: spaced(x, 1, 3), lambda x: spaced(x, 2, 0)):
         got = attnkit.attention(f(q), f(k), f(v), causal=True, return_lse=True, backend=backend)
         assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    # one row per kv head, one batch element, D = 2: only q strided along D
+    q, k, v = (x.astype(np.float32) for x in make_qkv((1, 3, 1, 2), (1, 3, 9, 2), seed=8))
+    want = attnkit.attention(q, k, v, return_lse=True, backend=backend)
+    got = attnkit.attention(spaced(q, 2, 0), k, v, return_lse=True, backend=backend)
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))

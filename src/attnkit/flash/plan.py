@@ -141,7 +141,7 @@ def unit_rows(x: np.ndarray) -> np.ndarray:
     """x, or its C-ordered copy where its last dim is not of unit stride (the streaming
     kernels read rows as vectors; any other strides they follow, in one order of sums
     whatever the layout)."""
-    return x if x.strides[-1] == x.itemsize or x.shape[-1] <= 1 else np.ascontiguousarray(x)
+    return x if x.strides[-1] == x.itemsize else np.ascontiguousarray(x)
 
 
 class Call:
