@@ -250,6 +250,21 @@ def put_sums4x4(typingctx, p, st, *xs):
 
 # ---- the decoding kernels' products ---------------------------------------------------
 @numba.njit(**REDUCE, inline="always")
+def _ld(p, n, full):
+    # load, or load_part where the block is partial (full: known for the whole loop,
+    # which the compiler unswitches on it)
+    return load(p) if full else load_part(p, n)
+
+
+@numba.njit(**REDUCE, inline="always")
+def _st(p, x, n, full):
+    if full:
+        store(p, x)
+    else:
+        store_part(p, x, n)
+
+
+@numba.njit(**REDUCE, inline="always")
 def _dot4x4(q0, qst, k0, kst, D, s0, sst):
     # at s0 + i·sst, four floats: Σ_d q_i[d]·k_j[d] for rows q_i at q0 + i·qst, keys k_j at k0 + j·kst
     q1, q2, q3 = q0 + qst, q0 + 2 * qst, q0 + 3 * qst
@@ -257,13 +272,10 @@ def _dot4x4(q0, qst, k0, kst, D, s0, sst):
     z = splat(0.0)
     x00 = x01 = x02 = x03 = x10 = x11 = x12 = x13 = x20 = x21 = x22 = x23 = x30 = x31 = x32 = x33 = z
     for d in range(0, D, LANES):
-        o, t = 4 * d, min(LANES, D - d)
-        if t == LANES:
-            a0, a1, a2, a3 = load(q0 + o), load(q1 + o), load(q2 + o), load(q3 + o)
-            b0, b1, b2, b3 = load(k0 + o), load(k1 + o), load(k2 + o), load(k3 + o)
-        else:
-            a0, a1, a2, a3 = load_part(q0 + o, t), load_part(q1 + o, t), load_part(q2 + o, t), load_part(q3 + o, t)
-            b0, b1, b2, b3 = load_part(k0 + o, t), load_part(k1 + o, t), load_part(k2 + o, t), load_part(k3 + o, t)
+        o, t = 4 * d, D - d
+        full = t >= LANES
+        a0, a1, a2, a3 = _ld(q0 + o, t, full), _ld(q1 + o, t, full), _ld(q2 + o, t, full), _ld(q3 + o, t, full)
+        b0, b1, b2, b3 = _ld(k0 + o, t, full), _ld(k1 + o, t, full), _ld(k2 + o, t, full), _ld(k3 + o, t, full)
         x00, x01, x02, x03 = fma(a0, b0, x00), fma(a0, b1, x01), fma(a0, b2, x02), fma(a0, b3, x03)
         x10, x11, x12, x13 = fma(a1, b0, x10), fma(a1, b1, x11), fma(a1, b2, x12), fma(a1, b3, x13)
         x20, x21, x22, x23 = fma(a2, b0, x20), fma(a2, b1, x21), fma(a2, b2, x22), fma(a2, b3, x23)
@@ -277,12 +289,10 @@ def _dot4(p0, st, y, D):
     p1, p2, p3 = p0 + st, p0 + 2 * st, p0 + 3 * st
     x0 = x1 = x2 = x3 = splat(0.0)
     for d in range(0, D, LANES):
-        o, t = 4 * d, min(LANES, D - d)
-        if t == LANES:
-            yy, a0, a1, a2, a3 = load(y + o), load(p0 + o), load(p1 + o), load(p2 + o), load(p3 + o)
-        else:
-            yy, a0, a1, a2, a3 = (load_part(y + o, t), load_part(p0 + o, t), load_part(p1 + o, t),
-                                  load_part(p2 + o, t), load_part(p3 + o, t))
+        o, t = 4 * d, D - d
+        full = t >= LANES
+        yy, a0, a1 = _ld(y + o, t, full), _ld(p0 + o, t, full), _ld(p1 + o, t, full)
+        a2, a3 = _ld(p2 + o, t, full), _ld(p3 + o, t, full)
         x0, x1, x2, x3 = fma(a0, yy, x0), fma(a1, yy, x1), fma(a2, yy, x2), fma(a3, yy, x3)
     return sum4(x0, x1, x2, x3)
 
@@ -291,8 +301,8 @@ def _dot4(p0, st, y, D):
 def _dot1(p, y, D):
     x = splat(0.0)
     for d in range(0, D, LANES):
-        o, t = 4 * d, min(LANES, D - d)
-        x = fma(load(p + o), load(y + o), x) if t == LANES else fma(load_part(p + o, t), load_part(y + o, t), x)
+        o, t = 4 * d, D - d
+        x = fma(_ld(p + o, t, t >= LANES), _ld(y + o, t, t >= LANES), x)
     return hsum(x)
 
 
@@ -325,20 +335,6 @@ def scores(q0, qst, R, D, k0, kst, j0, j1, s0, sst, v0, vst, pf):
 
 
 @numba.njit(**REDUCE, inline="always")
-def _ld(p, n, full):
-    # load, or load_part where the block is partial (full: known for the whole loop)
-    return load(p) if full else load_part(p, n)
-
-
-@numba.njit(**REDUCE, inline="always")
-def _st(p, x, n, full):
-    if full:
-        store(p, x)
-    else:
-        store_part(p, x, n)
-
-
-@numba.njit(**REDUCE, inline="always")
 def _values4(s0, sst, j0, j1, v0, vst, p0, ast, Dv):
     # rows p_i (at p0 + i·ast, i < 4) += Σ_j s_i[j]·v_j: four rows by four vectors (64
     # lanes) in registers across the keys; past Dv no lane is read or written
@@ -347,7 +343,7 @@ def _values4(s0, sst, j0, j1, v0, vst, p0, ast, Dv):
     for d in range(0, Dv, 64):
         o = 4 * d
         n0, n1, n2, n3 = Dv - d, Dv - d - 16, Dv - d - 32, Dv - d - 48   # lanes: min(16, n), none below 1
-        full = d + 64 <= Dv                                  # (the loop is unswitched on it)
+        full = d + 64 <= Dv
         t00, t01, t02, t03 = _ld(p0 + o, n0, full), _ld(p0 + o + 64, n1, full), _ld(p0 + o + 128, n2, full), \
             _ld(p0 + o + 192, n3, full)
         t10, t11, t12, t13 = _ld(p1 + o, n0, full), _ld(p1 + o + 64, n1, full), _ld(p1 + o + 128, n2, full), \
