@@ -82,7 +82,8 @@ _FLASH_TESTS = ["tests/flash/test_flash.py", "tests/flash/test_kernels.py", "tes
                 "tests/test_nonfinite.py"]
 _EXPLAIN = ["tests/explain/test_trace.py", "tests/explain/test_text.py"]   # the reference's trace, shown
 TARGETS: dict[str, list[str]] = {
-    "spec/validate.py": ["tests/spec/test_validate.py", "tests/test_api.py", "tests/flash/test_varlen.py",
+    "spec/validate.py": ["tests/test_kept.py",
+                         "tests/spec/test_validate.py", "tests/test_api.py", "tests/flash/test_varlen.py",
                          "tests/test_kvcache.py", "tests/spec/test_options.py", "tests/test_reference.py",
                          "tests/torch/test_op.py", "tests/torch/test_terms.py", "tests/test_backends.py"] + _EXPLAIN,
     "spec/geometry.py": ["tests/spec/test_geometry.py", "tests/test_reference.py", "tests/flash/test_flash.py",
@@ -116,14 +117,18 @@ TARGETS: dict[str, list[str]] = {
     "nonfinite.py": ["tests/test_nonfinite.py", "tests/test_reference.py", "tests/flash/test_flash.py"],
     "philox.py": ["tests/test_philox.py", "tests/flash/test_flash.py", "tests/test_reference.py",
                   "tests/torch/test_terms.py", "tests/torch/test_seeds.py", "tests/torch/test_op.py"],
-    "torch/op.py": ["tests/torch/test_op.py", "tests/torch/test_terms.py", "tests/torch/test_seeds.py",
+    "torch/op.py": ["tests/test_kept.py",
+                    "tests/torch/test_op.py", "tests/torch/test_terms.py", "tests/torch/test_seeds.py",
                     "tests/torch/test_out_layout.py"],
-    "small.py": ["tests/test_small.py", "tests/test_nonfinite.py", "tests/test_backends.py", "tests/test_api.py",
+    "small.py": ["tests/test_kept.py",
+                 "tests/test_small.py", "tests/test_nonfinite.py", "tests/test_backends.py", "tests/test_api.py",
                  "tests/test_kvcache.py"],
-    "backends.py": ["tests/test_backends.py", "tests/test_api.py", "tests/test_small.py"],
+    "backends.py": ["tests/test_kept.py",
+                    "tests/test_backends.py", "tests/test_api.py", "tests/test_small.py"],
     "kvcache.py": ["tests/test_kvcache.py", "tests/test_kvcache_cases.py", "tests/test_kvcache_ragged.py",
                    "tests/test_examples.py", "tests/torch/test_op.py"],
-    "api.py": ["tests/test_api.py", "tests/test_kvcache.py", "tests/test_merge.py", "tests/test_backends.py",
+    "api.py": ["tests/test_kept.py",
+               "tests/test_api.py", "tests/test_kvcache.py", "tests/test_merge.py", "tests/test_backends.py",
                "tests/torch/test_op.py", "tests/spec/test_options.py"],
     "torch/mha.py": ["tests/torch/test_mha.py", "tests/torch/test_mha_cases.py", "tests/torch/test_op.py"],
     "hf.py": ["tests/test_hf.py", "tests/test_hf_cases.py"],
@@ -182,9 +187,6 @@ R_CHUNKS = ("how many chunks of key blocks the backward's tasks take (a tuning c
             "written by disjoint key blocks, dq summed over the chunks in a fixed order: only the order of dq's "
             "sums changes (a bias broadcast over the keys keeps one chunk: tested)")
 _FWD_SORT = 'tasks.sort(key=lambda t: -(t[4] - t[3]) * (blocks[t[0]][2] - blocks[t[0]][1]) * blocks[t[0]][0].nk)'
-R_HOLES = ("whether a row counts its −inf scores only decides whether the marking pass and the key-by-key value "
-           "pass run: a row without one takes the same sums key by key (another grouping, inside the float32 "
-           "budget); speed only")
 R_DETACH = ("_np runs where grad mode is off (inside the custom ops, and under no_grad on the eager path and for "
             "the cache), where numpy() takes a tensor that requires grad; the detach is for a caller with grad on")
 R_SORT = ("the order tasks are handed to the threads (heaviest first, for balance): each task writes its "
@@ -698,11 +700,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("small.py", "if x.shape[:-3] != batch:", "drop `-`"):
         "x.shape[:3] differs from the batch dims for every operand (it includes the heads): the broadcast then "
         "runs for operands that already have them, a view of the same shape",
-    ("small.py", "return x if x.ndim == 4 and x.shape[1] == A else x.reshape(N, A, -1, x.shape[-1])", "`1` -> `2`"):
+    ("small.py", "x = x.reshape(N, A, -1, x.shape[-1])", "`1` -> `2`"):
         "NumPy takes any negative size as the one it infers",
-    ("flash/numba_small.py", "holes = 0                              # −inf scores (an inf in q or k)", "`0` -> `1`"):
-        R_HOLES,
-    ("flash/numba_small.py", "holes += 1", "`+=` -> `-=`"): R_HOLES,
     ("flash/backward.py", "big = float(np.finfo(acc).max) / 4", "`4` -> `5`"):
         "a lower bound only has ds checked in more tiles (the check finds it finite there): the same gradients",
     ("flash/plan.py",

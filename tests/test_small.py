@@ -288,6 +288,24 @@ def test_decoding_calls_in_one_compiled_call_match_the_reference(seed):
     assert max_error(l1, lo) <= error_budget(lo, l0)
 
 
+@pytest.mark.parametrize("kw", [{}, dict(causal=True), dict(kv_lengths=np.array([9, 4]))])
+def test_rows_whose_scores_are_all_far_below_zero(kw):
+    """Every score near −400 (exp of it underflows unless shifted by the row's max): the
+    weights are the reference's — out within the budget, lse within float32's rounding
+    of its size."""
+    q, k, v = (x.astype(np.float32) for x in make_qkv((2, 4, 2, 24), (2, 2, 9, 24), 20, seed=8))
+    q, k = -np.abs(q), np.abs(k)
+    spec = validate(q, k, v, scale=20.0, **kw)
+    assert small.streams(spec, kernels.for_dtype(np.float32))
+    oracle = validate(*(x.astype(np.float64) for x in (q, k, v)), scale=20.0, **kw)
+    o1, l1, _ = small.rung_forward(spec)
+    o0, _, _ = reference.rung_forward(spec)
+    oo, lo, _ = reference.rung_forward(oracle)
+    assert np.isfinite(lo).all() and lo.max() < -100
+    assert max_error(o1, oo) <= error_budget(oo, o0)
+    np.testing.assert_allclose(l1, lo, rtol=4 * np.finfo(np.float32).eps)
+
+
 @pytest.mark.parametrize("where", ["k_excluded", "k_visible", "v_excluded", "v_visible", "v_inf_visible",
                                    "k_minus_inf", "q_inf"])
 def test_the_nan_rule_in_one_compiled_call(where):

@@ -18,6 +18,7 @@ a NaN or inf that reaches a row's softmax or weighted sum makes that row NaN.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from . import backends, kvcache, reference
@@ -35,7 +36,7 @@ from .spec import (
     with_options,
 )
 from .spec.kvcache import validate_kvcache
-from .spec.validate import compiling
+from .spec.validate import compiling, signature
 
 if sys.version_info >= (3, 11):     # at run time too: typing.get_type_hints (pydantic, beartype)
     from typing import Unpack
@@ -52,6 +53,38 @@ def _head_squeeze(two_d: bool, x: Any, tail: int) -> Any:
 
 def _head_unsqueeze(two_d: bool, x: Any, tail: int) -> Any:
     return x[(Ellipsis, None) + (slice(None),) * tail] if two_d else x
+
+
+# Calls that repeat one signature (a decoding step: every layer, every step) skip the
+# checks and the choice after the first: where the chosen rung has a direct call for it
+# (``rung.direct(spec)``: the small rung's streaming call, behind the torch op's
+# per-call tests of gradients, tracing and autocast), attention keeps it under the key
+# validate reuses its check by (the same signature: types, dtypes, shapes but the key
+# length, devices, scalar keywords) while the key length stays where select makes the
+# same choice. A kept call may decline (None): then the call takes the full path.
+_KEPT: dict[tuple[Any, ...], tuple[Callable[[Any, Any, Any], Any], Callable[[int], bool] | None]] = {}
+_KEPT_MAX = 256
+
+
+def _kept(q: Any, k: Any, v: Any, backend: str, masking: Any) -> tuple[Any, Any]:
+    """(validate's signature of the call, the call kept for it or None); (None, None)
+    for calls with array keywords, other array types or an unhashable keyword."""
+    key, arrays = signature(q, k, v, backend, True, masking)
+    if key is None or arrays:
+        return None, None
+    try:
+        return key, _KEPT.get(key)
+    except TypeError:
+        return None, None
+
+
+def _keep(key: tuple[Any, ...], spec: Any, rung: Any, backend: str) -> None:
+    make = getattr(rung, "direct", None)
+    call = None if make is None else make(spec)
+    if call is not None:
+        if len(_KEPT) >= _KEPT_MAX:
+            _KEPT.clear()
+        _KEPT[key] = (call, backends.same_choice(spec, backend))
 
 
 @with_options()
@@ -97,10 +130,22 @@ def attention(q: Any, k: Any, v: Any, *, return_lse: bool = False, return_weight
     >>> out, lse                                                     # fully masked row
     (array([[0., 0.]]), array([-inf]))
     """
+    key = kept = None
+    if return_weights is False and type(return_lse) is bool:
+        key, kept = _kept(q, k, v, backend, masking)
+        if kept is not None:
+            S, same = k.shape[-2], kept[1]
+            direct = kept[0](q, k, v) if 0 < S and v.shape[-2] == S and (same is None or same(S)) else None
+            if direct is not None:
+                return direct if return_lse else direct[0]
     check_flags(return_lse=return_lse, return_weights=return_weights)
+    given = q
     q, k, v = autocast(q, k, v)
     spec = validate(q, k, v, backend=backend, **masking)
-    out, lse, weights = backends.select(spec, backend).rung_forward(spec, return_weights)
+    rung = backends.select(spec, backend)
+    out, lse, weights = rung.rung_forward(spec, return_weights)
+    if key is not None and kept is None and q is given and not spec.two_d:   # (autocast: another dtype)
+        _keep(key, spec, rung, backend)
     res: tuple[Any, ...] = (_head_squeeze(spec.two_d, out, 2),)
     if return_lse:
         res += (_head_squeeze(spec.two_d, lse, 1),)

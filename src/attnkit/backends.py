@@ -18,6 +18,8 @@ float64 for float64 inputs); all in the Spec's shapes (2-D squeezing is api's jo
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from math import prod
 from typing import Any, NamedTuple, Protocol
 
 from .spec import Spec
@@ -88,11 +90,31 @@ SMALL_TOTAL = 1 << 20
 SMALL_KV = 1 << 21
 
 
+def _per_key(spec: Spec) -> tuple[int, int]:
+    """(scores, key and value elements) per key of a call of spec's sizes."""
+    n = prod(spec.batch)
+    return n * spec.H * spec.L, n * spec.Hkv * (spec.D + spec.Dv)
+
+
+def _fits(per_key: tuple[int, int], S: int) -> bool:
+    return per_key[0] * S <= SMALL_TOTAL and per_key[1] * S <= SMALL_KV
+
+
 def _small(spec: Spec) -> bool:
-    n = 1
-    for d in spec.batch:
-        n *= d
-    return n * spec.H * spec.L * spec.S <= SMALL_TOTAL and n * spec.Hkv * spec.S * (spec.D + spec.Dv) <= SMALL_KV
+    return _fits(_per_key(spec), spec.S)
+
+
+def same_choice(spec: Spec, backend: str = "auto") -> Callable[[int], bool] | None:
+    """For calls of spec's other sizes and options under "auto" (or "torch"): ``test(S)``,
+    whether one with S keys gets :func:`select`'s candidates for spec (the size rule is
+    the only part of the choice that reads the key length; the test reads AUTO,
+    AUTO_SMALL, SMALL_TOTAL and SMALL_KV when it runs); None for a named rung, chosen
+    whatever the key length."""
+    order = _candidates(spec, backend)
+    if backend not in ("auto", "torch") or not order:
+        return None
+    kind, per_key = _kind(spec), _per_key(spec)
+    return lambda S: _auto_order(kind, _fits(per_key, S)) == order
 
 
 def _import(path: str) -> Any:
@@ -145,13 +167,16 @@ def _candidates(spec: Spec, backend: str) -> tuple[str, ...]:
         backend = "auto"
     if backend != "auto":
         return (backend,)
-    if spec.torch:
-        order = AUTO["torch_cuda" if spec.q.device.type == "cuda" else "torch_cpu"]
-    else:
-        order = AUTO["numpy"]
-    if order == AUTO["numpy"] and _small(spec):
-        order = AUTO_SMALL
-    return order
+    return _auto_order(_kind(spec), _small(spec))
+
+
+def _kind(spec: Spec) -> str:
+    return ("torch_cuda" if spec.q.device.type == "cuda" else "torch_cpu") if spec.torch else "numpy"
+
+
+def _auto_order(kind: str, small: bool) -> tuple[str, ...]:
+    order = AUTO[kind]
+    return AUTO_SMALL if order == AUTO["numpy"] and small else order
 
 
 def select(spec: Spec, backend: str = "auto", need: str | None = None) -> Rung:

@@ -23,7 +23,9 @@ call of few query rows per kv head (``group · L`` ≤ STREAM_ROWS: decoding, sp
 steps) in float32 without bias, keep, drop, ALiBi or dropout runs instead as one
 compiled call over every batch element and head (:mod:`attnkit.flash.numba_small`:
 the same steps, the bounds per row, a key whose score is −inf never read): in a
-decoding step of a small model the NumPy calls above cost 23 µs, this call 14. The
+decoding step of a small model the NumPy calls above cost 23 µs, this call 14. Such
+a call that repeats its signature (every layer, every step) runs without validation:
+:func:`attnkit.api.attention` keeps :func:`direct`'s prepared call for it. The
 backward is the flash rung's, the weights the reference's; KV-cache decoding reads
 the reference's gathered keys. No packed sequences or blocks of a larger problem:
 ``auto`` gives those to the flash rung.
@@ -39,6 +41,7 @@ the reference's gathered keys. No packed sequences or blocks of a larger problem
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from math import prod
 from typing import Any
 
@@ -107,7 +110,7 @@ STREAM_ROWS = 16
 
 
 def streams(spec: Spec, kern: Any) -> bool:
-    """Whether :func:`forward` runs the call in one compiled call (:func:`stream`):
+    """Whether :func:`forward` runs the call in one compiled call (:func:`streamer`):
     few query rows per kv head (at most STREAM_ROWS), float32 kernels, and none of bias,
     keep, drop, ALiBi or dropout."""
     return (spec.group * spec.L <= STREAM_ROWS and getattr(kern, "small_rows", None) is not None
@@ -117,48 +120,76 @@ def streams(spec: Spec, kern: Any) -> bool:
 
 def streams_alone(spec: Spec) -> bool:
     """Whether the call streams with q, k and v its only arrays (no sinks, no lengths):
-    then :func:`stream` reads no other array of the Spec, and a caller holding q, k, v
+    then :func:`streamer` reads no other array of the Spec, and a caller holding q, k, v
     in another array library (the torch op) passes NumPy views of them."""
     return spec.sinks is None and not spec.varlen and streams(spec, for_dtype(spec.acc_dtype))
 
 
-def stream(spec: Spec, q: Any, k: Any, v: Any, out: np.ndarray, lse: np.ndarray) -> None:
-    """out (..., H, L, Dv) and lse (..., H, L), float32 C-ordered, of a decoding-like
-    call (:func:`streams`) on these q, k, v (NumPy arrays; the Spec's are not read, its
-    sinks and lengths are) in one compiled call over every batch element and head
-    (flash.numba_small.small_rows), finished in place."""
-    N, A, R = prod(spec.batch), spec.Hkv, spec.group * spec.L
-    # rows of unit stride, as the kernel reads them (its sums take one order whatever
-    # the other strides: the same bits for any layout)
-    q, k, v = (unit_rows(_heads(x, spec.batch, N, A)) for x in (q, k, v))
-    m, l, lo, hi = _NO_STATE, _NO_STATE, _NO_BOUNDS, _NO_BOUNDS
+def streamer(spec: Spec) -> Callable[[Any, Any, Any], tuple[np.ndarray, np.ndarray]]:
+    """A decoding-like call (:func:`streams`) of spec's options and sizes, prepared:
+    ``call(q, k, v) -> (out (..., H, L, Dv), lse (..., H, L))``, float32 C-ordered, on
+    these q, k, v (NumPy arrays; the Spec's are not read, its sinks and lengths are; the
+    key length is k's) in one compiled call over every batch element and head
+    (flash.numba_small.small_rows), finished there. What :func:`direct` keeps."""
+    N, A, R, Dv, batch = prod(spec.batch), spec.Hkv, spec.group * spec.L, spec.Dv, spec.batch
+    out_shape, lse_shape = spec.out_shape, spec.lse_shape
+    scale, softcap = np.float32(spec.scale), np.float32(spec.softcap or 0.0)
+    m, l = _NO_STATE, _NO_STATE
     if spec.sinks is not None:
         m, l = (x.reshape(N, A * R) for x in _sink_state(spec, np.float32))
-    if spec.has_index_mask or spec.varlen:
-        lo, hi = (x.reshape(N, A * R) for x in _row_bounds(spec))
-    for_dtype("float32").small_rows(q, k, v, np.float32(spec.scale), np.float32(spec.softcap or 0.0), lo, hi, m, l,
-                                    out.reshape(N, A, R, spec.Dv), lse.reshape(N, A, R))
+    bounded = spec.has_index_mask or spec.varlen
+    kernel = for_dtype("float32").small_rows
+
+    def call(q: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
+        lo = hi = _NO_BOUNDS
+        if bounded:
+            S = k.shape[-2]
+            lo, hi = (x.reshape(N, A * R) for x in _row_bounds(spec if S == spec.S else spec.replace(S=S)))
+        out = np.empty(out_shape, dtype=np.float32)
+        lse = np.empty(lse_shape, dtype=np.float32)
+        # rows of unit stride, as the kernel reads them (its sums take one order whatever
+        # the other strides: the same bits for any layout)
+        kernel(_heads(q, batch, N, A), _heads(k, batch, N, A), _heads(v, batch, N, A), scale, softcap, lo, hi, m, l,
+               out.reshape(N, A, R, Dv), lse.reshape(N, A, R))
+        return out, lse
+    return call
+
+
+def direct(spec: Spec) -> Callable[[Any, Any, Any], tuple[np.ndarray, np.ndarray] | None] | None:
+    """For calls that repeat spec's signature (:func:`attnkit.api.attention` keeps it):
+    :func:`streamer`'s call on new q, k, v (NumPy arrays, or views of tensors, not
+    checked: the caller knows their signature is spec's), or None from it when the call
+    no longer streams (settings changed since); None unless spec streams alone
+    (:func:`streams_alone`) in float32."""
+    if spec.dtype != "float32" or not streams_alone(spec):
+        return None
+    kept = spec.replace(q=None, k=None, v=None)         # no reference to this call's arrays
+    run = streamer(kept)
+
+    def call(q: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray] | None:
+        return run(q, k, v) if streams_alone(kept) else None   # (STREAM_ROWS, kernels as they are now)
+    return call
 
 
 _NO_STATE, _NO_BOUNDS = np.zeros((1, 0), dtype=np.float32), np.zeros((1, 0), dtype=np.int64)
 
 
 def _heads(x: Any, batch: tuple[int, ...], N: int, A: int) -> np.ndarray:
-    """x (..., heads, rows, D) in float32 as (N, A, rows · heads / A, D): batch dims
-    broadcast and flattened (views where they can be)."""
+    """x (..., heads, rows, D) in float32 as (N, A, rows · heads / A, D) with unit
+    stride along D: batch dims broadcast and flattened (views where they can be)."""
     x = np.asarray(x, dtype=np.float32)
     if x.shape[:-3] != batch:
         x = np.broadcast_to(x, batch + x.shape[-3:])
-    return x if x.ndim == 4 and x.shape[1] == A else x.reshape(N, A, -1, x.shape[-1])
+    if x.ndim != 4 or x.shape[1] != A:
+        x = x.reshape(N, A, -1, x.shape[-1])
+    return unit_rows(x)
 
 
 def forward(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse) in the accumulation dtype, shapes (..., H, L, Dv) and (..., H, L)."""
     kern = for_dtype(spec.acc_dtype)
     if streams(spec, kern):                              # compiled: no NumPy warnings to quiet
-        out = np.empty(spec.out_shape, dtype=np.float32)
-        lse = np.empty(spec.lse_shape, dtype=np.float32)
-        stream(spec, spec.q, spec.k, spec.v, out, lse)
+        out, lse = streamer(spec)(spec.q, spec.k, spec.v)
     else:
         with quiet():
             out, lse = _product(spec, kern)

@@ -119,16 +119,18 @@ def test_weighted_values_over_each_rows_own_keys(R, Dv):
         np.testing.assert_allclose(acc[r], want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("wrong", [None, "raises", "past_n", "sums", "get", "sum4", "hsum"])
+@pytest.mark.parametrize("wrong", [None, "raises", "past_n", "sums", "get", "sum4", "hsum", "exp2", "fill",
+                                   "hmax", "neginf"])
 def test_the_probe_accepts_these_intrinsics_and_refuses_wrong_ones(monkeypatch, wrong):
     """works() is True here, and False when the probe's compile fails or any one of its
-    results is off (a store past its lanes, a lane sum, a scalar move, sum4, hsum)."""
+    results is off (a store past its lanes, a lane sum, a scalar move, sum4, hsum, the
+    vector exp or arithmetic, a lane fill, the lane max, the −inf lanes)."""
     real = V._probe
 
     def probe(x, out):
         if wrong == "raises":
             raise numba.core.errors.TypingError("no such intrinsic")
-        s4, h = real(x, out)
+        s4, h, top, neginf = real(x, out)
         if wrong == "past_n":
             out[0, 7] = out[1, 7]
         elif wrong == "sums":
@@ -139,7 +141,76 @@ def test_the_probe_accepts_these_intrinsics_and_refuses_wrong_ones(monkeypatch, 
             s4 = s4[:3] + (s4[3] + 1,)
         elif wrong == "hsum":
             h += 1
-        return s4, h
+        elif wrong == "exp2":
+            out[7, 2] *= 1.0000001
+        elif wrong == "fill":
+            out[7, 12] += 1
+        elif wrong == "hmax":
+            top = 3.0
+        elif wrong == "neginf":
+            neginf -= 1
+        return s4, h, top, neginf
 
     monkeypatch.setattr(V, "_probe", probe)
     assert V.works() is (wrong is None)
+
+
+@numba.njit
+def _exp2v(t, out):
+    for i in range(0, t.shape[0], 16):
+        V.store(V.address(out, (i,)), V.exp2v(V.load(V.address(t, (i,)))))
+
+
+def test_the_vector_exp_is_the_scalar_one_bit_for_bit():
+    """exp2v and numba_kernels.exp2_f32 are one rule (EXP2_POLY): the same bits for
+    every t the softmax gives (t ≤ 0), around the underflow cut (0 below −125), for
+    −inf (0) and NaN (NaN)."""
+    from attnkit.flash.numba_kernels import exp2_f32
+    rng = np.random.default_rng(5)
+    t = np.concatenate([-rng.exponential(8.0, 4000), np.linspace(-126, -124, 200), np.arange(-130, 1),
+                        [0.0, -0.5, -1.5, -np.inf, np.nan, -1e-8, -125.0, -124.99999]]).astype(np.float32)
+    t = np.concatenate([t, np.zeros(-len(t) % 16, np.float32)])
+    out = np.empty_like(t)
+    _exp2v(t, out)
+    want = np.array([exp2_f32(x) for x in t], dtype=np.float32)
+    assert np.array_equal(out.view(np.int32)[~np.isnan(t)], want.view(np.int32)[~np.isnan(t)])
+    assert np.isnan(out[np.isnan(t)]).all()
+    ok = t > -125
+    np.testing.assert_allclose(out[ok], np.exp2(t[ok].astype(np.float64)), rtol=3e-7, atol=0)
+    assert (out[t < -125] == 0).all()
+
+
+@numba.njit
+def _row_passes(x, n, scale, shift):
+    p = V.address(x, (0,))
+    V.scale_row(p, n, scale)
+    top, holes = V.row_max(p, n)
+    return top, holes, V.exp_row(p, n, shift)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 16, 17, 31, 32, 45, 64])
+@pytest.mark.parametrize("case", ["plain", "neginf", "nan"])
+def test_row_passes_scale_find_the_max_and_exponentiate_only_their_lanes(n, case):
+    """scale_row, row_max and exp_row on a row of n of a longer buffer: the max and a −inf
+    among the n (never past them), exp(x − shift) in place and its sum; the floats
+    past n untouched."""
+    rng = np.random.default_rng(n)
+    buf = rng.standard_normal(n + 20).astype(np.float32)
+    buf[n:] = 50.0                                        # past the row: larger than any
+    if n and case == "neginf":
+        buf[n // 2] = -np.inf
+    if n and case == "nan":
+        buf[n - 1] = np.nan
+    if case != "neginf":
+        buf[n + 1] = -np.inf                              # past the row: no hole
+    x = buf.copy()
+    top, holes, total = _row_passes(x, n, np.float32(0.5), np.float32(0.25))
+    row = buf[:n].astype(np.float64) * 0.5
+    finite = row[~np.isnan(row)]
+    if not (case == "nan" and n):                         # with a NaN the max is any value: the
+        assert top == (finite.max() if len(finite) else -np.inf)   # row is NaN through its exp
+    assert holes is bool(n and case == "neginf")
+    e = np.exp(row - 0.25)
+    np.testing.assert_allclose(x[:n], e, rtol=3e-7)
+    assert np.isnan(total) if case == "nan" and n else np.isclose(total, e.sum(), rtol=1e-6)
+    assert np.array_equal(x[n:], buf[n:])

@@ -20,11 +20,13 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .numba_simd import ORDERED, REDUCE, address, prefetch_bytes, scores, weighted_values
+from .numba_simd import EXP2_MIN as _EXP2_MIN
+from .numba_simd import EXP2_POLY, ORDERED, REDUCE, address, prefetch_bytes, scores, weighted_values
+from .numba_simd import LOG2E as _LOG2E
 
 f32 = np.float32
-LOG2E = f32(1.44269504088896341)                          # exp(x) = 2^(x · log2 e)
-EXP2_MIN = f32(-125.0)                                   # below 2^-125 the result is 0
+LOG2E = f32(_LOG2E)                                      # exp(x) = 2^(x · log2 e)
+EXP2_MIN = f32(_EXP2_MIN)                                # below 2^-125 the result is 0
 
 
 @intrinsic
@@ -68,16 +70,17 @@ def _wide(typingctx):
 
 @numba.njit(**ORDERED)
 def exp2_f32(t):
-    # 2^t = 2^n · 2^r with n = round(t), r = t − n exact, |r| ≤ 1/2; callers fold log2(e)
-    # into t (exp(x − c) = 2^(x·log2 e − c·log2 e)). t ≤ 0 here (scores minus their max).
+    # 2^t = 2^n · 2^r with n = round(t), r = t − n exact, |r| ≤ 1/2, by numba_simd's
+    # EXP2_POLY (the rule its vector exp2v follows too); callers fold log2(e) into t
+    # (exp(x − c) = 2^(x·log2 e − c·log2 e)). t ≤ 0 here (scores minus their max).
     n = np.floor(t + f32(0.5))
     r = t - n
-    p = f32(1.5356125e-4)                                # near-minimax for (2^r − 1) / r, ≤ 2 ulp
-    p = p * r + f32(1.3398818e-3)
-    p = p * r + f32(9.6184276e-3)
-    p = p * r + f32(5.5503327e-2)
-    p = p * r + f32(2.4022648e-1)
-    p = p * r + f32(6.9314718e-1)
+    p = f32(EXP2_POLY[0])
+    p = p * r + f32(EXP2_POLY[1])
+    p = p * r + f32(EXP2_POLY[2])
+    p = p * r + f32(EXP2_POLY[3])
+    p = p * r + f32(EXP2_POLY[4])
+    p = p * r + f32(EXP2_POLY[5])
     y = p * r + f32(1.0)
     y = y * _f32_from_bits((np.int32(n) + np.int32(127)) << 23)  # 2^n from its exponent bits
     # below 2^−125 (and for −inf) the bits above are garbage: the result is exactly 0

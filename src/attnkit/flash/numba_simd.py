@@ -44,6 +44,13 @@ _MASKED = ".v16f32.p0" if binding.llvm_version_info[0] >= 17 else ".v16f32.p0v16
 # row's sum; with arcp it became a reciprocal times x, 1 ulp off)
 ORDERED = dict(nogil=True, cache=True, error_model="numpy", fastmath={"nsz", "contract", "afn"})
 REDUCE = dict(ORDERED, fastmath={"reassoc", "nsz", "contract", "afn"})
+# exp as 2^t (t = x · log2 e): 2^t = 2^n · 2^r with n = round(t), r = t − n, |r| ≤ 1/2,
+# 2^r by Horner's rule on these coefficients, highest first (near-minimax for
+# (2^r − 1) / r, ≤ 2 ulp); below EXP2_MIN the result is exactly 0. One rule for the
+# scalar exp (numba_kernels.exp2_f32) and the vector one (:func:`exp2v`)
+EXP2_POLY = (1.5356125e-4, 1.3398818e-3, 9.6184276e-3, 5.5503327e-2, 2.4022648e-1, 6.9314718e-1)
+EXP2_MIN = -125.0
+LOG2E = 1.44269504088896341
 
 
 class F32x16(types.Type):
@@ -190,6 +197,94 @@ def fma(typingctx, a, b, c):
     def codegen(context, builder, sig, args):
         return builder.call(_function(builder, "llvm.fmuladd.v16f32", _V, [_V, _V, _V]), args)
     return f32x16(f32x16, f32x16, f32x16), codegen
+
+
+def _binary(op):
+    """An intrinsic f(a, b) → f32x16: the IR builder's float op ``op`` lane by lane
+    (no fast-math flags: each lane rounds as written)."""
+    @intrinsic
+    def f(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            return getattr(builder, op)(args[0], args[1])
+        return f32x16(f32x16, f32x16), codegen
+    return f
+
+
+vadd, vsub, vmul = _binary("fadd"), _binary("fsub"), _binary("fmul")
+
+
+def _maxnum(builder, a, b, fastmath=("nnan", "nsz")):
+    # llvm.maxnum, with nnan (vmaxps) as numba_kernels._fmax: a NaN lane may be skipped
+    return builder.call(_function(builder, "llvm.maxnum.v16f32", _V, [_V, _V]), [a, b], fastmath=fastmath)
+
+
+@intrinsic
+def vmax(typingctx, a, b):
+    """max(a, b) lane by lane (a NaN lane may be skipped, as the scalar row max does)."""
+    def codegen(context, builder, sig, args):
+        return _maxnum(builder, args[0], args[1])
+    return f32x16(f32x16, f32x16), codegen
+
+
+@intrinsic
+def hmax(typingctx, a):
+    """max over a's lanes."""
+    def codegen(context, builder, sig, args):
+        x, size = args[0], LANES // 2
+        while size:
+            lanes = [(i + size) % LANES for i in range(LANES)]
+            x = _maxnum(builder, x, builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, LANES), lanes)))
+            size //= 2
+        return builder.extract_element(x, _I32(0))
+    return types.float32(f32x16), codegen
+
+
+@intrinsic
+def fill_from(typingctx, x, n, value):
+    """x with its lanes from n on (none for n ≥ 16, all for n ≤ 0) set to value."""
+    def codegen(context, builder, sig, args):
+        n = context.cast(builder, args[1], sig.args[1], types.int64)
+        y = context.cast(builder, args[2], sig.args[2], types.float32)
+        v = builder.insert_element(ir.Constant(_V, ir.Undefined), y, _I32(0))
+        v = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+        return builder.select(_lanes_below(builder, n), args[0], v)
+    return f32x16(f32x16, n, value), codegen
+
+
+@intrinsic
+def is_neginf(typingctx, x):
+    """1.0 in the lanes where x is −inf, else 0.0."""
+    def codegen(context, builder, sig, args):
+        hit = builder.fcmp_ordered("==", args[0], ir.Constant(_V, [float("-inf")] * LANES))
+        return builder.uitofp(hit, _V)
+    return f32x16(f32x16), codegen
+
+
+@intrinsic
+def exp2v(typingctx, t):
+    """2^t lane by lane by :data:`EXP2_POLY`'s rule, the same operations as the scalar
+    ``numba_kernels.exp2_f32``: the same bits for the same t ≤ 0 (what the softmax
+    gives; 0 below EXP2_MIN and for −inf, NaN stays NaN; n is held to [−127, 127])."""
+    def codegen(context, builder, sig, args):
+        t = args[0]
+        const = lambda c: ir.Constant(_V, [c] * LANES)
+        floor = _function(builder, "llvm.floor.v16f32", _V, [_V])
+        fmuladd = _function(builder, "llvm.fmuladd.v16f32", _V, [_V, _V, _V])
+        n = builder.call(floor, [builder.fadd(t, const(0.5))])
+        r = builder.fsub(t, n)
+        p = const(EXP2_POLY[0])
+        for c in EXP2_POLY[1:] + (1.0,):
+            p = builder.call(fmuladd, [p, r, const(c)])
+        # 2^n from its exponent bits; n held in [−127, 127] first (no conversion of an
+        # infinite or NaN n: those lanes are 0 or NaN by the select or by r)
+        n = builder.call(_function(builder, "llvm.minnum.v16f32", _V, [_V, _V]),
+                         [_maxnum(builder, n, const(-127.0), ()), const(127.0)])
+        iv = ir.VectorType(_I32, LANES)
+        bits = builder.shl(builder.add(builder.fptosi(n, iv), ir.Constant(iv, [127] * LANES)),
+                           ir.Constant(iv, [23] * LANES))
+        y = builder.fmul(p, builder.bitcast(bits, _V))
+        return builder.select(builder.fcmp_ordered("<", t, const(EXP2_MIN)), const(0.0), y)
+    return f32x16(f32x16), codegen
 
 
 def _pairs(builder, a, b, size):
@@ -399,9 +494,46 @@ def weighted_values(s0, sst, R, j0, j1, v0, vst, a0, ast, Dv):
         _values1(s0 + r * sst, j0, j1, v0, vst, a0 + r * ast, Dv)
 
 
+# ---- row passes of the softmax (a row of n floats at p) -------------------------------
+@numba.njit(**REDUCE, inline="always")
+def scale_row(p, n, scale):
+    """x · scale in place. (LLVM's own loops over a row of a few dozen keys ran their
+    scalar remainder only: its vector loop takes 64 at a time.)"""
+    c = splat(scale)
+    for o in range(0, n, LANES):
+        a, t = p + 4 * o, n - o
+        full = t >= LANES
+        _st(a, vmul(_ld(a, t, full), c), t, full)
+
+
+@numba.njit(**REDUCE, inline="always")
+def row_max(p, n):
+    """(the row's max, −inf for n ≤ 0; whether a value is −inf)."""
+    mx, h = splat(-np.inf), splat(0.0)
+    for o in range(0, n, LANES):
+        t = n - o
+        x = _ld(p + 4 * o, t, t >= LANES)              # lanes past t: 0
+        mx = vmax(mx, fill_from(x, t, -np.inf))
+        h = vmax(h, is_neginf(x))
+    return hmax(mx), hmax(h) > 0
+
+
+@numba.njit(**REDUCE, inline="always")
+def exp_row(p, n, shift):
+    """x → exp(x − shift) in place (2^((x − shift) · log2 e), :func:`exp2v`); their sum."""
+    c, l2e, tot = splat(shift), splat(LOG2E), splat(0.0)
+    for o in range(0, n, LANES):
+        a, t = p + 4 * o, n - o
+        full = t >= LANES
+        e = fill_from(exp2v(vmul(vsub(_ld(a, t, full), c), l2e)), t, 0.0)
+        _st(a, e, t, full)
+        tot = vadd(tot, e)
+    return hsum(tot)
+
+
 @numba.njit(**REDUCE)
 def _probe(x, out):
-    # every intrinsic once, on x (16, 16) into out (7, 16): see works()
+    # every intrinsic once, on x (16, 16) into out (8, 16): see works()
     a, b = load(address(x, (0, 0))), load_part(address(x, (1, 0)), 5)
     c = fma(a, splat(2.0), b)
     store_part(address(out, (0, 0)), c, 7)
@@ -413,23 +545,28 @@ def _probe(x, out):
                 load(address(x, (15, 0))))
     prefetch(address(x, (3, 0)))
     put(address(out, (6, 0)), get(address(x, (2, 3))))
-    return sum4(a, b, c, a), hsum(c)
+    store(address(out, (7, 0)), vadd(exp2v(b), vmul(vsub(a, c), fill_from(a, 9, -1.0))))
+    return sum4(a, b, c, a), hsum(c), hmax(vmax(a, fill_from(c, 15, 100.0))), hsum(is_neginf(fill_from(a, 6, -np.inf)))
 
 
 def works() -> bool:
     """Whether this numba and LLVM compile the intrinsics and get them right (else the
     callers keep their other paths: :func:`.kernels._probed`)."""
     x = (np.arange(256, dtype=np.float32).reshape(16, 16) % 7 - 3).astype(np.float32)   # integers: exact sums
-    out = np.full((7, 16), -1.0, dtype=np.float32)
+    out = np.full((8, 16), -1.0, dtype=np.float32)
     try:
-        s4, h = _probe(x, out)
+        s4, h, top, neginf = _probe(x, out)
     except Exception:                       # noqa: BLE001 — any compile error: not here
         return False
-    c = 2 * x[0] + np.where(np.arange(16) < 5, x[1], 0)
+    lanes = np.arange(16)
+    b = np.where(lanes < 5, x[1], 0)
+    c = 2 * x[0] + b
     rows = np.stack([x[0], c - 2 * x[0], c, x[0]] + list(x[4:]))
-    return bool(np.array_equal(out[0], np.where(np.arange(16) < 7, c, -1)) and np.array_equal(out[1], c)
+    last = 2.0 ** b + (x[0] - c) * np.where(lanes < 9, x[0], -1)          # powers of 2, integers: exact
+    return bool(np.array_equal(out[0], np.where(lanes < 7, c, -1)) and np.array_equal(out[1], c)
                 and np.array_equal(out[2:6, :4], rows.sum(axis=1).reshape(4, 4)) and np.all(out[2:6, 4:] == -1)
-                and out[6, 0] == x[2, 3] and s4 == tuple(rows[:4].sum(axis=1)) and h == c.sum())
+                and out[6, 0] == x[2, 3] and np.array_equal(out[7], last) and s4 == tuple(rows[:4].sum(axis=1))
+                and h == c.sum() and top == 100 and neginf == 10)
 
 
 @numba.njit(**REDUCE, inline="always")

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .numba_kernels import REDUCE, _lse_value, _normalized, _softmax_span, _wide, f32
-from .numba_simd import address, scores, weighted_values, weighted_values_bounded
+from .numba_kernels import REDUCE, _fmax, _lse_value, _normalized, _row_done, _softmax_span, _wide, f32
+from .numba_simd import address, exp_row, row_max, scale_row, scores, weighted_values, weighted_values_bounded
 
 
 @numba.njit(**REDUCE)
@@ -30,8 +30,9 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
     (a sink's; with no columns: none, −inf and 0).
 
     Per head: the scores (:func:`.numba_simd.scores`, four rows by four keys per pass:
-    the rows of a GQA group share each key read), the row softmax by
-    :func:`_softmax_span`, then the weighted sum of the value rows, by
+    the rows of a GQA group share each key read), the row softmax by the vector row
+    passes (:func:`.numba_simd.scale_row`, ``row_max``, ``exp_row``; a row with a −inf
+    score by :func:`_softmax_span`), then the weighted sum of the value rows, by
     :func:`.numba_simd.weighted_values` where every row sees every key, else each row
     over its own keys (:func:`.numba_simd.weighted_values_bounded`: four rows at a time
     over the keys they share), and key by key in a row with a −inf score, whose key is
@@ -51,8 +52,7 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
             scores(address(q, (n, a, 0, 0)), q.strides[2], R, D, address(k, (n, a, 0, 0)), k.strides[2], 0, S,
                    address(s, (0, 0)), s.strides[0], 0, 0, 0)
             for r in range(R):
-                for j in range(S):
-                    s[r, j] *= scale
+                scale_row(address(s, (r, 0)), S, scale)
             for r in range(R):
                 f = a * R + r
                 if lo.shape[1]:
@@ -63,21 +63,22 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
                 if softcap > f32(0.0):
                     for j in range(j0, j1):
                         s[r, j] = softcap * np.tanh(s[r, j] / softcap)
-                holes = 0                              # −inf scores (an inf in q or k)
-                for j in range(j0, j1):
-                    if s[r, j] == -np.inf:
-                        holes += 1
                 m_r[r], l_r[r] = (m_i[n, f], l_i[n, f]) if m_i.shape[1] else (f32(-np.inf), f32(0.0))
+                p, width = address(s, (r, j0)) if j1 > j0 else 0, np.int64(j1 - j0)
+                top, holes = row_max(p, width)        # holes: −inf scores (an inf in q or k)
+                cut[r] = holes
                 if holes:                              # their keys marked −1 after the
-                    for j in range(j0, j1):            # softmax: never read
+                    full = False                       # softmax: never read
+                    for j in range(j0, j1):
                         hole[j] = s[r, j] == -np.inf
-                _softmax_span(s, r, j0, j1, m_r, l_r, alpha)
-                cut[r] = holes > 0
-                if holes:
-                    full = False
+                    _softmax_span(s, r, j0, j1, m_r, l_r, alpha)
                     for j in range(j0, j1):
                         if hole[j]:
                             s[r, j] = f32(-1.0)
+                else:
+                    m_new = _fmax(m_r[r], top)
+                    shift = f32(0.0) if m_new == -np.inf else m_new
+                    _row_done(r, m_new, shift, exp_row(p, width, shift), m_r, l_r, alpha)
                 full = full and j0 == 0 and j1 == S
                 lse[n, a, r] = _lse_value(m_r[r], l_r[r])
             acc[:] = f32(0.0)

@@ -156,6 +156,7 @@ def _grad_enabled() -> bool:
 # the previous step's check.
 _SEEN: dict[tuple[Any, ...], Spec] = {}
 _SEEN_MAX = 256
+_PLAIN = frozenset({type(None), bool, int, float, str})  # keyword types keyed as they are
 
 
 def _typed(x: Any) -> Any:
@@ -166,7 +167,7 @@ def _typed(x: Any) -> Any:
     return type(x), x
 
 
-def _signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
+def signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
                options: dict) -> tuple[tuple[Any, ...] | None, bool]:
     """(the key of a call whose check can be reused, or None: other array types, array
     keywords of another kind than q, torch.compile tracing; whether array keywords
@@ -182,20 +183,27 @@ def _signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
     if type(k) is not kind or (need_v and type(v) is not kind) or k.ndim < 2 or (need_v and v.ndim < 2):
         return None, False
     arrays: tuple[Any, ...] = ()
-    scalars: tuple[Any, ...] = ()
-    for name, x in options.items():
-        if x is not None and name in _TENSOR_SET:
-            if type(x) is not kind:
-                return None, True
-            arrays += (name, x.dtype, x.shape) if torch is None else (name, x.dtype, x.shape, x.device, x.layout)
-        else:
-            scalars += (name, _typed(x)) if isinstance(x, (tuple, list)) else (name, type(x), x)
+    kinds = tuple(map(type, options.values()))
+    if not _PLAIN.issuperset(kinds) or any(options[n] is not None for n in _TENSOR_SET.intersection(options)):
+        # arrays or numbers for array keywords, tuples, NumPy scalars...
+        scalars: tuple[Any, ...] = ()
+        for name, x in options.items():
+            if x is not None and name in _TENSOR_SET:
+                if type(x) is not kind:
+                    return None, True
+                arrays += (name, x.dtype, x.shape) if torch is None else (name, x.dtype, x.shape, x.device, x.layout)
+            else:
+                scalars += (name, _typed(x)) if isinstance(x, (tuple, list)) else (name, type(x), x)
+    else:                                                # plain scalars only: in one go
+        scalars = (tuple(options.items()), kinds)
     if arrays:                                           # their shapes follow S: keep it
         key: tuple[Any, ...] = (q.dtype, q.shape, k.dtype, k.shape) + ((v.dtype, v.shape) if need_v else ())
     else:
-        key = (q.dtype, q.shape, k.dtype, k.ndim, k.shape[:-2], k.shape[-1])
+        ks = k.shape
+        key = (q.dtype, q.shape, k.dtype, len(ks), ks[:-2], ks[-1])
         if need_v:
-            key += (v.dtype, v.ndim, v.shape[:-2], v.shape[-1])
+            vs = v.shape
+            key += (v.dtype, len(vs), vs[:-2], vs[-1])
     if torch is not None:
         key += (q.device, q.layout, k.device, k.layout) + ((v.device, v.layout) if need_v else ())
     return key + arrays + (backend, need_v) + scalars, bool(arrays)
@@ -231,7 +239,7 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
     v must be None."""
     if options and is_torch(q):
         options = torch_numbers(q, options)
-    key, arrays_given = _signature(q, k, v, backend, need_v, options)
+    key, arrays_given = signature(q, k, v, backend, need_v, options)
     try:
         seen = None if key is None else _SEEN.get(key)
     except TypeError:                                    # an unhashable keyword: check it in full

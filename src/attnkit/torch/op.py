@@ -212,8 +212,7 @@ def _forward(mod: Any, spec: Spec, keep_acc: bool = False, like_q: bool = False)
         return _out(out, spec.q, like_q), lse.contiguous()
     if not keep_acc and getattr(mod, "streams_alone", None) is not None and mod.streams_alone(spec):
         # the small rung's decoding call on views of q, k, v, into tensors: no NumPy Spec
-        o32, lse = np.empty(spec.out_shape, dtype=np.float32), np.empty(spec.lse_shape, dtype=np.float32)
-        mod.stream(spec, _np(spec.q), _np(spec.k), _np(spec.v), o32, lse)
+        o32, lse = mod.streamer(spec)(_np(spec.q), _np(spec.k), _np(spec.v))
         return _out(o32, spec.q, like_q), torch.from_numpy(lse)
     out, lse, _ = mod.rung_forward(numpy_spec(spec, out_like_q=like_q, **({"dtype": "float32"} if keep_acc else {})))
     res = (_out(out, spec.q, like_q), _torch(lse, acc_dtype(spec.q)))
@@ -241,24 +240,39 @@ def _eager(spec: Spec) -> bool:
     (torch.compile, jit tracing, a torch function or dispatch mode, functorch
     transforms). The op's dispatch costs about as much as a whole small call (a
     decoding step); the results are the same tensors, bit for bit."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_function_stack() \
-            or torch._C._len_torch_dispatch_stack():
+    if torch.compiler.is_compiling():
         return False
-    grad = torch.is_grad_enabled()
     fields = spec.__dict__
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    for name in _VIEWED:
-        x = fields[name]
-        if x is not None and (type(x) is not torch.Tensor or (grad and x.requires_grad) or wrapped(x)):
+    return _plain([fields[name] for name in _VIEWED]) and spec.q.device.type == "cpu"
+
+
+# what the per-call tests call, bound once (a decoding step runs them in every layer)
+_C, _Tensor, _fwad = torch._C, torch.Tensor, torch.autograd.forward_ad
+_wrapped, _interpreters = torch._C._functorch.is_functorch_wrapped_tensor, torch._C._functorch.peek_interpreter_stack
+
+
+def _plain(xs: list[Any]) -> bool:
+    """:func:`_eager`'s test (torch.compile aside) of the tensors (None: not given) and of
+    what watches the call: jit tracing, torch function or dispatch modes."""
+    if _C._is_tracing() or _C._len_torch_function_stack() or _C._len_torch_dispatch_stack():
+        return False
+    grad = _C.is_grad_enabled()
+    for x in xs:
+        if x is not None and (type(x) is not _Tensor or (grad and x.requires_grad) or _wrapped(x)):
             return False
-    return spec.q.device.type == "cpu"
+    return True
+
+
+def _forward_ad_possible() -> bool:
+    """Whether forward-mode AD may watch a call (a functorch transform or a dual level)."""
+    return _interpreters() is not None or _fwad._current_level >= 0
 
 
 def check_no_forward_ad(spec: Spec) -> None:
     """NotImplementedError when forward-mode AD watches the call (``torch.func.jvp``,
     or ``torch.autograd.forward_ad`` dual tensors among the inputs): the op has no
     forward-mode derivative, and its tangent would otherwise be lost without a word."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _forward_ad_possible():
         return
     jvp = False
     if torch._C._functorch.peek_interpreter_stack() is not None:
@@ -399,6 +413,25 @@ class TorchRung:
         out, lse, _ = torch.ops.attnkit.attention_fwd(*args)
         w = self._weights(args, lse.detach(), None) if need_weights else None
         return out, lse, w
+
+    def direct(self, spec: Spec) -> Callable[[Any, Any, Any], tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """For calls that repeat spec's signature (:func:`attnkit.api.attention` keeps
+        it): the compute rung's direct call (``mod.direct``: the small rung's streaming
+        call) on NumPy views of new q, k, v, as :meth:`rung_forward` runs it — or None
+        for a call whose forward would not run eagerly (:func:`_eager`: gradients,
+        tracing, modes; forward-mode AD; autocast), which then takes the full path."""
+        make = getattr(self.mod, "direct", None)
+        inner = None if make is None or not _eager(spec) else make(spec)
+        if inner is None:
+            return None
+
+        def call(q: Any, k: Any, v: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+            # (torch.compile: api keeps no call for a traced one)
+            if _C._is_any_autocast_enabled() or _forward_ad_possible() or not _plain([q, k, v]):
+                return None
+            res = inner(_np(q), _np(k), _np(v))
+            return None if res is None else (_out(res[0], q, True), torch.from_numpy(res[1]))
+        return call
 
     def rung_backward(self, spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None,
                       need_dbias: bool = True) -> Grads:

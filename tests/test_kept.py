@@ -1,0 +1,206 @@
+"""attention's kept calls: a call that repeats a signature (a decoding step in every
+layer) runs the chosen rung's direct call, without the checks — the bits of the full
+path, only while the full path would choose the same, and never where something
+watches the call (gradients, autocast, forward-mode AD, torch function modes)."""
+
+import weakref
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit import api, backends, flash
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    api._KEPT.clear()
+    yield
+    api._KEPT.clear()
+
+
+def _qkv(lib, S, L=1, seed=0, B=2, H=4, A=2, D=8, Dv=6, Bk=None):
+    rng = np.random.default_rng(seed)
+    Bk = B if Bk is None else Bk
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((B, H, L, D), (Bk, A, S, D), (Bk, A, S, Dv)))
+    return (q, k, v) if lib == "numpy" else tuple(torch.from_numpy(x) for x in (q, k, v))
+
+
+def _np(x):
+    return x if isinstance(x, np.ndarray) else x.numpy()
+
+
+def _refuse(*a, **kw):
+    raise AssertionError("the call was checked again")
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("kw", [{}, dict(causal=True), dict(window=(2, 0), causal=True), dict(softcap=3.0, scale=0.4),
+                                dict(causal=True, align="top_left")])
+def test_a_repeated_signature_runs_without_checks_and_gives_the_full_paths_bits(lib, kw, monkeypatch):
+    """Keys growing as in decoding, two query rows for the masks: each kept call (no
+    validation) gives the out and lse of the full path on the same arrays, bit for bit."""
+    attnkit.attention(*_qkv(lib, 7, L=2, seed=1), **kw)                # the first call keeps it
+    assert len(api._KEPT) == 1
+    for S in (9, 10, 17):
+        q, k, v = _qkv(lib, S, L=2, seed=S)
+        with monkeypatch.context() as m:
+            m.setattr(api, "validate", _refuse)
+            got = attnkit.attention(q, k, v, return_lse=True, **kw)
+        api._KEPT.clear()
+        want = attnkit.attention(q, k, v, return_lse=True, **kw)       # the full path
+        for g, w in zip(got, want):
+            assert type(g) is type(w) and g.shape == w.shape and np.array_equal(_np(g), _np(w))
+
+
+def test_a_kept_call_keeps_no_reference_to_the_first_calls_tensors():
+    q, k, v = _qkv("torch", 5)
+    attnkit.attention(q, k, v)
+    refs = [weakref.ref(x) for x in (q, k, v)]
+    del q, k, v
+    assert api._KEPT and all(r() is None for r in refs)
+
+
+def test_past_the_small_calls_key_bound_the_call_is_chosen_again(monkeypatch):
+    """The kept call holds while the key length keeps the call small (select's size rule);
+    a longer cache takes the full path, which chooses the flash rung."""
+    B, A, D, Dv = 2, 2, 8, 6
+    monkeypatch.setattr(backends, "SMALL_KV", B * A * (D + Dv) * 12)  # small up to 12 keys
+    attnkit.attention(*_qkv("numpy", 8))
+    ran = []
+    real = flash.rung_forward
+    monkeypatch.setattr(flash, "rung_forward", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    attnkit.attention(*_qkv("numpy", 12, seed=3))
+    assert not ran
+    q, k, v = _qkv("numpy", 13, seed=4)
+    out = attnkit.attention(q, k, v)
+    assert ran and np.array_equal(out, attnkit.attention(q, k, v, backend="flash"))
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_after_a_kept_call_bad_input_still_gets_the_full_checks_error(lib):
+    attnkit.attention(*_qkv(lib, 6))
+    q, k, v = _qkv(lib, 6)
+    with pytest.raises(ValueError, match="v"):
+        attnkit.attention(q, k, v[..., :5, :])                         # v's keys ≠ k's
+    with pytest.raises(ValueError, match="must be positive"):
+        attnkit.attention(*_qkv(lib, 0))                               # no keys
+
+
+def test_calls_asking_for_weights_or_two_d_are_not_kept():
+    q, k, v = _qkv("numpy", 5)
+    out, w = attnkit.attention(q, k, v, return_weights=True)
+    attnkit.attention(q[0, 0], k[0, 0], v[0, 0])
+    assert not api._KEPT
+    out2, w2 = attnkit.attention(q, k, v, return_weights=True)
+    assert w2.shape == (2, 4, 1, 5) and np.array_equal(out, out2)
+
+
+def test_a_kept_torch_call_declines_where_something_watches_it():
+    """Gradients wanted, autocast, forward-mode AD, a torch function mode: the kept call
+    gives None and the call takes the full path (the op, autocast's dtype, the named
+    error)."""
+    q, k, v = _qkv("torch", 5)
+    attnkit.attention(q, k, v)
+    (call, _), = api._KEPT.values()
+    assert call(q, k, v) is not None
+    g = q.clone().requires_grad_()
+    assert call(g, k, v) is None
+    out = attnkit.attention(g, k, v)
+    assert out.requires_grad
+    out.sum().backward()
+    assert g.grad is not None and g.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert call(g, k, v) is not None                               # no gradient wanted
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert call(q, k, v) is None
+        assert attnkit.attention(q, k, v).dtype == torch.bfloat16
+    with torch.autograd.forward_ad.dual_level():
+        assert call(q, k, v) is None
+        dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
+        with pytest.raises(NotImplementedError, match="forward-mode"):
+            attnkit.attention(dual, k, v)
+
+    class Seen(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as mode:
+        assert call(q, k, v) is None
+        attnkit.attention(q, k, v)
+    assert mode.calls > 0
+
+
+def test_the_kept_calls_are_bounded(monkeypatch):
+    monkeypatch.setattr(api, "_KEPT_MAX", 3)
+    for S in range(1, 6):
+        attnkit.attention(*_qkv("numpy", 4, B=S))                     # five signatures
+        assert 1 <= len(api._KEPT) <= 3
+
+
+def test_a_kept_call_follows_the_size_rule_as_it_is_when_called(monkeypatch):
+    """The size limits read when the call runs (tests and tuning change them): with no
+    call small any more, a kept signature takes the full path and the flash rung."""
+    attnkit.attention(*_qkv("numpy", 8))
+    monkeypatch.setattr(backends, "SMALL_TOTAL", 0)
+    ran = []
+    real = flash.rung_forward
+    monkeypatch.setattr(flash, "rung_forward", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    attnkit.attention(*_qkv("numpy", 8, seed=2))
+    assert ran
+
+
+@pytest.mark.parametrize("layout", ["heads_inner", "broadcast_batch"])
+def test_kept_calls_in_other_layouts_and_without_lse(layout, monkeypatch):
+    """q with its heads inner (transformers' (B, L, H, D) seen as (B, H, L, D)) and k, v
+    broadcast over the batch: the kept call's out (asked without lse) is the full path's,
+    in the same layout."""
+    def make(S, seed):
+        if layout == "broadcast_batch":
+            return _qkv("torch", S, L=2, seed=seed, Bk=1)
+        q, k, v = _qkv("torch", S, L=2, seed=seed)
+        return q.transpose(1, 2).contiguous().transpose(1, 2), k, v
+    attnkit.attention(*make(6, 1), causal=True)
+    q, k, v = make(9, 2)
+    with monkeypatch.context() as m:
+        m.setattr(api, "validate", _refuse)
+        got = attnkit.attention(q, k, v, causal=True)
+    api._KEPT.clear()
+    want = attnkit.attention(q, k, v, causal=True)
+    assert torch.equal(got, want) and got.stride() == want.stride()
+
+
+def test_a_kept_signature_still_refuses_a_keyword_of_the_wrong_type():
+    attnkit.attention(*_qkv("numpy", 6, L=2), causal=True)
+    with pytest.raises(TypeError, match="causal"):
+        attnkit.attention(*_qkv("numpy", 6, L=2), causal=1)
+
+
+@pytest.mark.parametrize("change", ["stream_rows", "auto_small", "compiled"])
+def test_a_kept_call_follows_the_settings_as_they_are_when_called(change, monkeypatch):
+    """After a call is kept, settings that change the full path's choice (the rows that
+    stream, the candidates of small calls, the compiled kernels) send it there."""
+    from attnkit import small
+    from attnkit.flash import kernels
+    attnkit.attention(*_qkv("numpy", 8))
+    if change == "stream_rows":
+        monkeypatch.setattr(small, "STREAM_ROWS", 1)
+    elif change == "auto_small":
+        monkeypatch.setattr(backends, "AUTO_SMALL", ("reference",))
+    else:
+        monkeypatch.setattr(kernels, "USE_COMPILED", False)
+    streamed = []
+    real = small.streamer
+    monkeypatch.setattr(small, "streamer", lambda spec: streamed.append(1) or real(spec))
+    q, k, v = _qkv("numpy", 8, seed=5)
+    got = attnkit.attention(q, k, v)
+    assert not streamed
+    api._KEPT.clear()
+    assert np.array_equal(got, attnkit.attention(q, k, v))
