@@ -137,6 +137,20 @@ def test_a_kept_torch_call_declines_where_something_watches_it():
         attnkit.attention(q, k, v)
     assert mode.calls > 0
 
+    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        assert call(q, k, v) is None
+        attnkit.attention(q, k, v)
+    assert any("attnkit" in op for op in ops.ops)                      # the custom op, seen
+
 
 def test_the_kept_calls_are_bounded(monkeypatch):
     monkeypatch.setattr(api, "_KEPT_MAX", 3)
@@ -204,3 +218,19 @@ def test_a_kept_call_follows_the_settings_as_they_are_when_called(change, monkey
     assert not streamed
     api._KEPT.clear()
     assert np.array_equal(got, attnkit.attention(q, k, v))
+
+
+def test_a_kept_prefill_stops_streaming_past_the_banded_bound(monkeypatch):
+    """A causal prefill streams while rows × keys stay within STREAM_BANDED: kept at a
+    short key length, a longer call of the same signature takes the full path (the
+    products), with its bits."""
+    from attnkit import small
+    L = 16                                                             # 2 heads a group: 32 rows
+    S_in, S_out = small.STREAM_BANDED // 32, small.STREAM_BANDED // 32 + 8
+    attnkit.attention(*_qkv("numpy", S_in, L=L), causal=True)
+    assert len(api._KEPT) == 1
+    q, k, v = _qkv("numpy", S_out, L=L, seed=9)
+    got = attnkit.attention(q, k, v, causal=True)
+    api._KEPT.clear()
+    want = attnkit.attention(q, k, v, causal=True)
+    assert not api._KEPT and np.array_equal(got, want)

@@ -288,6 +288,27 @@ def test_decoding_calls_in_one_compiled_call_match_the_reference(seed):
     assert max_error(l1, lo) <= error_budget(lo, l0)
 
 
+@pytest.mark.parametrize("shape", [(2, 8, 2, 32, 32, 32), (1, 4, 4, 48, 48, 72), (2, 6, 2, 40, 100, 16),
+                                   (1, 8, 2, 16, 256, 64)])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(5, 0)), dict(causal=True, align="top_left")])
+def test_short_prefills_under_a_band_stream_and_match_the_reference(shape, kw):
+    """Rows a causal band or window cuts stream up to STREAM_BANDED rows × keys per kv
+    head (a short prefill: GQA groups of 2–4, 16–48 rows, D up to 72): out and lse within
+    twice the float32 reference's error; without the band, or past the bound, the same
+    sizes take the products."""
+    B, H, A, L, S, D = shape
+    q, k, v = (x.astype(np.float32) for x in make_qkv((B, H, L, D), (B, A, S, D), seed=L + S))
+    spec = validate(q, k, v, **kw)
+    rows = H // A * L
+    assert small.streams(spec, kernels.for_dtype(np.float32)) == (rows * S <= small.STREAM_BANDED)
+    assert rows > small.STREAM_ROWS and not small.streams(validate(q, k, v), kernels.for_dtype(np.float32))
+    oracle = validate(*(x.astype(np.float64) for x in (q, k, v)), **kw)
+    o1, l1, _ = small.rung_forward(spec)
+    o0, l0, _ = reference.rung_forward(spec)
+    oo, lo, _ = reference.rung_forward(oracle)
+    assert max_error(o1, oo) <= error_budget(oo, o0) and max_error(l1, lo) <= error_budget(lo, l0)
+
+
 @pytest.mark.parametrize("kw", [{}, dict(causal=True), dict(kv_lengths=np.array([9, 4]))])
 def test_rows_whose_scores_are_all_far_below_zero(kw):
     """Every score near −400 (exp of it underflows unless shifted by the row's max): the

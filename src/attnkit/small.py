@@ -20,7 +20,8 @@ at most ``backends.SMALL_TOTAL`` elements and the keys and values at most
 
 Values with a NaN or inf take the reference's forward (their exempt product). A
 call of few query rows per kv head (``group · L`` ≤ STREAM_ROWS: decoding, speculative
-steps) in float32 without bias, keep, drop, ALiBi or dropout runs instead as one
+steps; or a short prefill under a causal band, rows × keys ≤ STREAM_BANDED) in float32
+without bias, keep, drop, ALiBi or dropout runs instead as one
 compiled call over every batch element and head (:mod:`attnkit.flash.numba_small`:
 the same steps, the bounds per row, a key whose score is −inf never read): in a
 decoding step of a small model the NumPy calls above cost 23 µs, this call 14. Such
@@ -105,24 +106,31 @@ def _row_bounds(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
 
 # query rows per kv head (group · L) up to which a call streams: against the products,
 # 1.0–2.1× as fast at 1 to 8 rows (45–1024 keys); with the vector passes 1.02–1.74× at
-# 16 (8 shapes, causal or not), 0.6–1.3× at 32 to 128 (an Intel Xeon host)
+# 16 (8 shapes, causal or not), 0.6–1.3× at 32 to 128 (an Intel Xeon host). Rows that
+# a causal band or window cuts (a short prefill) stream up to STREAM_BANDED rows × keys
+# per kv head: there the compiled call skips the excluded keys the products compute,
+# 1.00–1.35× the products in all 8 such shapes tried (32–128 rows, 32–128 keys, D 32–128;
+# the row passes in vectors), 0.80–0.83× at 64 rows × 512–1,024 keys
 STREAM_ROWS = 16
+STREAM_BANDED = 1 << 14
 
 
-def streams(spec: Spec, kern: Any) -> bool:
+def streams(spec: Spec, kern: Any, S: int | None = None) -> bool:
     """Whether :func:`forward` runs the call in one compiled call (:func:`streamer`):
-    few query rows per kv head (at most STREAM_ROWS), float32 kernels, and none of bias,
-    keep, drop, ALiBi or dropout."""
-    return (spec.group * spec.L <= STREAM_ROWS and getattr(kern, "small_rows", None) is not None
-            and spec.bias is None and spec.keep is None and spec.drop is None and spec.alibi_slopes is None
-            and spec.dropout == 0)
+    few query rows per kv head (at most STREAM_ROWS, or rows × keys at most
+    STREAM_BANDED under a causal band or window; S: the key length, spec's if None),
+    float32 kernels, and none of bias, keep, drop, ALiBi or dropout."""
+    rows = spec.group * spec.L
+    return ((rows <= STREAM_ROWS or spec.has_index_mask and rows * (spec.S if S is None else S) <= STREAM_BANDED)
+            and getattr(kern, "small_rows", None) is not None and spec.bias is None and spec.keep is None
+            and spec.drop is None and spec.alibi_slopes is None and spec.dropout == 0)
 
 
-def streams_alone(spec: Spec) -> bool:
+def streams_alone(spec: Spec, S: int | None = None) -> bool:
     """Whether the call streams with q, k and v its only arrays (no sinks, no lengths):
     then :func:`streamer` reads no other array of the Spec, and a caller holding q, k, v
     in another array library (the torch op) passes NumPy views of them."""
-    return spec.sinks is None and not spec.varlen and streams(spec, for_dtype(spec.acc_dtype))
+    return spec.sinks is None and not spec.varlen and streams(spec, for_dtype(spec.acc_dtype), S)
 
 
 def streamer(spec: Spec) -> Callable[[Any, Any, Any], tuple[np.ndarray, np.ndarray]]:
@@ -167,7 +175,8 @@ def direct(spec: Spec) -> Callable[[Any, Any, Any], tuple[np.ndarray, np.ndarray
     run = streamer(kept)
 
     def call(q: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray] | None:
-        return run(q, k, v) if streams_alone(kept) else None   # (STREAM_ROWS, kernels as they are now)
+        # (the rule as it is now: STREAM_ROWS, the compiled kernels, this call's keys)
+        return run(q, k, v) if streams_alone(kept, k.shape[-2]) else None
     return call
 
 

@@ -1,5 +1,8 @@
 """Explicit 16-lane float32 vectors in numba code, and the decoding kernels' products
-written with them: scores (rows of q against key rows) and weighted sums of value rows.
+written with them: scores (rows of q against key rows) and weighted sums of value rows;
+and the softmax's row passes (scale, max, exp and sum over a row of a few dozen keys,
+where LLVM's own vector loops never ran) with lane arithmetic and a vector exp
+(:func:`exp2v`, the scalar exp's rule: :data:`EXP2_POLY`).
 
 LLVM vectorises a plain loop over the head dim with one accumulator per row and key,
 summed across its lanes after every key: four rows against one key cost 4 horizontal

@@ -168,7 +168,7 @@ def _typed(x: Any) -> Any:
 
 
 def signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
-               options: dict) -> tuple[tuple[Any, ...] | None, bool]:
+              options: dict) -> tuple[tuple[Any, ...] | None, bool]:
     """(the key of a call whose check can be reused, or None: other array types, array
     keywords of another kind than q, torch.compile tracing; whether array keywords
     were given). Without them, k's and v's key length is not part of the key. The
