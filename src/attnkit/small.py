@@ -109,7 +109,7 @@ def _row_bounds(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
 # 16 (8 shapes, causal or not), 0.6–1.3× at 32 to 128 (an Intel Xeon host). Rows that
 # a causal band or window cuts (a short prefill) stream up to STREAM_BANDED rows × keys
 # per kv head: there the compiled call skips the excluded keys the products compute,
-# 1.00–1.35× the products in all 8 such shapes tried (32–128 rows, 32–128 keys, D 32–128;
+# 1.00–1.43× the products in all 10 such shapes tried (32–128 rows, 32–128 keys, D 32–128;
 # the row passes in vectors), 0.80–0.83× at 64 rows × 512–1,024 keys
 STREAM_ROWS = 16
 STREAM_BANDED = 1 << 14

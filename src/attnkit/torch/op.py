@@ -275,7 +275,7 @@ def check_no_forward_ad(spec: Spec) -> None:
     if torch.compiler.is_compiling() or not _forward_ad_possible():
         return
     jvp = False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if _interpreters() is not None:
         from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
         jvp = any(i.key() == torch._C._functorch.TransformType.Jvp for i in retrieve_all_functorch_interpreters())
     if not jvp and torch.autograd.forward_ad._current_level >= 0:
