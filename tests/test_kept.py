@@ -3,6 +3,7 @@ layer) runs the chosen rung's direct call, without the checks — the bits of th
 path, only while the full path would choose the same, and never where something
 watches the call (gradients, autocast, forward-mode AD, torch function modes)."""
 
+import functools
 import weakref
 
 import numpy as np
@@ -104,7 +105,8 @@ def test_a_kept_torch_call_declines_where_something_watches_it():
     error)."""
     q, k, v = _qkv("torch", 5)
     attnkit.attention(q, k, v)
-    (call, _), = api._KEPT.values()
+    (kept, *_), = api._KEPT.values()
+    call = functools.partial(kept, need_lse=False)
     assert call(q, k, v) is not None
     g = q.clone().requires_grad_()
     assert call(g, k, v) is None
@@ -171,24 +173,47 @@ def test_a_kept_call_follows_the_size_rule_as_it_is_when_called(monkeypatch):
     assert ran
 
 
-@pytest.mark.parametrize("layout", ["heads_inner", "broadcast_batch"])
-def test_kept_calls_in_other_layouts_and_without_lse(layout, monkeypatch):
-    """q with its heads inner (transformers' (B, L, H, D) seen as (B, H, L, D)) and k, v
-    broadcast over the batch: the kept call's out (asked without lse) is the full path's,
-    in the same layout."""
-    def make(S, seed):
-        if layout == "broadcast_batch":
-            return _qkv("torch", S, L=2, seed=seed, Bk=1)
-        q, k, v = _qkv("torch", S, L=2, seed=seed)
+def _in_layout(layout, S, seed):
+    """q, k, v (torch, two query rows) in a layout the kept torch call reads in place
+    or copies, or (the last three) one it leaves to the full path."""
+    if layout == "broadcast_batch":
+        return _qkv("torch", S, L=2, seed=seed, Bk=1)
+    q, k, v = _qkv("torch", S, L=2, seed=seed)
+    if layout == "heads_inner":                                        # (B, L, H, D) seen as (B, H, L, D)
         return q.transpose(1, 2).contiguous().transpose(1, 2), k, v
-    attnkit.attention(*make(6, 1), causal=True)
-    q, k, v = make(9, 2)
+    if layout == "cache_slice":                                        # a static cache's first S slots
+        big = [torch.cat([x, torch.full_like(x, float("nan"))], dim=-2) for x in (k, v)]
+        return q, big[0][..., :S, :], big[1][..., :S, :]
+    if layout == "two_batch_dims":
+        return tuple(x.reshape((1,) + x.shape) for x in (q, k, v))
+    if layout == "no_batch_dim":
+        return q[0], k[0], v[0]
+    if layout == "d_strided":                                          # rows not of unit stride
+        return q, k, torch.stack([v, v], dim=-1)[..., 0]
+    if layout == "batch_no_one_stride":                                # (B, 2) of (B, 3): no single step
+        return tuple(torch.stack([x, x, x], dim=1)[:, :2] for x in (q, k, v))
+    assert layout == "negative_bit"
+    return q, torch._neg_view(-k), v
+
+
+@pytest.mark.parametrize("layout", ["heads_inner", "broadcast_batch", "cache_slice", "two_batch_dims",
+                                    "no_batch_dim", "d_strided", "batch_no_one_stride", "negative_bit"])
+def test_kept_calls_in_other_layouts_and_without_lse(layout, monkeypatch):
+    """The kept torch call reads the tensors' memory: q with its heads inner
+    (transformers' (B, L, H, D) seen as (B, H, L, D)), k and v broadcast over the batch
+    or a static cache's first slots, any batch dims — its out (asked without lse) is the
+    full path's, in the same layout, with no check run; rows not of unit stride, batch
+    dims that no one stride steps through and a negative bit take the full path."""
+    attnkit.attention(*_in_layout(layout, 6, 1), causal=True)
+    assert len(api._KEPT) == 1
+    q, k, v = _in_layout(layout, 9, 2)
     with monkeypatch.context() as m:
-        m.setattr(api, "validate", _refuse)
+        if layout not in ("d_strided", "batch_no_one_stride", "negative_bit"):
+            m.setattr(api, "validate", _refuse)
         got = attnkit.attention(q, k, v, causal=True)
     api._KEPT.clear()
     want = attnkit.attention(q, k, v, causal=True)
-    assert torch.equal(got, want) and got.stride() == want.stride()
+    assert torch.equal(got, want) and got.stride() == want.stride() and not got.isnan().any()
 
 
 def test_a_kept_signature_still_refuses_a_keyword_of_the_wrong_type():

@@ -61,8 +61,10 @@ def _head_unsqueeze(two_d: bool, x: Any, tail: int) -> Any:
 # per-call tests of gradients, tracing and autocast), attention keeps it under the key
 # validate reuses its check by (the same signature: types, dtypes, shapes but the key
 # length, devices, scalar keywords) while the key length stays where select makes the
-# same choice. A kept call may decline (None): then the call takes the full path.
-_KEPT: dict[tuple[Any, ...], tuple[Callable[[Any, Any, Any], Any], Callable[[int], bool] | None]] = {}
+# same choice, under the settings select read then (backends.settings). A kept call
+# ``call(q, k, v, need_lse) -> (out, lse or None)`` may decline (None): then the call
+# takes the full path.
+_KEPT: dict[tuple[Any, ...], tuple[Callable[[Any, Any, Any, bool], Any], int, int, tuple[Any, ...]]] = {}
 _KEPT_MAX = 256
 
 
@@ -84,7 +86,7 @@ def _keep(key: tuple[Any, ...], spec: Any, rung: Any, backend: str) -> None:
     if call is not None:
         if len(_KEPT) >= _KEPT_MAX:
             _KEPT.clear()
-        _KEPT[key] = (call, backends.same_choice(spec, backend))
+        _KEPT[key] = (call, *backends.same_keys(spec, backend), backends.settings())
 
 
 @with_options()
@@ -134,8 +136,9 @@ def attention(q: Any, k: Any, v: Any, *, return_lse: bool = False, return_weight
     if return_weights is False and type(return_lse) is bool:
         key, kept = _kept(q, k, v, backend, masking)
         if kept is not None:
-            S, same = k.shape[-2], kept[1]
-            direct = kept[0](q, k, v) if 0 < S and v.shape[-2] == S and (same is None or same(S)) else None
+            S = k.shape[-2]
+            direct = kept[0](q, k, v, return_lse) if kept[1] <= S <= kept[2] and v.shape[-2] == S \
+                and backends.settings() == kept[3] else None
             if direct is not None:
                 return direct if return_lse else direct[0]
     check_flags(return_lse=return_lse, return_weights=return_weights)

@@ -117,6 +117,31 @@ def same_choice(spec: Spec, backend: str = "auto") -> Callable[[int], bool] | No
     return lambda S: _auto_order(kind, _fits(per_key, S)) == order
 
 
+def settings() -> tuple[Any, ...]:
+    """What :func:`select` reads besides the call (AUTO, AUTO_SMALL, SMALL_TOTAL,
+    SMALL_KV: replace them to change them, as a kept call compares these objects)."""
+    return AUTO, AUTO_SMALL, SMALL_TOTAL, SMALL_KV
+
+
+def key_range(ok: Callable[[int], bool], S: int, top: int = 1 << 40) -> tuple[int, int]:
+    """(lo, hi): the key lengths from lo to hi, around S (ok(S) true), for which
+    ``ok`` holds, by bisection with ``ok`` itself (the size rules are thresholds: ok
+    changes at most once on each side of S)."""
+    def edge(good: int, bad: int) -> int:
+        while abs(bad - good) > 1:
+            mid = (good + bad) // 2
+            good, bad = (mid, bad) if ok(mid) else (good, mid)
+        return good
+    return 1 if ok(1) else edge(S, 1), top if ok(top) else edge(S, top)
+
+
+def same_keys(spec: Spec, backend: str = "auto") -> tuple[int, int]:
+    """The key lengths (lo, hi) for which a call of spec's other sizes and options gets
+    :func:`select`'s candidates for spec under the current :func:`settings`."""
+    test = same_choice(spec, backend)
+    return (1, 1 << 40) if test is None else key_range(test, spec.S)
+
+
 def _import(path: str) -> Any:
     """import_module(path), by import statements for attnkit's own modules: torch.compile
     runs an import statement while it traces (the first call of a process may be a

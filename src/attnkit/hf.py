@@ -76,6 +76,10 @@ HARMLESS = frozenset({
 HANDLED = frozenset({"is_causal", "softcap", "s_aux", "sinks", "position_bias", "sliding_window",
                      "cu_seq_lens_q", "cu_seq_lens_k", "position_ids", "head_mask", "layer_head_mask", "indices"})
 _KNOWN = HARMLESS | HANDLED
+# keywords that, without a mask, leave the call as causality and scale make it (a
+# sliding_window alone changes nothing: see the module's doc; position_ids only with a
+# packed mask)
+_COMMON = HARMLESS | {"is_causal", "position_ids", "sliding_window"}
 
 
 def _torch_required() -> Any:
@@ -218,6 +222,75 @@ def _model_classes(config_class: type) -> list[Any]:
     return [c for c in models if getattr(c, "config_class", None) is config_class] or models
 
 
+def _no_mask(causal: bool, L: int) -> dict[str, Any]:
+    """A layer's causality with no L × S mask: causal aligned bottom-right (the last
+    query sees the last key: prefill, chunked prefill and decoding with a cache); one
+    query row sees every key."""
+    return dict(causal=causal and L > 1, align="bottom_right")
+
+
+def _options(query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None, dropout: float,
+             causal: bool, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """(key, value, attnkit's keywords) for a call with a mask or keywords other than
+    :data:`_COMMON` (:func:`attention_forward`'s parameters)."""
+    torch = _torch_required()
+    unknown = [] if kwargs.keys() <= _KNOWN else sorted(n for n, x in kwargs.items()
+                                                         if n not in _KNOWN and x is not None)
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: attnkit's transformers integration does not know "
+                         "this keyword and cannot honour it (it may change the result)")
+    for name in ("head_mask", "layer_head_mask"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}: head masks are not supported by attnkit")
+    L, S = query.shape[-2], key.shape[-2]
+    if kwargs.get("indices") is not None:
+        attention_mask = _with_selected_keys(torch, attention_mask, kwargs["indices"], S)
+    opts: dict[str, Any] = dict(scale=scaling, softcap=kwargs.get("softcap"), dropout=float(dropout or 0.0))
+    if kwargs.get("position_bias") is not None:
+        opts["bias"] = kwargs["position_bias"]
+    if kwargs.get("s_aux") is not None:
+        opts["sinks"] = kwargs["s_aux"]
+    if kwargs.get("sinks") is not None:
+        s = kwargs["sinks"]
+        opts["sinks"] = s[..., 0] if s.dim() == 4 and s.shape[-1] == 1 else s
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    sliding = kwargs.get("sliding_window")
+    # FlashAttention's reading of a layer's window: w − 1 keys back (and, in a layer that
+    # is not causal, w − 1 ahead: transformers' bidirectional sliding mask |i − j| < w)
+    window = None if sliding is None else (int(sliding) - 1, 0 if causal else int(sliding) - 1)
+    mask = attention_mask
+    if cu_q is None and L == S and query.shape[0] == 1 and mask is not None and mask.dim() == 4 \
+            and mask.dtype == torch.bool and not _compiling():   # packed only where transformers' mask is
+        cu = _packed_offsets(torch, kwargs.get("position_ids"))
+        for w in ((window, None) if window else (None,)) if cu is not None else ():
+            if _is_block_causal(torch, mask, cu, causal, w):
+                cu_q, cu_k, window = cu, cu, w
+                break
+    if cu_q is not None:                                  # FlashAttention's keywords: its window too
+        opts.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k if cu_k is not None else cu_q,
+                    causal=causal, align="bottom_right", window=window)
+    elif attention_mask is None:
+        opts.update(_no_mask(causal, L))
+    elif attention_mask.dim() == 2:                       # the padding mask of a plain layer
+        T = attention_mask.shape[-1]
+        if T < S:                                         # a static cache: slots past T are empty
+            key, value, S = key[..., :T, :], value[..., :T, :], T      # (weights padded back below)
+            if opts.get("bias") is not None and opts["bias"].shape[-1] > T:
+                opts["bias"] = opts["bias"][..., :T]      # T5's position bias spans the cache too
+        opts.update(_no_mask(causal, L))
+        # compiled, no check (a graph cannot branch on values): the keys' padding as keep
+        if _compiling():
+            opts["keep"] = attention_mask.bool()[:, None, None, :]
+        else:
+            opts.update(_padding(attention_mask, L == S))
+    elif attention_mask.dtype.is_floating_point:
+        opts["bias"] = attention_mask if opts.get("bias") is None else opts["bias"] + attention_mask
+    else:
+        opts["keep"] = attention_mask
+    return key, value, opts
+
+
 def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
                       scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Any, Any]:
     """attnkit as a transformers attention function (registered by :func:`register`).
@@ -247,69 +320,19 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     (out (B, L, H, Dv), weights (B, H, L, S) or None): weights only when transformers
     records attentions.
     """
-    torch = _torch_required()
-    unknown = [] if kwargs.keys() <= _KNOWN else sorted(n for n, x in kwargs.items()
-                                                         if n not in _KNOWN and x is not None)
-    if unknown:
-        raise ValueError(f"{', '.join(unknown)}: attnkit's transformers integration does not know "
-                         "this keyword and cannot honour it (it may change the result)")
-    for name in ("head_mask", "layer_head_mask"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{name}: head masks are not supported by attnkit")
-    L, S = query.shape[-2], key.shape[-2]
-    S_all = S
-    if kwargs.get("indices") is not None:
-        attention_mask = _with_selected_keys(torch, attention_mask, kwargs["indices"], S)
+    L = query.shape[-2]
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    opts: dict[str, Any] = dict(scale=scaling, softcap=kwargs.get("softcap"), dropout=float(dropout or 0.0))
-    if kwargs.get("position_bias") is not None:
-        opts["bias"] = kwargs["position_bias"]
-    if kwargs.get("s_aux") is not None:
-        opts["sinks"] = kwargs["s_aux"]
-    if kwargs.get("sinks") is not None:
-        s = kwargs["sinks"]
-        opts["sinks"] = s[..., 0] if s.dim() == 4 and s.shape[-1] == 1 else s
-
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    sliding = kwargs.get("sliding_window")
-    # FlashAttention's reading of a layer's window: w − 1 keys back (and, in a layer that
-    # is not causal, w − 1 ahead: transformers' bidirectional sliding mask |i − j| < w)
-    window = None if sliding is None else (int(sliding) - 1, 0 if causal else int(sliding) - 1)
-    mask = attention_mask
-    if cu_q is None and L == S and query.shape[0] == 1 and mask is not None and mask.dim() == 4 \
-            and mask.dtype == torch.bool and not _compiling():   # packed only where transformers' mask is
-        cu = _packed_offsets(torch, kwargs.get("position_ids"))
-        for w in ((window, None) if window else (None,)) if cu is not None else ():
-            if _is_block_causal(torch, mask, cu, causal, w):
-                cu_q, cu_k, window = cu, cu, w
-                break
-    if cu_q is not None:                                  # FlashAttention's keywords: its window too
-        opts.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k if cu_k is not None else cu_q,
-                    causal=causal, align="bottom_right", window=window)
-    elif attention_mask is None:
-        opts.update(causal=causal and L > 1, align="bottom_right")
-    elif attention_mask.dim() == 2:                       # the padding mask of a plain layer
-        T = attention_mask.shape[-1]
-        if T < S:                                         # a static cache: slots past T are empty
-            key, value, S = key[..., :T, :], value[..., :T, :], T      # (weights padded back below)
-            if opts.get("bias") is not None and opts["bias"].shape[-1] > T:
-                opts["bias"] = opts["bias"][..., :T]      # T5's position bias spans the cache too
-        opts.update(causal=causal and L > 1, align="bottom_right")
-        # compiled, no check (a graph cannot branch on values): the keys' padding as keep
-        if _compiling():
-            opts["keep"] = attention_mask.bool()[:, None, None, :]
-        else:
-            opts.update(_padding(attention_mask, L == S))
-    elif attention_mask.dtype.is_floating_point:
-        opts["bias"] = attention_mask if opts.get("bias") is None else opts["bias"] + attention_mask
+    S_all = key.shape[-2]
+    if attention_mask is None and kwargs.keys() <= _COMMON:   # most calls (every decoding step): in few steps
+        opts: dict[str, Any] = dict(scale=scaling, dropout=float(dropout or 0.0), **_no_mask(causal, L))
     else:
-        opts["keep"] = attention_mask
+        key, value, opts = _options(query, key, value, attention_mask, scaling, dropout, causal, kwargs)
     want = bool(kwargs.get("output_attentions")) or _recording_attentions()
     res = api.attention(query, key, value, return_weights=want, **opts)
     out, weights = res if want else (res, None)
     if weights is not None and weights.shape[-1] < S_all:  # a static cache's empty slots: weight 0,
-        weights = torch.nn.functional.pad(weights, (0, S_all - weights.shape[-1]))   # as eager's
+        weights = _torch_required().nn.functional.pad(weights, (0, S_all - weights.shape[-1]))   # as eager's
     return out.transpose(1, 2).contiguous(), weights
 
 

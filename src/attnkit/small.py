@@ -49,7 +49,8 @@ from typing import Any
 import numpy as np
 
 from . import flash, reference
-from .backends import Grads
+from .backends import Grads, key_range
+from .flash import kernels
 from .flash.forward import finish
 from .flash.kernels import for_dtype
 from .flash.plan import unit_rows
@@ -163,20 +164,68 @@ def streamer(spec: Spec) -> Callable[[Any, Any, Any], tuple[np.ndarray, np.ndarr
     return call
 
 
-def direct(spec: Spec) -> Callable[[Any, Any, Any], tuple[np.ndarray, np.ndarray] | None] | None:
-    """For calls that repeat spec's signature (:func:`attnkit.api.attention` keeps it):
-    :func:`streamer`'s call on new q, k, v (NumPy arrays, or views of tensors, not
-    checked: the caller knows their signature is spec's), or None from it when the call
-    no longer streams (settings changed since); None unless spec streams alone
-    (:func:`streams_alone`) in float32."""
+def _settings() -> tuple[Any, ...]:
+    """What :func:`streams` reads besides the call (replace them to change them)."""
+    return STREAM_ROWS, STREAM_BANDED, kernels.USE_COMPILED
+
+
+def _kept(spec: Spec) -> tuple[Spec, Callable[[int], bool]] | None:
+    """For :func:`direct` and :func:`direct_at`: (spec without its arrays, ``test(S)``:
+    whether a call of spec's signature with S keys streams under the settings of now),
+    or None unless spec streams alone (:func:`streams_alone`) in float32. The test
+    compares the settings and S against the key lengths found here, once."""
     if spec.dtype != "float32" or not streams_alone(spec):
         return None
     kept = spec.replace(q=None, k=None, v=None)         # no reference to this call's arrays
-    run = streamer(kept)
+    lo, hi = key_range(lambda S: streams_alone(kept, S), spec.S)
+    stamp = _settings()
+    return kept, lambda S: lo <= S <= hi and _settings() == stamp
 
-    def call(q: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray] | None:
-        # (the rule as it is now: STREAM_ROWS, the compiled kernels, this call's keys)
-        return run(q, k, v) if streams_alone(kept, k.shape[-2]) else None
+
+def direct(spec: Spec) -> Callable[[Any, Any, Any, bool], tuple[np.ndarray, np.ndarray] | None] | None:
+    """For calls that repeat spec's signature (:func:`attnkit.api.attention` keeps it):
+    ``call(q, k, v, need_lse)``, :func:`streamer`'s call on new q, k, v (NumPy arrays,
+    not checked: the caller knows their signature is spec's; lse made whether needed
+    or not), or None from it when the call no longer streams (settings changed since,
+    or its key length); None unless spec streams alone (:func:`streams_alone`) in float32."""
+    made = _kept(spec)
+    if made is None:
+        return None
+    run, streaming = streamer(made[0]), made[1]
+
+    def call(q: Any, k: Any, v: Any, need_lse: bool) -> tuple[np.ndarray, np.ndarray] | None:
+        return run(q, k, v) if streaming(k.shape[-2]) else None
+    return call
+
+
+def direct_at(spec: Spec) -> Callable[..., bool] | None:
+    """:func:`direct` for a caller whose arrays are another library's (the torch op):
+    ``call(q, q_strides, k, k_strides, v, v_strides, S, out, out_strides, lse) -> bool``
+    with addresses of float32 memory and strides in elements (q, k, v of spec's shapes
+    but for k's and v's key length S; out of its out shape, any strides; lse its lse
+    shape, C-ordered, or 0), by :func:`.flash.numba_small.small_rows_at`. False, having
+    written nothing, when the call no longer streams (as :func:`direct`) or its layout
+    is not one the compiled call reads; None unless spec streams alone in float32."""
+    made = _kept(spec)
+    if made is None:
+        return None
+    kept, streaming = made
+    shapes = spec.out_shape, spec.Hkv, spec.shapes["q"], spec.shapes["k"], spec.shapes["v"]
+    scale, softcap = np.float32(spec.scale), np.float32(spec.softcap or 0.0)
+    bounded = spec.has_index_mask
+    kernel = for_dtype("float32").small_rows_at
+
+    def call(q: int, q_strides: tuple[int, ...], k: int, k_strides: tuple[int, ...], v: int,
+             v_strides: tuple[int, ...], S: int, out: int, out_strides: tuple[int, ...], lse: int) -> bool:
+        if not streaming(S):
+            return False
+        lo = hi = None
+        if bounded:
+            lo, hi = _row_bounds(kept if S == kept.S else kept.replace(S=S))
+        out_shape, A, q_shape, k_shape, v_shape = shapes
+        return kernel(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides, out,
+                      out_strides, lse, scale, softcap, 0 if lo is None else lo.ctypes.data,
+                      0 if hi is None else hi.ctypes.data) == 0
     return call
 
 

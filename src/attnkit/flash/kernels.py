@@ -148,7 +148,7 @@ def _probed(nk: Any) -> Any:
     without them; should it refuse to compile at all, the NumPy kernels run. The
     compiled tile loop (:mod:`.numba_loop`) joins them where it runs and gets one
     query against one key right; else the tiles stay in Python. The decoding kernels
-    (``decode_part``, ``small_rows``) join where :func:`.numba_simd.works`."""
+    (``decode_part``, ``small_rows``, ``small_rows_at``) join where :func:`.numba_simd.works`."""
     one = np.ones((1, 1), dtype=np.float32)
     for attrs in (nk.WIDE_ATTRIBUTES, ()):
         nk.WIDE_ATTRIBUTES = attrs
@@ -168,9 +168,10 @@ def _probed(nk: Any) -> Any:
         from . import numba_simd
         if numba_simd.works():              # the decoding kernels' vectors
             from . import numba_small
-            nk.KERNELS.small_rows = numba_small.small_rows   # compiled at its first call
+            nk.KERNELS.small_rows = numba_small.small_rows   # compiled at their first call
+            nk.KERNELS.small_rows_at = numba_small.small_rows_at
         else:                               # decoding takes the tiles and products
-            nk.KERNELS.decode_part = nk.KERNELS.small_rows = None
+            nk.KERNELS.decode_part = nk.KERNELS.small_rows = nk.KERNELS.small_rows_at = None
         return nk.KERNELS
     return None
 

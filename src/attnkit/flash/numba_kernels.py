@@ -475,4 +475,5 @@ KERNELS = SimpleNamespace(name="numba", softmax_tile=_with_alpha(_softmax_tile),
                           finish_into=finish_into, normalize=normalize,
                           exp_from_lse=exp_from_lse, ds_tile=ds_tile, alibi_tile=alibi_tile,
                           dropout_tile=dropout_tile, decode_part=decode_part,
-                          tile_tasks=None, backward_tasks=None, small_rows=None)   # (kernels._probed)
+                          tile_tasks=None, backward_tasks=None, small_rows=None,
+                          small_rows_at=None)   # (kernels._probed)

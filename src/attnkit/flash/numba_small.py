@@ -12,11 +12,17 @@ for :mod:`.numba_simd`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from numba.np.arrayobj import populate_array
 
 from .numba_kernels import REDUCE, _fmax, _lse_value, _normalized, _row_done, _softmax_span, _wide, f32
-from .numba_simd import address, exp_row, row_max, scale_row, scores, weighted_values, weighted_values_bounded
+from .numba_simd import ORDERED, address, exp_row, row_max, scale_row, scores, weighted_values, weighted_values_bounded
 
 
 @numba.njit(**REDUCE)
@@ -24,10 +30,10 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
     """A whole small call with few query rows per kv head (decoding), finished: rows
     q (N, A, R, D) of batch element n and kv head a against keys k (N, A, S, D) and
     values v (N, A, S, Dv) of the same n and a (unit stride along D), into out (N, A, R, Dv)
-    and lse (N, A, R). Scores scale · q kᵀ, then softcap · tanh(s / softcap) where
-    softcap > 0. Flat row f = a·R + r of element n sees keys [lo[n, f], hi[n, f]) (lo
-    with no columns: all S); m_i, l_i (N, A·R) hold each row's state before its keys
-    (a sink's; with no columns: none, −inf and 0).
+    and lse (N, A, R) (or (N, A, 0): none wanted, no log taken). Scores scale · q kᵀ,
+    then softcap · tanh(s / softcap) where softcap > 0. Flat row f = a·R + r of element
+    n sees keys [lo[n, f], hi[n, f]) (lo with no columns: all S); m_i, l_i (N, A·R)
+    hold each row's state before its keys (a sink's; with no columns: none, −inf and 0).
 
     Per head: the scores (:func:`.numba_simd.scores`, four rows by four keys per pass:
     the rows of a GQA group share each key read), the row softmax by the vector row
@@ -80,7 +86,8 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
                     shift = f32(0.0) if m_new == -np.inf else m_new
                     _row_done(r, m_new, shift, exp_row(p, width, shift), m_r, l_r, alpha)
                 full = full and j0 == 0 and j1 == S
-                lse[n, a, r] = _lse_value(m_r[r], l_r[r])
+                if lse.shape[2]:                       # (none wanted: no log)
+                    lse[n, a, r] = _lse_value(m_r[r], l_r[r])
             acc[:] = f32(0.0)
             if full:                                   # every row reads every value row
                 weighted_values(address(s, (0, 0)), s.strides[0], R, 0, S, address(v, (n, a, 0, 0)), v.strides[2],
@@ -100,3 +107,126 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
             for r in range(R):
                 for d in range(Dv):
                     out[n, a, r, d] = _normalized(acc[0, r, d], l_r[r])
+
+
+def _viewer(layout: str) -> Any:
+    @intrinsic
+    def view(typingctx, addr, shape, strides, like):
+        if not (isinstance(addr, types.Integer) and isinstance(like, types.Number)
+                and isinstance(shape, types.BaseTuple) and isinstance(strides, types.BaseTuple)
+                and len(shape) == len(strides)):
+            return None
+        nd = len(shape)
+        aty = types.Array(like, nd, layout)
+
+        def codegen(context, builder, sig, args):
+            intp = context.get_value_type(types.intp)
+            size = intp(context.get_abi_sizeof(context.get_data_type(like)))
+            shape_ty, strides_ty = sig.args[1], sig.args[2]
+            shp = [context.cast(builder, x, shape_ty[i], types.intp)
+                   for i, x in enumerate(cgutils.unpack_tuple(builder, args[1], nd))]
+            stp = [builder.mul(context.cast(builder, x, strides_ty[i], types.intp), size)
+                   for i, x in enumerate(cgutils.unpack_tuple(builder, args[2], nd))]
+            data = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.intp),
+                                    context.get_value_type(types.CPointer(like)))
+            ary = context.make_array(aty)(context, builder)
+            populate_array(ary, data=data, shape=shp, strides=stp, itemsize=size, meminfo=None)
+            return ary._getvalue()
+        return aty(addr, shape, strides, like), codegen
+    return view
+
+
+# view_at(addr, shape, strides, like): an array of like's type (a number) at address
+# addr with shape and strides (tuples of ints, strides in elements), owned by nobody
+# (valid while the caller's buffer is); c_view_at the same typed C-ordered (the caller's
+# strides must be), which the kernels' plain loops vectorise
+view_at, c_view_at = _viewer("A"), _viewer("C")
+
+
+@numba.njit(inline="always")
+def _batch_stride(out_shape, shape, strides):
+    """The one stride (elements) that steps an operand (shape, strides: its own, batch
+    dims right-aligned to the call's; a missing or size-1 dim broadcasts) through the
+    call's batch dims (out_shape[:-3]) flattened, or -1 where no one stride does."""
+    nb, skip = len(out_shape) - 3, len(out_shape) - len(shape)
+    one, step = 0, -1
+    for i in range(nb - 1, -1, -1):
+        if out_shape[i] == 1:
+            continue
+        s = 0 if i < skip or shape[i - skip] == 1 else strides[i - skip]
+        if step == -1:
+            one = s
+        elif s != step:
+            return -1
+        step = s * out_shape[i]
+    return one
+
+
+@numba.njit(inline="always")
+def _row_step(L, G, strides):
+    """The one stride that steps through a kv head's G·L rows of an (..., H, L, D)
+    operand of these strides, or 0 where none does (heads inner, several rows a head)."""
+    sh, sl = strides[len(strides) - 3], strides[len(strides) - 2]
+    if L == 1 or G == 1 or sh == L * sl:
+        return sl if L > 1 else sh
+    return 0
+
+
+@numba.njit(inline="always")
+def _heads_at(x, N, A, G, L, D, n_step, strides):
+    """An (..., H, L, D) operand at address x as (N, A, G, L, D)."""
+    sh, sl = strides[len(strides) - 3], strides[len(strides) - 2]
+    return view_at(x, (N, A, G, L, D), (n_step, G * sh, sh, sl, 1), f32(0.0))
+
+
+@numba.njit(**ORDERED)
+def small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides, out,
+                  out_strides, lse, scale, softcap, lo, hi):
+    """:func:`small_rows` on operands given by address (a tensor library's memory, no
+    NumPy arrays to make): q (..., H, L, D), k (..., A, S, D), v (..., A, S, Dv) and out
+    (..., H, L, Dv) at addresses q, k, v, out with their shapes and strides in elements
+    (k's and v's shapes: their key length is S's), out_shape the call's; lse (..., H, L)
+    C-ordered at address lse (0: not wanted); lo, hi: the addresses of the rows' key
+    bounds (:func:`small_rows`' lo and hi, int64, C-ordered; 0: none). Rows that no one
+    stride steps through (heads inner in memory, several rows per head, a GQA group)
+    are copied. 0 when done; 1, touching nothing, where a batch dim has no one stride
+    or a row of q, k, v is not of unit stride."""
+    nd = len(out_shape)
+    H, L, Dv, D = out_shape[nd - 3], out_shape[nd - 2], out_shape[nd - 1], q_shape[len(q_shape) - 1]
+    G, N = H // A, 1
+    for i in range(nd - 3):
+        N *= out_shape[i]
+    qn, kn = _batch_stride(out_shape, q_shape, q_strides), _batch_stride(out_shape, k_shape, k_strides)
+    vn, on = _batch_stride(out_shape, v_shape, v_strides), _batch_stride(out_shape, out_shape, out_strides)
+    units = (D == 1 or q_strides[len(q_strides) - 1] == 1) and (D == 1 or k_strides[len(k_strides) - 1] == 1) \
+        and (Dv == 1 or v_strides[len(v_strides) - 1] == 1) and (Dv == 1 or out_strides[nd - 1] == 1)
+    if qn < 0 or kn < 0 or vn < 0 or on < 0 or not units:
+        return 1
+    R = G * L
+    step = _row_step(L, G, q_strides)
+    if step:
+        qv = view_at(q, (N, A, R, D), (qn, G * q_strides[len(q_strides) - 3], step, 1), f32(0.0))
+    else:
+        src, qv = _heads_at(q, N, A, G, L, D, qn, q_strides), np.empty((N, A, R, D), dtype=np.float32)
+        for n in range(N):
+            for a in range(A):
+                for g in range(G):
+                    qv[n, a, g * L:(g + 1) * L] = src[n, a, g]
+    kv = view_at(k, (N, A, S, D), (kn, k_strides[len(k_strides) - 3], k_strides[len(k_strides) - 2], 1), f32(0.0))
+    vv = view_at(v, (N, A, S, Dv), (vn, v_strides[len(v_strides) - 3], v_strides[len(v_strides) - 2], 1), f32(0.0))
+    dense = (N == 1 or on == A * R * Dv) and (H == 1 or out_strides[nd - 3] == L * Dv) \
+        and (L == 1 or out_strides[nd - 2] == Dv)
+    ov = c_view_at(out, (N, A, R, Dv), (A * R * Dv, R * Dv, Dv, 1), f32(0.0)) if dense \
+        else np.empty((N, A, R, Dv), dtype=np.float32)
+    lv = c_view_at(lse, (N, A, R), (A * R, R, 1), f32(0.0)) if lse else np.empty((N, A, 0), dtype=np.float32)
+    w = A * R if lo else 0
+    small_rows(qv, kv, vv, scale, softcap, view_at(lo, (N, w), (w, 1), np.int64(0)),
+               view_at(hi, (N, w), (w, 1), np.int64(0)), np.empty((N, 0), dtype=np.float32),
+               np.empty((N, 0), dtype=np.float32), ov, lv)
+    if not dense:
+        dst = _heads_at(out, N, A, G, L, Dv, on, out_strides)
+        for n in range(N):
+            for a in range(A):
+                for g in range(G):
+                    dst[n, a, g] = ov[n, a, g * L:(g + 1) * L]
+    return 0

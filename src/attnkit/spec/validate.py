@@ -174,36 +174,41 @@ def signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
     were given). Without them, k's and v's key length is not part of the key. The
     keywords enter in the caller's order (another order: another key)."""
     kind = type(q)
+    if type(k) is not kind or (need_v and type(v) is not kind):
+        return None, False
     if kind is np.ndarray:
         torch = None
     else:
         torch = sys.modules.get("torch")
         if torch is None or kind is not torch.Tensor or torch.compiler.is_compiling():
             return None, False
-    if type(k) is not kind or (need_v and type(v) is not kind) or k.ndim < 2 or (need_v and v.ndim < 2):
+    ks = k.shape
+    vs = v.shape if need_v else ks
+    if len(ks) < 2 or len(vs) < 2:
         return None, False
-    arrays: tuple[Any, ...] = ()
     kinds = tuple(map(type, options.values()))
-    if not _PLAIN.issuperset(kinds) or any(options[n] is not None for n in _TENSOR_SET.intersection(options)):
-        # arrays or numbers for array keywords, tuples, NumPy scalars...
-        scalars: tuple[Any, ...] = ()
-        for name, x in options.items():
-            if x is not None and name in _TENSOR_SET:
-                if type(x) is not kind:
-                    return None, True
-                arrays += (name, x.dtype, x.shape) if torch is None else (name, x.dtype, x.shape, x.device, x.layout)
-            else:
-                scalars += (name, _typed(x)) if isinstance(x, (tuple, list)) else (name, type(x), x)
-    else:                                                # plain scalars only: in one go
-        scalars = (tuple(options.items()), kinds)
+    if _TENSOR_SET.isdisjoint(options) and _PLAIN.issuperset(kinds):     # the common case, in one go
+        # (without array keywords k's and v's key length is not part of the key)
+        if torch is None:
+            key: tuple[Any, ...] = (q.dtype, q.shape, k.dtype, ks[:-2], ks[-1]) + \
+                ((v.dtype, vs[:-2], vs[-1]) if need_v else ())
+        else:
+            key = (q.dtype, q.shape, q.device, q.layout, k.dtype, ks[:-2], ks[-1], k.device, k.layout) + \
+                ((v.dtype, vs[:-2], vs[-1], v.device, v.layout) if need_v else ())
+        return key + (backend, need_v, tuple(options.items()), kinds), False
+    arrays: tuple[Any, ...] = ()
+    scalars: tuple[Any, ...] = ()
+    for name, x in options.items():                      # arrays, numbers for array keywords,
+        if x is not None and name in _TENSOR_SET:        # tuples, NumPy scalars...
+            if type(x) is not kind:
+                return None, True
+            arrays += (name, x.dtype, x.shape) if torch is None else (name, x.dtype, x.shape, x.device, x.layout)
+        else:
+            scalars += (name, _typed(x)) if isinstance(x, (tuple, list)) else (name, type(x), x)
     if arrays:                                           # their shapes follow S: keep it
-        key: tuple[Any, ...] = (q.dtype, q.shape, k.dtype, k.shape) + ((v.dtype, v.shape) if need_v else ())
+        key = (q.dtype, q.shape, k.dtype, ks) + ((v.dtype, vs) if need_v else ())
     else:
-        ks = k.shape
-        key = (q.dtype, q.shape, k.dtype, len(ks), ks[:-2], ks[-1])
-        if need_v:
-            vs = v.shape
-            key += (v.dtype, len(vs), vs[:-2], vs[-1])
+        key = (q.dtype, q.shape, k.dtype, ks[:-2], ks[-1]) + ((v.dtype, vs[:-2], vs[-1]) if need_v else ())
     if torch is not None:
         key += (q.device, q.layout, k.device, k.layout) + ((v.device, v.layout) if need_v else ())
     return key + arrays + (backend, need_v) + scalars, bool(arrays)

@@ -39,7 +39,7 @@ torch.Size([1, 2])
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -50,7 +50,7 @@ from .. import philox
 from ..backends import RUNGS, Grads, load
 from ..spec import OPTIONS, Spec, dtype_name
 from ..spec import acc_dtype as spec_acc_dtype
-from ..spec.core import heads_inner
+from ..spec.core import empty_out, heads_inner
 
 # ---- the flat argument order: the one place that knows it --------------------------------
 _ARRAY_OPTIONS = tuple(o.name for o in OPTIONS if o.schema == "Tensor?")
@@ -248,17 +248,19 @@ def _eager(spec: Spec) -> bool:
 
 # what the per-call tests call, bound once (a decoding step runs them in every layer)
 _C, _Tensor, _fwad = torch._C, torch.Tensor, torch.autograd.forward_ad
-_wrapped, _interpreters = torch._C._functorch.is_functorch_wrapped_tensor, torch._C._functorch.peek_interpreter_stack
+_interpreters = torch._C._functorch.peek_interpreter_stack
 
 
-def _plain(xs: list[Any]) -> bool:
+def _plain(xs: Sequence[Any]) -> bool:
     """:func:`_eager`'s test (torch.compile aside) of the tensors (None: not given) and of
-    what watches the call: jit tracing, torch function or dispatch modes."""
-    if _C._is_tracing() or _C._len_torch_function_stack() or _C._len_torch_dispatch_stack():
+    what watches the call: jit tracing, torch function or dispatch modes, a functorch
+    transform (whose wrapped tensors live only while it runs)."""
+    if _C._is_tracing() or _C._len_torch_function_stack() or _C._len_torch_dispatch_stack() \
+            or _interpreters() is not None:
         return False
     grad = _C.is_grad_enabled()
     for x in xs:
-        if x is not None and (type(x) is not _Tensor or (grad and x.requires_grad) or _wrapped(x)):
+        if x is not None and (type(x) is not _Tensor or (grad and x.requires_grad)):
             return False
     return True
 
@@ -414,23 +416,32 @@ class TorchRung:
         w = self._weights(args, lse.detach(), None) if need_weights else None
         return out, lse, w
 
-    def direct(self, spec: Spec) -> Callable[[Any, Any, Any], tuple[torch.Tensor, torch.Tensor] | None] | None:
+    def direct(self, spec: Spec) -> Callable[[Any, Any, Any, bool], tuple[torch.Tensor, Any] | None] | None:
         """For calls that repeat spec's signature (:func:`attnkit.api.attention` keeps
-        it): the compute rung's direct call (``mod.direct``: the small rung's streaming
-        call) on NumPy views of new q, k, v, as :meth:`rung_forward` runs it — or None
-        for a call whose forward would not run eagerly (:func:`_eager`: gradients,
-        tracing, modes; forward-mode AD; autocast), which then takes the full path."""
-        make = getattr(self.mod, "direct", None)
+        it): ``call(q, k, v, need_lse) -> (out, lse or None)``, the compute rung's direct
+        call on the tensors' memory (``mod.direct_at``: the small rung's streaming call),
+        as :meth:`rung_forward` runs it; its out of the layout :func:`_out` gives — or
+        None for a call whose forward would not run eagerly (:func:`_eager`: gradients,
+        tracing, modes; forward-mode AD; autocast; a negative bit), which then takes
+        the full path."""
+        make = getattr(self.mod, "direct_at", None)
         inner = None if make is None or not _eager(spec) else make(spec)
         if inner is None:
             return None
+        out_shape, lse_shape = spec.out_shape, spec.lse_shape
+        apart = spec.H > 1 and spec.L > 1                # (heads inner needs both)
 
-        def call(q: Any, k: Any, v: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-            # (torch.compile: api keeps no call for a traced one)
-            if _C._is_any_autocast_enabled() or _forward_ad_possible() or not _plain([q, k, v]):
+        def call(q: Any, k: Any, v: Any, need_lse: bool) -> tuple[torch.Tensor, Any] | None:
+            # (torch.compile: api keeps no call for a traced one; dtype, device and layout
+            # are the signature's)
+            if _C._is_any_autocast_enabled() or _forward_ad_possible() or not _plain((q, k, v)) \
+                    or q.is_neg() or k.is_neg() or v.is_neg():
                 return None
-            res = inner(_np(q), _np(k), _np(v))
-            return None if res is None else (_out(res[0], q, True), torch.from_numpy(res[1]))
+            out = empty_out(out_shape, heads_inner(q), torch.empty) if apart else torch.empty(out_shape)
+            lse = torch.empty(lse_shape) if need_lse else None
+            done = inner(q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), k.shape[-2],
+                         out.data_ptr(), out.stride(), 0 if lse is None else lse.data_ptr())
+            return (out, lse) if done else None
         return call
 
     def rung_backward(self, spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None,
