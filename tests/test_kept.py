@@ -216,6 +216,22 @@ def test_kept_calls_in_other_layouts_and_without_lse(layout, monkeypatch):
     assert torch.equal(got, want) and got.stride() == want.stride() and not got.isnan().any()
 
 
+def test_a_kept_torch_call_makes_float32_whatever_torchs_default_dtype():
+    """The kept call's out and lse are float32 tensors (the kernel's), not torch's
+    default dtype (float64 here: a buffer of another dtype would hold other bits)."""
+    q, k, v = _qkv("torch", 5, L=2)
+    attnkit.attention(q, k, v, causal=True)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = attnkit.attention(q, k, v, causal=True, return_lse=True)
+    finally:
+        torch.set_default_dtype(default)
+    api._KEPT.clear()
+    want = attnkit.attention(q, k, v, causal=True, return_lse=True)
+    assert all(g.dtype == w.dtype == torch.float32 and torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_a_kept_signature_still_refuses_a_keyword_of_the_wrong_type():
     attnkit.attention(*_qkv("numpy", 6, L=2), causal=True)
     with pytest.raises(TypeError, match="causal"):

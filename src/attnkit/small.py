@@ -26,7 +26,8 @@ compiled call over every batch element and head (:mod:`attnkit.flash.numba_small
 the same steps, the bounds per row, a key whose score is −inf never read): in a
 decoding step of a small model the NumPy calls above cost 23 µs, this call 14. Such
 a call that repeats its signature (every layer, every step) runs without validation:
-:func:`attnkit.api.attention` keeps :func:`direct`'s prepared call for it. The
+:func:`attnkit.api.attention` keeps :func:`direct`'s prepared call for it (torch
+tensors: :func:`direct_at`'s, on their memory). The
 backward is the flash rung's, the weights the reference's; KV-cache decoding reads
 the reference's gathered keys. No packed sequences or blocks of a larger problem:
 ``auto`` gives those to the flash rung.

@@ -39,6 +39,7 @@ torch.Size([1, 2])
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -430,6 +431,7 @@ class TorchRung:
             return None
         out_shape, lse_shape = spec.out_shape, spec.lse_shape
         apart = spec.H > 1 and spec.L > 1                # (heads inner needs both)
+        new = functools.partial(torch.empty, dtype=torch.float32, device="cpu")   # (not the defaults)
 
         def call(q: Any, k: Any, v: Any, need_lse: bool) -> tuple[torch.Tensor, Any] | None:
             # (torch.compile: api keeps no call for a traced one; dtype, device and layout
@@ -437,8 +439,8 @@ class TorchRung:
             if _C._is_any_autocast_enabled() or _forward_ad_possible() or not _plain((q, k, v)) \
                     or q.is_neg() or k.is_neg() or v.is_neg():
                 return None
-            out = empty_out(out_shape, heads_inner(q), torch.empty) if apart else torch.empty(out_shape)
-            lse = torch.empty(lse_shape) if need_lse else None
+            out = empty_out(out_shape, heads_inner(q), new) if apart else new(out_shape)
+            lse = new(lse_shape) if need_lse else None
             done = inner(q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), k.shape[-2],
                          out.data_ptr(), out.stride(), 0 if lse is None else lse.data_ptr())
             return (out, lse) if done else None
