@@ -131,7 +131,8 @@ def streams(spec: Spec, kern: Any, S: int | None = None) -> bool:
 def streams_alone(spec: Spec, S: int | None = None) -> bool:
     """Whether the call streams with q, k and v its only arrays (no sinks, no lengths):
     then :func:`streamer` reads no other array of the Spec, and a caller holding q, k, v
-    in another array library (the torch op) passes NumPy views of them."""
+    in another array library passes NumPy views of them (the torch op's full path) or
+    their addresses (its kept call, :func:`direct_at`)."""
     return spec.sinks is None and not spec.varlen and streams(spec, for_dtype(spec.acc_dtype), S)
 
 
@@ -170,7 +171,7 @@ def _settings() -> tuple[Any, ...]:
     return STREAM_ROWS, STREAM_BANDED, kernels.USE_COMPILED
 
 
-def _kept(spec: Spec) -> tuple[Spec, Callable[[int], bool]] | None:
+def _prepared(spec: Spec) -> tuple[Spec, Callable[[int], bool]] | None:
     """For :func:`direct` and :func:`direct_at`: (spec without its arrays, ``test(S)``:
     whether a call of spec's signature with S keys streams under the settings of now),
     or None unless spec streams alone (:func:`streams_alone`) in float32. The test
@@ -189,7 +190,7 @@ def direct(spec: Spec) -> Callable[[Any, Any, Any, bool], tuple[np.ndarray, np.n
     not checked: the caller knows their signature is spec's; lse made whether needed
     or not), or None from it when the call no longer streams (settings changed since,
     or its key length); None unless spec streams alone (:func:`streams_alone`) in float32."""
-    made = _kept(spec)
+    made = _prepared(spec)
     if made is None:
         return None
     run, streaming = streamer(made[0]), made[1]
@@ -207,7 +208,7 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
     shape, C-ordered, or 0), by :func:`.flash.numba_small.small_rows_at`. False, having
     written nothing, when the call no longer streams (as :func:`direct`) or its layout
     is not one the compiled call reads; None unless spec streams alone in float32."""
-    made = _kept(spec)
+    made = _prepared(spec)
     if made is None:
         return None
     kept, streaming = made
