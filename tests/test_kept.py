@@ -88,6 +88,11 @@ def test_after_a_kept_call_bad_input_still_gets_the_full_checks_error(lib):
         attnkit.attention(q, k, v[..., :5, :])                         # v's keys ≠ k's
     with pytest.raises(ValueError, match="must be positive"):
         attnkit.attention(*_qkv(lib, 0))                               # no keys
+    for i in range(3):                                                 # one of q, k, v in float64
+        x = list(_qkv(lib, 6))
+        x[i] = x[i].astype(np.float64) if lib == "numpy" else x[i].double()
+        with pytest.raises((TypeError, ValueError), match="dtype"):
+            attnkit.attention(*x)
 
 
 def test_calls_asking_for_weights_or_two_d_are_not_kept():
@@ -181,6 +186,9 @@ def _in_layout(layout, S, seed):
     q, k, v = _qkv("torch", S, L=2, seed=seed)
     if layout == "heads_inner":                                        # (B, L, H, D) seen as (B, H, L, D)
         return q.transpose(1, 2).contiguous().transpose(1, 2), k, v
+    if layout == "heads_inner_wide":                                   # the same, rows of 2½ vectors
+        q, k, v = _qkv("torch", S, L=3, seed=seed, D=40, Dv=36)
+        return q.transpose(1, 2).contiguous().transpose(1, 2), k, v
     if layout == "cache_slice":                                        # a static cache's first S slots
         big = [torch.cat([x, torch.full_like(x, float("nan"))], dim=-2) for x in (k, v)]
         return q, big[0][..., :S, :], big[1][..., :S, :]
@@ -196,7 +204,7 @@ def _in_layout(layout, S, seed):
     return q, torch._neg_view(-k), v
 
 
-@pytest.mark.parametrize("layout", ["heads_inner", "broadcast_batch", "cache_slice", "two_batch_dims",
+@pytest.mark.parametrize("layout", ["heads_inner", "heads_inner_wide", "broadcast_batch", "cache_slice", "two_batch_dims",
                                     "no_batch_dim", "d_strided", "batch_no_one_stride", "negative_bit"])
 def test_kept_calls_in_other_layouts_and_without_lse(layout, monkeypatch):
     """The kept torch call reads the tensors' memory: q with its heads inner
@@ -275,3 +283,58 @@ def test_a_kept_prefill_stops_streaming_past_the_banded_bound(monkeypatch):
     api._KEPT.clear()
     want = attnkit.attention(q, k, v, causal=True)
     assert not api._KEPT and np.array_equal(got, want)
+
+
+class _Layer:
+    """What transformers passes as ``module``: its attention layer."""
+    is_causal = True
+
+
+@pytest.mark.parametrize("change", ["dtype", "scale", "batch", "heads", "causal"])
+def test_a_transformers_layer_reruns_its_kept_call_for_its_signature_only(change, monkeypatch):
+    """The transformers hook keeps each layer's call: a repeat (keys growing, as in
+    decoding) runs it without attention's steps and gives attention's bits; the same
+    layer called with another dtype, scale, batch, head count or causality (one query
+    row, then two) takes the full path and gets that call's result."""
+    from attnkit import hf
+    hf._LAYERS.clear()
+    layer = _Layer()
+    hf.attention_forward(layer, *_qkv("torch", 7), None, scaling=0.5)
+    assert id(layer) in hf._LAYERS
+    for S in (8, 12):
+        q, k, v = _qkv("torch", S, seed=S)
+        with monkeypatch.context() as m:
+            m.setattr(api, "attention", _refuse)
+            got, weights = hf.attention_forward(layer, q, k, v, None, scaling=0.5)
+        assert weights is None
+        assert torch.equal(got, attnkit.attention(q, k, v, scale=0.5).transpose(1, 2))
+    scale, kw, causal = 0.5, {}, False
+    if change == "scale":
+        scale = 0.25
+    elif change == "batch":
+        kw = dict(B=3)
+    elif change == "heads":
+        kw = dict(H=6, A=3)
+    elif change == "causal":
+        kw, causal = dict(L=2), True
+    q, k, v = _qkv("torch", 9, seed=3, **kw)
+    if change == "dtype":
+        q, k, v = (x.double() for x in (q, k, v))
+    calls = []
+    real = api.attention
+    monkeypatch.setattr(api, "attention", lambda *a, **o: calls.append(1) or real(*a, **o))
+    got, _ = hf.attention_forward(layer, q, k, v, None, scaling=scale)
+    want = attnkit.attention(q.double(), k.double(), v.double(), scale=scale, causal=causal, backend="reference")
+    assert calls == [1] and got.dtype == q.dtype
+    torch.testing.assert_close(got.double(), want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_a_transformers_layer_recording_attentions_takes_the_full_path(monkeypatch):
+    from attnkit import hf
+    hf._LAYERS.clear()
+    layer = _Layer()
+    hf.attention_forward(layer, *_qkv("torch", 7), None, scaling=0.5)
+    q, k, v = _qkv("torch", 8, seed=8)
+    out, weights = hf.attention_forward(layer, q, k, v, None, scaling=0.5, output_attentions=True)
+    assert weights is not None and weights.shape == (2, 4, 1, 8)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 1))

@@ -68,9 +68,10 @@ _KEPT: dict[tuple[Any, ...], tuple[Callable[[Any, Any, Any, bool], Any], int, in
 _KEPT_MAX = 256
 
 
-def _kept(q: Any, k: Any, v: Any, backend: str, masking: Any) -> tuple[Any, Any]:
+def kept_call(q: Any, k: Any, v: Any, backend: str, masking: Any) -> tuple[Any, Any]:
     """(validate's signature of the call, the call kept for it or None); (None, None)
-    for calls with array keywords, other array types or an unhashable keyword."""
+    for calls with array keywords, other array types or an unhashable keyword. (Also
+    the transformers hook's, which keeps a layer's call: :mod:`attnkit.hf`.)"""
     key, arrays = signature(q, k, v, backend, True, masking)
     if key is None or arrays:
         return None, None
@@ -78,6 +79,16 @@ def _kept(q: Any, k: Any, v: Any, backend: str, masking: Any) -> tuple[Any, Any]
         return key, _KEPT.get(key)
     except TypeError:
         return None, None
+
+
+def run_kept(kept: Any, q: Any, k: Any, v: Any, need_lse: bool) -> Any:
+    """A kept call on q, k, v of the signature it was kept for: (out, lse or None), or
+    None where their key length or the settings left those it was kept under, or where
+    the call declines (the caller then takes the full path)."""
+    S = k.shape[-2]
+    if kept[1] <= S <= kept[2] and v.shape[-2] == S and backends.settings() == kept[3]:
+        return kept[0](q, k, v, need_lse)
+    return None
 
 
 def _keep(key: tuple[Any, ...], spec: Any, rung: Any, backend: str) -> None:
@@ -134,11 +145,9 @@ def attention(q: Any, k: Any, v: Any, *, return_lse: bool = False, return_weight
     """
     key = kept = None
     if return_weights is False and type(return_lse) is bool:
-        key, kept = _kept(q, k, v, backend, masking)
+        key, kept = kept_call(q, k, v, backend, masking)
         if kept is not None:
-            S = k.shape[-2]
-            direct = kept[0](q, k, v, return_lse) if kept[1] <= S <= kept[2] and v.shape[-2] == S \
-                and backends.settings() == kept[3] else None
+            direct = run_kept(kept, q, k, v, return_lse)
             if direct is not None:
                 return direct if return_lse else direct[0]
     check_flags(return_lse=return_lse, return_weights=return_weights)

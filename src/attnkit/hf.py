@@ -65,6 +65,7 @@ import weakref
 from typing import Any
 
 from . import api
+from .spec.validate import tensor_key
 
 NAME = "attnkit"
 # keywords transformers passes that cannot change the attention result
@@ -291,6 +292,28 @@ def _options(query: Any, key: Any, value: Any, attention_mask: Any, scaling: flo
     return key, value, opts
 
 
+# A layer's call that repeats (every decoding step) runs the call attention kept for
+# its signature (api.kept_call) without attention's own steps: the layer's last
+# signature is kept by id(layer), as its parts — validate.tensor_key and the keywords
+# with their types — so that a match is the same signature (a layer freed and its id
+# reused finds only a call of the signature it asks for)
+_LAYERS: dict[int, tuple[tuple[Any, ...], Any]] = {}
+_LAYERS_MAX = 1024
+
+
+def _layer_key(query: Any, key: Any, value: Any, opts: dict[str, Any]) -> tuple[Any, ...]:
+    return tensor_key(query, key, value), tuple(opts.items()), tuple(map(type, opts.values()))
+
+
+def _keep_layer(module: Any, layer: tuple[Any, ...], kept: Any) -> None:
+    if kept is None:
+        _LAYERS.pop(id(module), None)
+        return
+    if len(_LAYERS) >= _LAYERS_MAX:
+        _LAYERS.clear()
+    _LAYERS[id(module)] = (layer, kept)
+
+
 def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
                       scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Any, Any]:
     """attnkit as a transformers attention function (registered by :func:`register`).
@@ -324,12 +347,22 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     S_all = key.shape[-2]
+    want = bool(kwargs.get("output_attentions")) or _recording_attentions()
+    layer = None
     if attention_mask is None and kwargs.keys() <= _COMMON:   # most calls (every decoding step): in few steps
         opts: dict[str, Any] = dict(scale=scaling, dropout=float(dropout or 0.0), **_no_mask(causal, L))
+        if not want and not _compiling():
+            layer = _layer_key(query, key, value, opts)
+            kept = _LAYERS.get(id(module))
+            if kept is not None and kept[0] == layer:
+                direct = api.run_kept(kept[1], query, key, value, False)
+                if direct is not None:
+                    return direct[0].transpose(1, 2).contiguous(), None
     else:
         key, value, opts = _options(query, key, value, attention_mask, scaling, dropout, causal, kwargs)
-    want = bool(kwargs.get("output_attentions")) or _recording_attentions()
     res = api.attention(query, key, value, return_weights=want, **opts)
+    if layer is not None and layer[0] is not None:
+        _keep_layer(module, layer, api.kept_call(query, key, value, "auto", opts)[1])
     out, weights = res if want else (res, None)
     if weights is not None and weights.shape[-1] < S_all:  # a static cache's empty slots: weight 0,
         weights = _torch_required().nn.functional.pad(weights, (0, S_all - weights.shape[-1]))   # as eager's

@@ -171,17 +171,15 @@ def _settings() -> tuple[Any, ...]:
     return STREAM_ROWS, STREAM_BANDED, kernels.USE_COMPILED
 
 
-def _prepared(spec: Spec) -> tuple[Spec, Callable[[int], bool]] | None:
-    """For :func:`direct` and :func:`direct_at`: (spec without its arrays, ``test(S)``:
-    whether a call of spec's signature with S keys streams under the settings of now),
-    or None unless spec streams alone (:func:`streams_alone`) in float32. The test
-    compares the settings and S against the key lengths found here, once."""
+def _prepared(spec: Spec) -> tuple[Spec, int, int, tuple[Any, ...]] | None:
+    """For :func:`direct` and :func:`direct_at`: (spec without its arrays, lo, hi,
+    settings): a call of spec's signature with S keys streams while lo ≤ S ≤ hi and
+    :func:`_settings` gives those settings; None unless spec streams alone
+    (:func:`streams_alone`) in float32."""
     if spec.dtype != "float32" or not streams_alone(spec):
         return None
     kept = spec.replace(q=None, k=None, v=None)         # no reference to this call's arrays
-    lo, hi = key_range(lambda S: streams_alone(kept, S), spec.S)
-    stamp = _settings()
-    return kept, lambda S: lo <= S <= hi and _settings() == stamp
+    return kept, *key_range(lambda S: streams_alone(kept, S), spec.S), _settings()
 
 
 def direct(spec: Spec) -> Callable[[Any, Any, Any, bool], tuple[np.ndarray, np.ndarray] | None] | None:
@@ -193,10 +191,10 @@ def direct(spec: Spec) -> Callable[[Any, Any, Any, bool], tuple[np.ndarray, np.n
     made = _prepared(spec)
     if made is None:
         return None
-    run, streaming = streamer(made[0]), made[1]
+    run, lo, hi, stamp = streamer(made[0]), *made[1:]
 
     def call(q: Any, k: Any, v: Any, need_lse: bool) -> tuple[np.ndarray, np.ndarray] | None:
-        return run(q, k, v) if streaming(k.shape[-2]) else None
+        return run(q, k, v) if lo <= k.shape[-2] <= hi and _settings() == stamp else None
     return call
 
 
@@ -211,7 +209,7 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
     made = _prepared(spec)
     if made is None:
         return None
-    kept, streaming = made
+    kept, lo_S, hi_S, stamp = made
     shapes = spec.out_shape, spec.Hkv, spec.shapes["q"], spec.shapes["k"], spec.shapes["v"]
     scale, softcap = np.float32(spec.scale), np.float32(spec.softcap or 0.0)
     bounded = spec.has_index_mask
@@ -219,7 +217,7 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
 
     def call(q: int, q_strides: tuple[int, ...], k: int, k_strides: tuple[int, ...], v: int,
              v_strides: tuple[int, ...], S: int, out: int, out_strides: tuple[int, ...], lse: int) -> bool:
-        if not streaming(S):
+        if not (lo_S <= S <= hi_S and _settings() == stamp):
             return False
         lo = hi = None
         if bounded:

@@ -1,11 +1,13 @@
 """The explicit vectors of numba_simd: each primitive on its own (partial loads and
-stores touch only their lanes, sums put each vector's sum where it is said to), and
-the decoding products against NumPy for every remainder of rows, keys and head dims."""
+stores touch only their lanes, sums put each vector's sum where it is said to); and
+the decoding products of numba_products against NumPy for every remainder of rows,
+keys and head dims."""
 
 import numba
 import numpy as np
 import pytest
 
+from attnkit.flash import numba_products as P
 from attnkit.flash import numba_simd as V
 
 
@@ -56,21 +58,22 @@ def test_lane_sums_land_where_they_are_said_to():
 
 @numba.njit
 def _scores(q, k, v, s, j0, j1):
-    V.scores(V.address(q, (0, 0)), q.strides[0], q.shape[0], q.shape[1], V.address(k, (0, 0)), k.strides[0], j0, j1,
+    P.scores(V.address(q, (0, 0)), q.strides[0], q.shape[0], q.shape[1], V.address(k, (0, 0)), k.strides[0], j0, j1,
              V.address(s, (0, 0)), s.strides[0], V.address(v, (0, 0)), v.strides[0], 4 * v.shape[1])
 
 
 @numba.njit
 def _values(s, v, acc, j0, j1):
-    V.weighted_values(V.address(s, (0, 0)), s.strides[0], acc.shape[0], j0, j1, V.address(v, (0, 0)), v.strides[0],
+    P.weighted_values(V.address(s, (0, 0)), s.strides[0], acc.shape[0], j0, j1, V.address(v, (0, 0)), v.strides[0],
                       V.address(acc, (0, 0)), acc.strides[0], acc.shape[1])
 
 
 @pytest.mark.parametrize("R", [1, 3, 4, 5, 8, 9])
-@pytest.mark.parametrize("D", [1, 16, 17, 64, 72, 130])
+@pytest.mark.parametrize("D", [1, 16, 17, 29, 64, 72, 93, 130])
 def test_scores_and_weighted_values_match_numpy(R, D):
     """Every row block (4 and the rest) and key block (4 and the rest), head dims with
-    and without a partial vector, value widths around the 64-lane blocks; keys j0 … j1
+    and without a partial vector, value widths around the 64-lane blocks (and 32 or
+    fewer lanes left: two vectors); keys j0 … j1
     only (the others' scores and the output past Dv untouched), rows padded in memory."""
     rng = np.random.default_rng(R * 1000 + D)
     S, j0, j1, Dv = 11, 2, 9, D + 3
@@ -92,12 +95,12 @@ def test_scores_and_weighted_values_match_numpy(R, D):
 
 @numba.njit
 def _bounded(s, v, acc, lo, hi, skip):
-    V.weighted_values_bounded(V.address(s, (0, 0)), s.strides[0], acc.shape[0], lo, hi, skip, V.address(v, (0, 0)),
+    P.weighted_values_bounded(V.address(s, (0, 0)), s.strides[0], acc.shape[0], lo, hi, skip, V.address(v, (0, 0)),
                               v.strides[0], V.address(acc, (0, 0)), acc.strides[0], acc.shape[1])
 
 
 @pytest.mark.parametrize("R", [1, 4, 6, 9])
-@pytest.mark.parametrize("Dv", [16, 40, 64, 100])
+@pytest.mark.parametrize("Dv", [16, 32, 40, 64, 96, 100])
 def test_weighted_values_over_each_rows_own_keys(R, Dv):
     """Each row over its own keys only (the four rows' shared keys at once, the rest
     alone; empty and disjoint ranges too): a NaN value row outside every row's range
@@ -183,9 +186,9 @@ def test_the_vector_exp_is_the_scalar_one_bit_for_bit():
 @numba.njit
 def _row_passes(x, n, scale, shift):
     p = V.address(x, (0,))
-    V.scale_row(p, n, scale)
-    top, holes = V.row_max(p, n)
-    return top, holes, V.exp_row(p, n, shift)
+    P.scale_row(p, n, scale)
+    top, holes = P.row_max(p, n)
+    return top, holes, P.exp_row(p, n, shift)
 
 
 @pytest.mark.parametrize("n", [0, 1, 5, 16, 17, 31, 32, 45, 64])

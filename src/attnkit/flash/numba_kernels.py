@@ -20,8 +20,9 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from .numba_products import scores, weighted_values
 from .numba_simd import EXP2_MIN as _EXP2_MIN
-from .numba_simd import EXP2_POLY, ORDERED, REDUCE, address, prefetch_bytes, scores, weighted_values
+from .numba_simd import EXP2_POLY, ORDERED, REDUCE, address, prefetch_bytes
 from .numba_simd import LOG2E as _LOG2E
 
 f32 = np.float32
@@ -346,12 +347,12 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     Updates the online softmax state m_i, l_i (A·R,) and acc (A, R, Dv) in place.
 
     Keys go in chunks of CHUNK (CHUNK_LONG where a page holds at least that many), in
-    three passes: the scores (:func:`.numba_simd.scores`: four rows by four keys per
+    three passes: the scores (:func:`.numba_products.scores`: four rows by four keys per
     pass over their 16 vector accumulators — a GQA group's heads share each key read —
     while the same keys' value rows are prefetched); the softmax of the chunk row by
     row (caps, ALiBi and bounds over whole rows: vectorised, and no call of tanh inside
     the score loop, whose registers it would spill); the values
-    (:func:`.numba_simd.weighted_values`: four output rows by 64 lanes in registers
+    (:func:`.numba_products.weighted_values`: four output rows by 64 lanes in registers
     across the keys) — where some row's bounds cut the chunk, or a score inside them is
     −inf (an infinite q or k entry), key by key and only the keys each row sees (an
     excluded key's value is never read). Each kv head takes the three passes in turn

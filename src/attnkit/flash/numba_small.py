@@ -7,7 +7,7 @@ keys, D = 32 took 23 µs that way, 14 this way (the kernel 10).
 Developers: numba's disk cache follows this file's own timestamp, not that of
 :mod:`.numba_kernels`, whose bodies and flags are compiled in here: after editing those,
 delete ``__pycache__/numba_small*.nb*`` (a fresh clone, as CI's, has none); the same
-for :mod:`.numba_simd`.
+for :mod:`.numba_simd` and :mod:`.numba_products`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
 from .numba_kernels import REDUCE, _fmax, _lse_value, _normalized, _row_done, _softmax_span, _wide, f32
-from .numba_simd import ORDERED, address, exp_row, row_max, scale_row, scores, weighted_values, weighted_values_bounded
+from .numba_products import copy_row, exp_row, row_max, scale_row, scores, weighted_values, weighted_values_bounded
+from .numba_simd import ORDERED, address
 
 
 @numba.njit(**REDUCE)
@@ -35,12 +36,13 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
     n sees keys [lo[n, f], hi[n, f]) (lo with no columns: all S); m_i, l_i (N, A·R)
     hold each row's state before its keys (a sink's; with no columns: none, −inf and 0).
 
-    Per head: the scores (:func:`.numba_simd.scores`, four rows by four keys per pass:
-    the rows of a GQA group share each key read), the row softmax by the vector row
-    passes (:func:`.numba_simd.scale_row`, ``row_max``, ``exp_row``; a row with a −inf
+    Per head: the scores (:func:`.numba_products.scores`, four rows by four keys per pass:
+    the rows of a GQA group share each key read; under bounds each four rows' over the
+    keys one of them sees: a causal prefill computes half), the row softmax by the vector row
+    passes (:func:`.numba_products.scale_row`, ``row_max``, ``exp_row``; a row with a −inf
     score by :func:`_softmax_span`), then the weighted sum of the value rows, by
-    :func:`.numba_simd.weighted_values` where every row sees every key, else each row
-    over its own keys (:func:`.numba_simd.weighted_values_bounded`: four rows at a time
+    :func:`.numba_products.weighted_values` where every row sees every key, else each row
+    over its own keys (:func:`.numba_products.weighted_values_bounded`: four rows at a time
     over the keys they share), and key by key in a row with a −inf score, whose key is
     never read (the reference's exempt product: an inf or NaN value reaches a row only
     through a key it sees)."""
@@ -55,10 +57,21 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
     for n in range(N):
         for a in range(A):
             full = True                                # no bounds or holes cut a row
-            scores(address(q, (n, a, 0, 0)), q.strides[2], R, D, address(k, (n, a, 0, 0)), k.strides[2], 0, S,
-                   address(s, (0, 0)), s.strides[0], 0, 0, 0)
-            for r in range(R):
-                scale_row(address(s, (r, 0)), S, scale)
+            if lo.shape[1]:                            # each four rows over the keys one of them sees
+                for r0 in range(0, R, 4):
+                    r1, c0, c1 = min(r0 + 4, R), S, 0
+                    for r in range(r0, r1):
+                        c0, c1 = min(c0, lo[n, a * R + r]), max(c1, hi[n, a * R + r])
+                    if c1 > c0:
+                        scores(address(q, (n, a, r0, 0)), q.strides[2], r1 - r0, D, address(k, (n, a, 0, 0)),
+                               k.strides[2], c0, c1, address(s, (r0, 0)), s.strides[0], 0, 0, 0)
+                        for r in range(r0, r1):
+                            scale_row(address(s, (r, c0)), c1 - c0, scale)
+            else:
+                scores(address(q, (n, a, 0, 0)), q.strides[2], R, D, address(k, (n, a, 0, 0)), k.strides[2], 0, S,
+                       address(s, (0, 0)), s.strides[0], 0, 0, 0)
+                for r in range(R):
+                    scale_row(address(s, (r, 0)), S, scale)
             for r in range(R):
                 f = a * R + r
                 if lo.shape[1]:
@@ -211,7 +224,8 @@ def small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides,
         for n in range(N):
             for a in range(A):
                 for g in range(G):
-                    qv[n, a, g * L:(g + 1) * L] = src[n, a, g]
+                    for r in range(L):
+                        copy_row(address(qv, (n, a, g * L + r, 0)), address(src, (n, a, g, r, 0)), D)
     kv = view_at(k, (N, A, S, D), (kn, k_strides[len(k_strides) - 3], k_strides[len(k_strides) - 2], 1), f32(0.0))
     vv = view_at(v, (N, A, S, Dv), (vn, v_strides[len(v_strides) - 3], v_strides[len(v_strides) - 2], 1), f32(0.0))
     dense = (N == 1 or on == A * R * Dv) and (H == 1 or out_strides[nd - 3] == L * Dv) \
@@ -228,5 +242,6 @@ def small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides,
         for n in range(N):
             for a in range(A):
                 for g in range(G):
-                    dst[n, a, g] = ov[n, a, g * L:(g + 1) * L]
+                    for r in range(L):
+                        copy_row(address(dst, (n, a, g, r, 0)), address(ov, (n, a, g * L + r, 0)), Dv)
     return 0

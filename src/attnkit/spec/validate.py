@@ -167,49 +167,66 @@ def _typed(x: Any) -> Any:
     return type(x), x
 
 
+def _library(q: Any, k: Any, v: Any, need_v: bool) -> Any:
+    """The library of a call whose check can be reused — NumPy (``np``) for NumPy
+    arrays, torch for torch tensors outside torch.compile tracing, k and v of at least
+    2 dims — or None (other or mixed types)."""
+    kind = type(q)
+    if type(k) is not kind or (need_v and type(v) is not kind):
+        return None
+    lib: Any = np
+    if kind is not np.ndarray:
+        lib = sys.modules.get("torch")
+        if lib is None or kind is not lib.Tensor or lib.compiler.is_compiling():
+            return None
+    return lib if k.ndim >= 2 and (not need_v or v.ndim >= 2) else None
+
+
+def tensor_key(q: Any, k: Any, v: Any, need_v: bool = True) -> tuple[Any, ...] | None:
+    """What q, k (and v) put in the :func:`signature` of a call without array keywords:
+    dtypes, shapes but the key length, and for torch devices and layouts; None where
+    :func:`_library` finds none."""
+    lib = _library(q, k, v, need_v)
+    if lib is None:
+        return None
+    ks = k.shape
+    if lib is np:
+        key: tuple[Any, ...] = (q.dtype, q.shape, k.dtype, ks[:-2], ks[-1])
+        return key + (v.dtype, v.shape[:-2], v.shape[-1]) if need_v else key
+    key = (q.dtype, q.shape, q.device, q.layout, k.dtype, ks[:-2], ks[-1], k.device, k.layout)
+    return key + (v.dtype, v.shape[:-2], v.shape[-1], v.device, v.layout) if need_v else key
+
+
 def signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
               options: dict) -> tuple[tuple[Any, ...] | None, bool]:
     """(the key of a call whose check can be reused, or None: other array types, array
     keywords of another kind than q, torch.compile tracing; whether array keywords
-    were given). Without them, k's and v's key length is not part of the key. The
-    keywords enter in the caller's order (another order: another key)."""
-    kind = type(q)
-    if type(k) is not kind or (need_v and type(v) is not kind):
-        return None, False
-    if kind is np.ndarray:
-        torch = None
-    else:
-        torch = sys.modules.get("torch")
-        if torch is None or kind is not torch.Tensor or torch.compiler.is_compiling():
-            return None, False
-    ks = k.shape
-    vs = v.shape if need_v else ks
-    if len(ks) < 2 or len(vs) < 2:
-        return None, False
+    were given). Without them, k's and v's key length is not part of the key
+    (:func:`tensor_key`). The keywords enter in the caller's order (another order:
+    another key)."""
     kinds = tuple(map(type, options.values()))
     if _TENSOR_SET.isdisjoint(options) and _PLAIN.issuperset(kinds):     # the common case, in one go
-        # (without array keywords k's and v's key length is not part of the key)
-        if torch is None:
-            key: tuple[Any, ...] = (q.dtype, q.shape, k.dtype, ks[:-2], ks[-1]) + \
-                ((v.dtype, vs[:-2], vs[-1]) if need_v else ())
-        else:
-            key = (q.dtype, q.shape, q.device, q.layout, k.dtype, ks[:-2], ks[-1], k.device, k.layout) + \
-                ((v.dtype, vs[:-2], vs[-1], v.device, v.layout) if need_v else ())
-        return key + (backend, need_v, tuple(options.items()), kinds), False
+        key = tensor_key(q, k, v, need_v)
+        return (None if key is None else key + (backend, need_v, tuple(options.items()), kinds)), False
+    lib = _library(q, k, v, need_v)
+    if lib is None:
+        return None, False
+    ks = k.shape
+    vs = v.shape if need_v else ks
     arrays: tuple[Any, ...] = ()
     scalars: tuple[Any, ...] = ()
     for name, x in options.items():                      # arrays, numbers for array keywords,
         if x is not None and name in _TENSOR_SET:        # tuples, NumPy scalars...
-            if type(x) is not kind:
+            if type(x) is not type(q):
                 return None, True
-            arrays += (name, x.dtype, x.shape) if torch is None else (name, x.dtype, x.shape, x.device, x.layout)
+            arrays += (name, x.dtype, x.shape) if lib is np else (name, x.dtype, x.shape, x.device, x.layout)
         else:
             scalars += (name, _typed(x)) if isinstance(x, (tuple, list)) else (name, type(x), x)
     if arrays:                                           # their shapes follow S: keep it
         key = (q.dtype, q.shape, k.dtype, ks) + ((v.dtype, vs) if need_v else ())
     else:
         key = (q.dtype, q.shape, k.dtype, ks[:-2], ks[-1]) + ((v.dtype, vs[:-2], vs[-1]) if need_v else ())
-    if torch is not None:
+    if lib is not np:
         key += (q.device, q.layout, k.device, k.layout) + ((v.device, v.layout) if need_v else ())
     return key + arrays + (backend, need_v) + scalars, bool(arrays)
 

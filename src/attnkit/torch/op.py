@@ -248,7 +248,7 @@ def _eager(spec: Spec) -> bool:
 
 
 # what the per-call tests call, bound once (a decoding step runs them in every layer)
-_C, _Tensor, _fwad = torch._C, torch.Tensor, torch.autograd.forward_ad
+_C, _Tensor, _fwad, _CPU = torch._C, torch.Tensor, torch.autograd.forward_ad, torch.device("cpu")
 _interpreters = torch._C._functorch.peek_interpreter_stack
 
 
@@ -431,7 +431,7 @@ class TorchRung:
             return None
         out_shape, lse_shape = spec.out_shape, spec.lse_shape
         apart = spec.H > 1 and spec.L > 1                # (heads inner needs both)
-        new = functools.partial(torch.empty, dtype=torch.float32, device="cpu")   # (not the defaults)
+        new = functools.partial(torch.empty, dtype=torch.float32, device=_CPU)    # (not the defaults)
 
         def call(q: Any, k: Any, v: Any, need_lse: bool) -> tuple[torch.Tensor, Any] | None:
             # (torch.compile: api keeps no call for a traced one; dtype, device and layout
