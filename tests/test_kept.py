@@ -338,3 +338,28 @@ def test_a_transformers_layer_recording_attentions_takes_the_full_path(monkeypat
     out, weights = hf.attention_forward(layer, q, k, v, None, scaling=0.5, output_attentions=True)
     assert weights is not None and weights.shape == (2, 4, 1, 8)
     torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 1))
+
+
+def test_a_transformers_layer_keeps_its_last_two_signatures(monkeypatch):
+    """A prefill's signature and its decoding steps' both stay kept for the layer (the
+    next generate's prefill and first step skip attention's steps too); a third
+    signature drops the oldest."""
+    from attnkit import hf
+    hf._LAYERS.clear()
+    layer = _Layer()
+    prefill, step, other = dict(L=3), dict(L=1), dict(L=1, B=3)
+    for kw in (prefill, step):
+        hf.attention_forward(layer, *_qkv("torch", 5, **kw), None, scaling=0.5)
+    calls = []
+    real = api.attention
+    monkeypatch.setattr(api, "attention", lambda *a, **o: calls.append(1) or real(*a, **o))
+    for kw in (prefill, step, prefill, step):
+        q, k, v = _qkv("torch", 6, seed=4, **kw)
+        got, _ = hf.attention_forward(layer, q, k, v, None, scaling=0.5)
+        want = real(q, k, v, scale=0.5, causal=kw["L"] > 1).transpose(1, 2)
+        assert torch.equal(got, want)
+    assert calls == []
+    hf.attention_forward(layer, *_qkv("torch", 6, **other), None, scaling=0.5)   # drops the prefill's
+    hf.attention_forward(layer, *_qkv("torch", 6, **prefill), None, scaling=0.5)
+    hf.attention_forward(layer, *_qkv("torch", 6, **other), None, scaling=0.5)
+    assert calls == [1, 1]

@@ -293,12 +293,14 @@ def _options(query: Any, key: Any, value: Any, attention_mask: Any, scaling: flo
 
 
 # A layer's call that repeats (every decoding step) runs the call attention kept for
-# its signature (api.kept_call) without attention's own steps: the layer's last
-# signature is kept by id(layer), as its parts — validate.tensor_key and the keywords
-# with their types — so that a match is the same signature (a layer freed and its id
-# reused finds only a call of the signature it asks for)
-_LAYERS: dict[int, tuple[tuple[Any, ...], Any]] = {}
+# its signature (api.kept_call) without attention's own steps: a layer's last
+# LAYER_SIGNATURES signatures (a prefill's and its steps') are kept by id(layer), each
+# as its parts — validate.tensor_key and the keywords with their types — so that a
+# match is the same signature (a layer freed and its id reused finds only calls of the
+# signatures it asks for)
+_LAYERS: dict[int, tuple[tuple[tuple[Any, ...], Any], ...]] = {}
 _LAYERS_MAX = 1024
+LAYER_SIGNATURES = 2
 
 
 def _layer_key(query: Any, key: Any, value: Any, opts: dict[str, Any]) -> tuple[Any, ...]:
@@ -306,12 +308,11 @@ def _layer_key(query: Any, key: Any, value: Any, opts: dict[str, Any]) -> tuple[
 
 
 def _keep_layer(module: Any, layer: tuple[Any, ...], kept: Any) -> None:
-    if kept is None:
-        _LAYERS.pop(id(module), None)
-        return
+    others = tuple(e for e in _LAYERS.get(id(module), ()) if e[0] != layer)
+    kept_now = ((layer, kept),) if kept is not None else ()
     if len(_LAYERS) >= _LAYERS_MAX:
         _LAYERS.clear()
-    _LAYERS[id(module)] = (layer, kept)
+    _LAYERS[id(module)] = (kept_now + others)[:LAYER_SIGNATURES]
 
 
 def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
@@ -353,11 +354,12 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         opts: dict[str, Any] = dict(scale=scaling, dropout=float(dropout or 0.0), **_no_mask(causal, L))
         if not want and not _compiling():
             layer = _layer_key(query, key, value, opts)
-            kept = _LAYERS.get(id(module))
-            if kept is not None and kept[0] == layer:
-                direct = api.run_kept(kept[1], query, key, value, False)
-                if direct is not None:
-                    return direct[0].transpose(1, 2).contiguous(), None
+            for signature, kept in _LAYERS.get(id(module), ()):
+                if signature == layer:
+                    direct = api.run_kept(kept, query, key, value, False)
+                    if direct is not None:
+                        return direct[0].transpose(1, 2).contiguous(), None
+                    break
     else:
         key, value, opts = _options(query, key, value, attention_mask, scaling, dropout, causal, kwargs)
     res = api.attention(query, key, value, return_weights=want, **opts)
