@@ -309,6 +309,25 @@ def test_short_prefills_under_a_band_stream_and_match_the_reference(shape, kw):
     assert max_error(o1, oo) <= error_budget(oo, o0) and max_error(l1, lo) <= error_budget(lo, l0)
 
 
+@pytest.mark.parametrize("kw", [dict(causal=True, window=(0, 0), align="top_left"),
+                                dict(causal=True, window=(2, 0), align="top_left"),
+                                dict(causal=True, window=(1, 0), q_lengths=np.array([4, 61]))])
+def test_rows_that_see_no_key_past_the_last_one(kw):
+    """Query rows whose (empty) key range lies past the last key — a top-left band with
+    more queries than keys, padding rows under a window — next to rows that see keys:
+    the compiled call computes each four rows' scores over the keys one of them sees
+    (none past S) and matches the reference, out 0 and lse −inf where no key is seen."""
+    q, k, v = (x.astype(np.float32) for x in make_qkv((2, 2, 64, 16), (2, 1, 8, 16), seed=5))
+    spec = validate(q, k, v, **kw)
+    assert small.streams(spec, kernels.for_dtype(np.float32))
+    oracle = validate(*(x.astype(np.float64) for x in (q, k, v)), **kw)
+    o1, l1, _ = small.rung_forward(spec)
+    o0, l0, _ = reference.rung_forward(spec)
+    oo, lo, _ = reference.rung_forward(oracle)
+    assert np.array_equal(np.isneginf(l1), np.isneginf(lo)) and np.isneginf(lo).any()
+    assert max_error(o1, oo) <= error_budget(oo, o0) and max_error(l1, lo) <= error_budget(lo, l0)
+
+
 @pytest.mark.parametrize("kw", [{}, dict(causal=True), dict(kv_lengths=np.array([9, 4]))])
 def test_rows_whose_scores_are_all_far_below_zero(kw):
     """Every score near −400 (exp of it underflows unless shifted by the row's max): the

@@ -60,8 +60,9 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
             if lo.shape[1]:                            # each four rows over the keys one of them sees
                 for r0 in range(0, R, 4):
                     r1, c0, c1 = min(r0 + 4, R), S, 0
-                    for r in range(r0, r1):
-                        c0, c1 = min(c0, lo[n, a * R + r]), max(c1, hi[n, a * R + r])
+                    for r in range(r0, r1):              # (a row that sees none may lie past S)
+                        if hi[n, a * R + r] > lo[n, a * R + r]:
+                            c0, c1 = min(c0, lo[n, a * R + r]), max(c1, hi[n, a * R + r])
                     if c1 > c0:
                         scores(address(q, (n, a, r0, 0)), q.strides[2], r1 - r0, D, address(k, (n, a, 0, 0)),
                                k.strides[2], c0, c1, address(s, (r0, 0)), s.strides[0], 0, 0, 0)
