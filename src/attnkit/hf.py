@@ -65,7 +65,7 @@ import weakref
 from typing import Any
 
 from . import api
-from .spec.validate import tensor_key
+from .spec.validate import plain_signature
 
 NAME = "attnkit"
 # keywords transformers passes that cannot change the attention result
@@ -294,17 +294,12 @@ def _options(query: Any, key: Any, value: Any, attention_mask: Any, scaling: flo
 
 # A layer's call that repeats (every decoding step) runs the call attention kept for
 # its signature (api.kept_call) without attention's own steps: a layer's last
-# LAYER_SIGNATURES signatures (a prefill's and its steps') are kept by id(layer), each
-# as its parts — validate.tensor_key and the keywords with their types — so that a
-# match is the same signature (a layer freed and its id reused finds only calls of the
-# signatures it asks for)
+# LAYER_SIGNATURES signatures (a prefill's and its steps', validate.plain_signature)
+# are kept by id(layer) with their calls, compared rather than hashed (a layer freed
+# and its id reused finds only calls of the signatures it asks for)
 _LAYERS: dict[int, tuple[tuple[tuple[Any, ...], Any], ...]] = {}
 _LAYERS_MAX = 1024
 LAYER_SIGNATURES = 2
-
-
-def _layer_key(query: Any, key: Any, value: Any, opts: dict[str, Any]) -> tuple[Any, ...]:
-    return tensor_key(query, key, value), tuple(opts.items()), tuple(map(type, opts.values()))
 
 
 def _keep_layer(module: Any, layer: tuple[Any, ...], kept: Any) -> None:
@@ -353,7 +348,7 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     if attention_mask is None and kwargs.keys() <= _COMMON:   # most calls (every decoding step): in few steps
         opts: dict[str, Any] = dict(scale=scaling, dropout=float(dropout or 0.0), **_no_mask(causal, L))
         if not want and not _compiling():
-            layer = _layer_key(query, key, value, opts)
+            layer = plain_signature(query, key, value, "auto", True, opts)
             for signature, kept in _LAYERS.get(id(module), ()):
                 if signature == layer:
                     direct = api.run_kept(kept, query, key, value, False)
@@ -363,7 +358,7 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     else:
         key, value, opts = _options(query, key, value, attention_mask, scaling, dropout, causal, kwargs)
     res = api.attention(query, key, value, return_weights=want, **opts)
-    if layer is not None and layer[0] is not None:
+    if layer is not None:
         _keep_layer(module, layer, api.kept_call(query, key, value, "auto", opts)[1])
     out, weights = res if want else (res, None)
     if weights is not None and weights.shape[-1] < S_all:  # a static cache's empty slots: weight 0,

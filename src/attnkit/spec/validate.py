@@ -197,6 +197,16 @@ def tensor_key(q: Any, k: Any, v: Any, need_v: bool = True) -> tuple[Any, ...] |
     return key + (v.dtype, v.shape[:-2], v.shape[-1], v.device, v.layout) if need_v else key
 
 
+def plain_signature(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict) -> tuple[Any, ...] | None:
+    """:func:`signature`'s key for the common case — no array keyword, every keyword
+    a plain scalar (None, bool, int, float, str) — in one go; None for any other call."""
+    kinds = tuple(map(type, options.values()))
+    if not (_TENSOR_SET.isdisjoint(options) and _PLAIN.issuperset(kinds)):
+        return None
+    key = tensor_key(q, k, v, need_v)
+    return None if key is None else key + (backend, need_v, tuple(options.items()), kinds)
+
+
 def signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
               options: dict) -> tuple[tuple[Any, ...] | None, bool]:
     """(the key of a call whose check can be reused, or None: other array types, array
@@ -204,10 +214,9 @@ def signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
     were given). Without them, k's and v's key length is not part of the key
     (:func:`tensor_key`). The keywords enter in the caller's order (another order:
     another key)."""
-    kinds = tuple(map(type, options.values()))
-    if _TENSOR_SET.isdisjoint(options) and _PLAIN.issuperset(kinds):     # the common case, in one go
-        key = tensor_key(q, k, v, need_v)
-        return (None if key is None else key + (backend, need_v, tuple(options.items()), kinds)), False
+    key = plain_signature(q, k, v, backend, need_v, options)   # the common case, in one go
+    if key is not None:
+        return key, False
     lib = _library(q, k, v, need_v)
     if lib is None:
         return None, False
