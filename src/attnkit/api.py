@@ -36,7 +36,7 @@ from .spec import (
     with_options,
 )
 from .spec.kvcache import validate_kvcache
-from .spec.validate import compiling, signature
+from .spec.validate import compiling, geometry_key, signature
 
 if sys.version_info >= (3, 11):     # at run time too: typing.get_type_hints (pydantic, beartype)
     from typing import Unpack
@@ -66,17 +66,33 @@ def _head_unsqueeze(two_d: bool, x: Any, tail: int) -> Any:
 # takes the full path.
 _KEPT: dict[tuple[Any, ...], tuple[Callable[[Any, Any, Any, bool], Any], int, int, tuple[Any, ...]]] = {}
 _KEPT_MAX = 256
+_ONCE: set[tuple[Any, ...]] = set()        # keys with lengths seen once (kept_call)
 
 
 def kept_call(q: Any, k: Any, v: Any, backend: str, masking: Any) -> tuple[Any, Any]:
-    """(validate's signature of the call, the call kept for it or None); (None, None)
-    for calls with array keywords, other array types or an unhashable keyword. (Also
-    the transformers hook's, which keeps a layer's call: :mod:`attnkit.hf`.)"""
+    """(the call's key, the call kept for it or None); (None, None) for other array
+    types, array keywords other than lengths and offsets, or an unhashable keyword.
+    The key is validate's signature, with the lengths' and offsets' values
+    (:func:`~attnkit.spec.validate.geometry_key`): a call with them is kept when its
+    key comes again (a model's second layer: lengths that change at every call would
+    make a plan for each and never reuse it). (Also the transformers hook's, which
+    keeps a layer's call: :mod:`attnkit.hf`.)"""
     key, arrays = signature(q, k, v, backend, True, masking)
-    if key is None or arrays:
+    if key is None:
         return None, None
+    if arrays:
+        values = geometry_key(masking)
+        if values is None:
+            return None, None
+        key += values
     try:
-        return key, _KEPT.get(key)
+        kept = _KEPT.get(key)
+        if kept is None and arrays and key not in _ONCE:
+            if len(_ONCE) >= _KEPT_MAX:
+                _ONCE.clear()
+            _ONCE.add(key)
+            return None, None
+        return key, kept
     except TypeError:
         return None, None
 
@@ -150,6 +166,7 @@ def attention(q: Any, k: Any, v: Any, *, return_lse: bool = False, return_weight
             direct = run_kept(kept, q, k, v, return_lse)
             if direct is not None:
                 return direct if return_lse else direct[0]
+            kept = None                                  # declined: kept again for this call
     check_flags(return_lse=return_lse, return_weights=return_weights)
     given = q
     q, k, v = autocast(q, k, v)

@@ -1132,8 +1132,8 @@ def test_the_native_entry_is_refused_where_the_team_cannot_take_it(monkeypatch):
     monkeypatch.setattr(runtime, "_omp_team", lambda n: Team())
     monkeypatch.setattr(runtime, "blas_controller", lambda: object())
     monkeypatch.setattr(runtime, "blas_single_threaded", contextlib.nullcontext)
-    data = np.zeros(4, dtype=np.int64)
-    assert runtime.run_native(7, data, 2) and opened == [(7, data.ctypes.data, 2, 0)]
+    data = 1234                                       # the arguments' address
+    assert runtime.run_native(7, data, 2) and opened == [(7, data, 2, 0)]
     opened.clear()
     assert not runtime.run_native(7, data, 1)
     monkeypatch.setattr(runtime._local, "worker", True, raising=False)

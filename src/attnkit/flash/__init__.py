@@ -28,11 +28,12 @@ from ..spec import Spec
 from ..spec.kvcache import KVCall
 from . import backward as _backward
 from . import forward as _forward
+from .direct import direct, direct_at
 from .kernels import compiled_kernels
 from .plan import SUB_M, Call, block_sizes
 from .runtime import get_threads, set_threads, threads
 
-__all__ = ["SUB_M", "block_sizes", "compiled_kernels", "get_threads", "not_supported_reasons",
+__all__ = ["SUB_M", "block_sizes", "compiled_kernels", "direct", "direct_at", "get_threads", "not_supported_reasons",
            "rung_backward", "rung_forward", "rung_kvcache", "rung_weights", "set_threads", "threads"]
 
 name = "flash"

@@ -15,6 +15,7 @@ Key parts of one row block (split-KV, for few rows and many keys) are merged by 
 
 from __future__ import annotations
 
+import array
 from functools import partial as partial_fn
 from math import prod
 from typing import Any
@@ -121,6 +122,7 @@ def _tile_tasks(call: Call, blocks: list[tuple[Unit, int, int]], tasks: list[tup
     assert call.flat is not None
     (q4, _), (k4, _), (v4, _) = call.flat
     table, tiles, lo, hi, n_state = call.task_table(blocks, tasks)
+    work = _work(table, tiles)
     N, Dv = int(np.prod(call.spec.batch, dtype=np.int64)), call.spec.Dv
     m0 = l0 = _NO_STATE
     if call.sinks is not None:
@@ -129,16 +131,10 @@ def _tile_tasks(call: Call, blocks: list[tuple[Unit, int, int]], tasks: list[tup
                     np.empty((n_state, Dv), dtype=np.float32))
     counter, status = np.zeros(1, dtype=np.int64), np.zeros(len(table), dtype=np.int8)
     out4, lse3 = out.reshape((N,) + out.shape[-3:]), lse.reshape((N,) + lse.shape[-2:])   # views: forward made them
-    heads = np.repeat(table[:, 6], table[:, 11] - table[:, 10])            # each tile's kv heads
-    work = int(((tiles[:, 1] - tiles[:, 0]) * (tiles[:, 3] - tiles[:, 2]) * heads).sum())
     loop = call.kern.tile_tasks
     block = loop.pack(q4, call.qs, k4, v4, table, tiles, lo, hi, counter, status, m0, l0, out4, lse3, sm, sl, sacc,
                       BUDGET)
-    # a pass that stops for its budget did BUDGET scores: one more pass than there can be
-    # such stops (one per thread at least) reaches the end of the table
-    n, address = runtime.get_threads(), block.ctypes.data
-    if work > NATIVE_WORK or not runtime.run_native(loop.address, loop.unbounded(block.copy()), min(n, len(table))):
-        runtime.run(range(work // BUDGET + n), lambda _: loop.run(address))
+    _run_block(loop, array.array("q", block.tobytes()), work, len(table))
     if status.all() and not parts:
         return []
     left = []
@@ -150,6 +146,29 @@ def _tile_tasks(call: Call, blocks: list[tuple[Unit, int, int]], tasks: list[tup
             so, rows = int(row[13]), u.nk * u.g * (r1 - r0)
             parts[t[0]][t[1]] = (sm[so:so + rows], sl[so:so + rows], sacc[so:so + rows].reshape(u.nk, -1, Dv))
     return left
+
+
+def _work(table: np.ndarray, tiles: np.ndarray) -> int:
+    """The scores a task table computes."""
+    heads = np.repeat(table[:, 6], table[:, 11] - table[:, 10])            # each tile's kv heads
+    return int(((tiles[:, 1] - tiles[:, 0]) * (tiles[:, 3] - tiles[:, 2]) * heads).sum())
+
+
+def _run_block(loop: Any, block: array.array, work: int, n_tasks: int) -> None:
+    """The compiled loop on the arguments packed in ``block`` (``work`` scores, n_tasks
+    tasks): in one pass on torch's team (a call of at most NATIVE_WORK scores), else in
+    passes of about BUDGET scores on :func:`runtime.run`'s threads. A pass that stops
+    for its budget did BUDGET scores: one more pass than there can be such stops (one
+    per thread at least) reaches the end of the table. (An ``array.array``, not NumPy:
+    inside a model, whose ops leave the caches cold, NumPy's indexing and reductions
+    cost 50–60 µs a call.)"""
+    n = runtime.get_threads()
+    if work <= NATIVE_WORK:
+        unbounded = loop.unbounded(block)
+        if runtime.run_native(loop.address, unbounded.buffer_info()[0], min(n, n_tasks)):
+            return
+    address = block.buffer_info()[0]
+    runtime.run(range(work // BUDGET + n), lambda _: loop.run(address))
 
 
 _NO_STATE = np.zeros((0, 0, 0), dtype=np.float32)

@@ -21,6 +21,7 @@ delete ``__pycache__/numba_loop*.nb*`` (a fresh clone, as CI's, has none).
 
 from __future__ import annotations
 
+import array
 import ctypes
 from typing import Any
 
@@ -328,8 +329,10 @@ class Tasks:
         return block
 
     @staticmethod
-    def unbounded(block: np.ndarray) -> np.ndarray:
-        """The block with no budget: one pass runs until no task is left."""
+    def unbounded(block: Any) -> Any:
+        """A copy of the block (an ``array.array('q')``) with no budget: one pass runs
+        until no task is left."""
+        block = array.array("q", block)
         block[AT_BUDGET] = 1 << 62
         return block
 

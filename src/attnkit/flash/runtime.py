@@ -262,14 +262,14 @@ def run(tasks: Sequence[Any], fn: Callable[[Any], None], *, blas: bool = True) -
             raise job.errors[0]
 
 
-def run_native(fn: int, data: Any, n: int) -> bool:
-    """The C function at address ``fn`` on ``data``'s address, on the calling thread
+def run_native(fn: int, data: int, n: int) -> bool:
+    """The C function at address ``fn`` on the address ``data``, on the calling thread
     and n − 1 of torch's libgomp threads (no Python, no GIL), BLAS held to one thread;
     False where the team cannot take it (:func:`run` then). Ctrl-C waits for its end."""
     team = None if n <= 1 or getattr(_local, "worker", False) or blas_controller() is None else _omp_team(n)
     if team is not None:
         with blas_single_threaded():
-            team.GOMP_parallel(fn, data.ctypes.data, n, 0)
+            team.GOMP_parallel(fn, data, n, 0)
     return team is not None
 
 

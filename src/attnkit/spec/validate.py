@@ -240,6 +240,33 @@ def signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
     return key + arrays + (backend, need_v) + scalars, bool(arrays)
 
 
+# array keywords whose values may join a call's key (attnkit.api's kept calls): the
+# sequences' lengths and offsets, which fix the plan (a model's layers repeat them)
+_GEOMETRY = frozenset({"q_lengths", "kv_lengths", "cu_seqlens_q", "cu_seqlens_k"})
+GEOMETRY_MAX = 4096
+
+
+def geometry_key(options: dict) -> tuple[Any, ...] | None:
+    """The values of a call's array keywords, to key the call by with its
+    :func:`signature`: each one's name and bytes where all are lengths or offsets of
+    at most GEOMETRY_MAX elements in CPU memory (NumPy arrays, torch CPU tensors);
+    None for any other array keyword."""
+    key: tuple[Any, ...] = ()
+    for name, x in options.items():
+        if x is None or name not in _TENSOR_SET:
+            continue
+        if name not in _GEOMETRY:
+            return None
+        try:
+            a = x if isinstance(x, np.ndarray) else x.numpy()   # another device: TypeError
+        except (TypeError, RuntimeError, AttributeError):
+            return None
+        if a.size > GEOMETRY_MAX:
+            return None
+        key += (name, a.tobytes())
+    return key
+
+
 _NUMBERS = (bool, int, float, np.bool_, np.integer, np.floating)
 
 

@@ -1,0 +1,176 @@
+"""The flash rung's kept call (attnkit.flash.direct): a call that repeats a signature —
+lengths and offsets by value — runs the compiled tile loop on the first call's plan,
+with the full path's bits, and takes the full path wherever it would differ."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit import api, flash
+from attnkit.flash import forward, plan
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    api._KEPT.clear()
+    api._ONCE.clear()
+    yield
+    api._KEPT.clear()
+    api._ONCE.clear()
+
+
+@pytest.fixture
+def full(monkeypatch):
+    """Counts the flash forwards that take the full path."""
+    n = [0]
+    inner = forward.forward
+
+    def counted(*a, **kw):
+        n[0] += 1
+        return inner(*a, **kw)
+    monkeypatch.setattr(forward, "forward", counted)
+    return n
+
+
+def _qkv(lib, B=3, H=4, A=2, L=80, S=80, D=16, Dv=8, seed=0, inner=True):
+    """q, k, v in float32; ``inner``: transformers' layout (B, L, H, D) seen as (B, H, L, D)."""
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal((B, n, h, d), dtype=np.float32) for n, h, d in ((L, H, D), (S, A, D), (S, A, Dv))]
+    xs = [x.transpose(0, 2, 1, 3) if inner else np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in xs]
+    return xs if lib == "numpy" else [torch.from_numpy(x) for x in xs]
+
+
+def _np(x):
+    return x if isinstance(x, np.ndarray) else x.numpy()
+
+
+def _strides(x):
+    return x.strides if isinstance(x, np.ndarray) else x.stride()
+
+
+def _same(got, want):
+    for g, w in zip(got, want):
+        assert type(g) is type(w) and g.shape == w.shape and _strides(g) == _strides(w)
+        assert np.array_equal(_np(g), _np(w), equal_nan=True)
+
+
+def _fresh_call(q, k, v, **kw):
+    api._KEPT.clear()
+    api._ONCE.clear()
+    return attnkit.attention(q, k, v, return_lse=True, backend="flash", **kw)
+
+
+def _lengths(lib, values):
+    a = np.array(values, dtype=np.int64)
+    return a if lib == "numpy" else torch.from_numpy(a)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(kv=[80, 17, 0]),
+                                dict(kv=[80, 17, 3], causal=True, align="top_left"),
+                                dict(kv=[73, 80, 9], q=[80, 70, 80], causal=True, window=(5, 0))])
+def test_a_repeated_call_runs_kept_with_the_full_paths_bits(lib, kw, full):
+    """From the call its key comes back in (the first with lengths: the second), no
+    full path; out (its layout too) and lse are the full path's on every call. Query
+    rows past a sequence's length (padding, which the loop does not write): the full
+    path every time."""
+    kw = dict(kw)
+    for name, key in (("kv", "kv_lengths"), ("q", "q_lengths")):
+        if name in kw:
+            kw[key] = _lengths(lib, kw.pop(name))
+    first = 4 if "q_lengths" in kw else 2 if "kv_lengths" in kw else 1
+    q, k, v = _qkv(lib)
+    for i in range(4):
+        got = attnkit.attention(q, k, v, return_lse=True, backend="flash", **kw)
+        assert full[0] == min(i + 1, first), i
+        plan._KEPT.clear()                               # the plan's arrays: the kept call's own
+        gc.collect()
+    assert len(api._KEPT) == (first < 4)
+    _same(got, _fresh_call(q, k, v, **kw))
+    q2, k2, v2 = _qkv(lib, seed=1, inner=False)                         # new arrays, C-ordered: kept too
+    got = attnkit.attention(q2, k2, v2, return_lse=True, backend="flash", **kw)
+    _same(got, _fresh_call(q2, k2, v2, **kw))
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_other_lengths_are_another_call(lib):
+    """The lengths' values are part of the key: a batch with other lengths gets its own
+    plan (the kept one would attend keys past a length, or skip ones before it)."""
+    q, k, v = _qkv(lib)
+    for _ in range(3):
+        attnkit.attention(q, k, v, kv_lengths=_lengths(lib, [80, 17, 3]), causal=True, backend="flash")
+    for lengths in ([80, 30, 3], [12, 17, 80]):
+        got = attnkit.attention(q, k, v, kv_lengths=_lengths(lib, lengths), causal=True, return_lse=True,
+                                backend="flash")
+        _same(got, _fresh_call(q, k, v, kv_lengths=_lengths(lib, lengths), causal=True))
+
+
+def test_a_key_length_layout_or_setting_it_was_not_kept_for_takes_the_full_path(full, monkeypatch):
+    """Another key length (no lengths given: S is not in the key), keys strided along
+    D (BLAS cannot read them in place), or a changed plan setting: the full path; a
+    call its kept call declined is kept in its place."""
+    q, k, v = _qkv("torch")
+    attnkit.attention(q, k, v, causal=True, backend="flash")
+    attnkit.attention(q, k, v, causal=True, backend="flash")
+    assert full[0] == 1
+    cases = [_qkv("torch", S=81),
+             (q, torch.from_numpy(np.repeat(_np(k), 2, axis=-1)[..., ::2]), v)]
+    for q2, k2, v2 in cases:
+        n = full[0]
+        got = attnkit.attention(q2, k2, v2, causal=True, return_lse=True, backend="flash")
+        assert full[0] == n + 1
+        _same(got, _fresh_call(q2, k2, v2, causal=True))        # (kept for these now)
+        attnkit.attention(q, k, v, causal=True, backend="flash")  # declined, and kept in its place
+        n = full[0]
+        attnkit.attention(q, k, v, causal=True, backend="flash")
+        assert full[0] == n
+    monkeypatch.setattr(plan, "MIN_TASKS", 64)
+    attnkit.attention(q, k, v, causal=True, backend="flash")
+    assert full[0] == n + 1
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_a_product_that_is_not_finite_takes_the_full_path(lib):
+    """inf in a value row that the rows before it do not see (causal) but their tile
+    holds: its product p v is not finite (0 · inf), which the full path's Python loop
+    takes exactly (DESIGN: an excluded key never reaches out); the kept call hands the
+    call over."""
+    q, k, v = _qkv(lib)
+    for _ in range(3):
+        attnkit.attention(q, k, v, causal=True, backend="flash")
+    bad = _np(v).copy()
+    bad[1, :, 50] = np.inf
+    bad = bad if lib == "numpy" else torch.from_numpy(bad)
+    got = attnkit.attention(q, k, bad, causal=True, return_lse=True, backend="flash")
+    assert np.isfinite(_np(got[0])[:, :, :50]).all()
+    _same(got, _fresh_call(q, k, bad, causal=True))
+
+
+def test_only_calls_the_loop_runs_whole_are_kept():
+    """Sinks, a keep mask, float64, a split of the keys (few rows, many keys): no kept
+    call (the full path each time)."""
+    q, k, v = _qkv("numpy")
+    rng = np.random.default_rng(0)
+    for kw in (dict(sinks=rng.standard_normal(4).astype(np.float32)), dict(keep=np.ones((80, 80), bool))):
+        for _ in range(3):
+            attnkit.attention(q, k, v, backend="flash", **kw)
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    attnkit.attention(q64, k64, v64, backend="flash")
+    attnkit.attention(q64, k64, v64, backend="flash")
+    assert not api._KEPT
+    qd, kd, vd = _qkv("numpy", B=1, H=2, A=2, L=1, S=4096)
+    spec = attnkit.spec.validate(qd, kd, vd)
+    assert flash.direct(spec) is None
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_operands_without_a_batch_dim(lib):
+    q, k, v = (x[0] for x in _qkv(lib))
+    for _ in range(3):
+        got = attnkit.attention(q, k, v, causal=True, return_lse=True, backend="flash")
+    assert len(api._KEPT) == 1
+    _same(got, _fresh_call(q, k, v, causal=True))
