@@ -74,15 +74,14 @@ def _lengths(lib, values):
                                 dict(kv=[80, 17, 3], causal=True, align="top_left"),
                                 dict(kv=[73, 80, 9], q=[80, 70, 80], causal=True, window=(5, 0))])
 def test_a_repeated_call_runs_kept_with_the_full_paths_bits(lib, kw, full):
-    """From the call its key comes back in (the first with lengths: the second), no
-    full path; out (its layout too) and lse are the full path's on every call. Query
-    rows past a sequence's length (padding, which the loop does not write): the full
-    path every time."""
+    """From the second call of a key on, no full path; out (its layout too) and lse are
+    the full path's on every call. Query rows past a sequence's length (padding, which
+    the loop does not write): the full path every time."""
     kw = dict(kw)
     for name, key in (("kv", "kv_lengths"), ("q", "q_lengths")):
         if name in kw:
             kw[key] = _lengths(lib, kw.pop(name))
-    first = 4 if "q_lengths" in kw else 2 if "kv_lengths" in kw else 1
+    first = 4 if "q_lengths" in kw else 2
     q, k, v = _qkv(lib)
     for i in range(4):
         got = attnkit.attention(q, k, v, return_lse=True, backend="flash", **kw)
@@ -111,26 +110,66 @@ def test_other_lengths_are_another_call(lib):
 
 def test_a_key_length_layout_or_setting_it_was_not_kept_for_takes_the_full_path(full, monkeypatch):
     """Another key length (no lengths given: S is not in the key), keys strided along
-    D (BLAS cannot read them in place), or a changed plan setting: the full path; a
-    call its kept call declined is kept in its place."""
+    D (BLAS cannot read them in place), or changed plan settings: the full path."""
     q, k, v = _qkv("torch")
-    attnkit.attention(q, k, v, causal=True, backend="flash")
-    attnkit.attention(q, k, v, causal=True, backend="flash")
-    assert full[0] == 1
-    cases = [_qkv("torch", S=81),
-             (q, torch.from_numpy(np.repeat(_np(k), 2, axis=-1)[..., ::2]), v)]
-    for q2, k2, v2 in cases:
+    for _ in range(3):
+        attnkit.attention(q, k, v, causal=True, backend="flash")
+    assert full[0] == 2
+    for q2, k2, v2 in [_qkv("torch", S=81), (q, torch.from_numpy(np.repeat(_np(k), 2, axis=-1)[..., ::2]), v)]:
         n = full[0]
         got = attnkit.attention(q2, k2, v2, causal=True, return_lse=True, backend="flash")
         assert full[0] == n + 1
-        _same(got, _fresh_call(q2, k2, v2, causal=True))        # (kept for these now)
-        attnkit.attention(q, k, v, causal=True, backend="flash")  # declined, and kept in its place
-        n = full[0]
-        attnkit.attention(q, k, v, causal=True, backend="flash")
-        assert full[0] == n
-    monkeypatch.setattr(plan, "MIN_TASKS", 64)
+        _same(got, _fresh_call(q2, k2, v2, causal=True))
     attnkit.attention(q, k, v, causal=True, backend="flash")
-    assert full[0] == n + 1
+    attnkit.attention(q, k, v, causal=True, backend="flash")
+    n = full[0]
+    attnkit.attention(q, k, v, causal=True, backend="flash")
+    assert full[0] == n
+    sizes = plan.block_sizes
+    for name, value in (("MIN_TASKS", 64), ("block_sizes", lambda *a, **kw: (64, 64) if len(a) < 3 else sizes(*a))):
+        with monkeypatch.context() as m:
+            m.setattr(plan, name, value)
+            got = attnkit.attention(q, k, v, causal=True, return_lse=True, backend="flash")
+            assert full[0] == n + 1
+            _same(got, _fresh_call(q, k, v, causal=True))
+        api._KEPT.clear()
+        api._ONCE.clear()
+        for _ in range(2):
+            attnkit.attention(q, k, v, causal=True, backend="flash")
+        n = full[0]
+
+
+def test_each_key_length_is_kept_for_itself_and_only_when_it_comes_again(full):
+    """A signature with two key lengths in turn (self- and cross-attention of one
+    shape) keeps a call for each; key lengths that change at every call keep none
+    (each would make a plan for one call)."""
+    (q, k, v), (_, k2, v2) = _qkv("torch"), _qkv("torch", S=81, seed=1)
+    for _ in range(2):
+        attnkit.attention(q, k, v, causal=True, backend="flash")
+        attnkit.attention(q, k2, v2, causal=True, backend="flash")
+    n = full[0]
+    for _ in range(2):
+        got = attnkit.attention(q, k, v, causal=True, return_lse=True, backend="flash")
+        got2 = attnkit.attention(q, k2, v2, causal=True, return_lse=True, backend="flash")
+    assert full[0] == n and len(api._KEPT) == 2
+    _same(got, _fresh_call(q, k, v, causal=True))
+    _same(got2, _fresh_call(q, k2, v2, causal=True))
+    api._KEPT.clear()
+    for S in range(60, 66):
+        _, k3, v3 = _qkv("torch", S=S)
+        attnkit.attention(q, k3, v3, causal=True, backend="flash")
+    assert not api._KEPT
+
+
+def test_a_tensor_numpy_cannot_view_takes_the_full_path():
+    """k with its negative bit set (a view NumPy cannot read): the full path, every
+    time, with the bits of k resolved."""
+    q, k, v = _qkv("torch")
+    kc = torch.complex(torch.zeros_like(k), k).conj().imag          # −k as a negative-bit view
+    assert kc.is_neg() and torch.equal(kc.resolve_neg(), -k)
+    for _ in range(3):
+        got = attnkit.attention(q, kc, v, causal=True, return_lse=True, backend="flash")
+    _same(got, _fresh_call(q, kc.resolve_neg(), v, causal=True))
 
 
 @pytest.mark.parametrize("lib", ["numpy", "torch"])

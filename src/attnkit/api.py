@@ -66,17 +66,15 @@ def _head_unsqueeze(two_d: bool, x: Any, tail: int) -> Any:
 # takes the full path.
 _KEPT: dict[tuple[Any, ...], tuple[Callable[[Any, Any, Any, bool], Any], int, int, tuple[Any, ...]]] = {}
 _KEPT_MAX = 256
-_ONCE: set[tuple[Any, ...]] = set()        # keys with lengths seen once (kept_call)
+_ONCE: set[tuple[Any, ...]] = set()        # keys seen once, to keep the second time (_keep)
 
 
 def kept_call(q: Any, k: Any, v: Any, backend: str, masking: Any) -> tuple[Any, Any]:
     """(the call's key, the call kept for it or None); (None, None) for other array
     types, array keywords other than lengths and offsets, or an unhashable keyword.
     The key is validate's signature, with the lengths' and offsets' values
-    (:func:`~attnkit.spec.validate.geometry_key`): a call with them is kept when its
-    key comes again (a model's second layer: lengths that change at every call would
-    make a plan for each and never reuse it). (Also the transformers hook's, which
-    keeps a layer's call: :mod:`attnkit.hf`.)"""
+    (:func:`~attnkit.spec.validate.geometry_key`). (Also the transformers hook's,
+    which keeps a layer's call: :mod:`attnkit.hf`.)"""
     key, arrays = signature(q, k, v, backend, True, masking)
     if key is None:
         return None, None
@@ -87,11 +85,8 @@ def kept_call(q: Any, k: Any, v: Any, backend: str, masking: Any) -> tuple[Any, 
         key += values
     try:
         kept = _KEPT.get(key)
-        if kept is None and arrays and key not in _ONCE:
-            if len(_ONCE) >= _KEPT_MAX:
-                _ONCE.clear()
-            _ONCE.add(key)
-            return None, None
+        if kept is None:                                 # one kept for this key length (see _keep)
+            kept = _KEPT.get((*key, k.shape[-2]))
         return key, kept
     except TypeError:
         return None, None
@@ -108,12 +103,29 @@ def run_kept(kept: Any, q: Any, k: Any, v: Any, need_lse: bool) -> Any:
 
 
 def _keep(key: tuple[Any, ...], spec: Any, rung: Any, backend: str) -> None:
+    """Keep the rung's direct call for spec under key: for the key lengths where select
+    chooses the same, or, for a rung whose direct calls are made for one key length
+    (``KEPT_PER_KEY_LENGTH``: the flash rung's plan), for spec's alone, under key and
+    that length (another length gets its own), the second time that key comes (a
+    model's second layer): key lengths, or lengths (their values are in the key), that
+    change at every call would make a plan for each and never reuse it."""
     make = getattr(rung, "direct", None)
-    call = None if make is None else make(spec)
+    if make is None:
+        return
+    exact = getattr(getattr(rung, "mod", rung), "KEPT_PER_KEY_LENGTH", False)
+    if exact:
+        key = (*key, spec.S)
+        if key not in _ONCE:
+            if len(_ONCE) >= _KEPT_MAX:
+                _ONCE.clear()
+            _ONCE.add(key)
+            return
+    call = make(spec)
     if call is not None:
         if len(_KEPT) >= _KEPT_MAX:
             _KEPT.clear()
-        _KEPT[key] = (call, *backends.same_keys(spec, backend), backends.settings())
+        _KEPT[key] = (call, spec.S, spec.S, backends.settings()) if exact else \
+            (call, *backends.same_keys(spec, backend), backends.settings())
 
 
 @with_options()
@@ -166,7 +178,6 @@ def attention(q: Any, k: Any, v: Any, *, return_lse: bool = False, return_weight
             direct = run_kept(kept, q, k, v, return_lse)
             if direct is not None:
                 return direct if return_lse else direct[0]
-            kept = None                                  # declined: kept again for this call
     check_flags(return_lse=return_lse, return_weights=return_weights)
     given = q
     q, k, v = autocast(q, k, v)

@@ -37,6 +37,8 @@ __all__ = ["SUB_M", "block_sizes", "compiled_kernels", "direct", "direct_at", "g
            "rung_backward", "rung_forward", "rung_kvcache", "rung_weights", "set_threads", "threads"]
 
 name = "flash"
+# its kept calls (direct, direct_at) are made for one key length: kept under it too
+KEPT_PER_KEY_LENGTH = True
 
 
 def not_supported_reasons(spec: Spec) -> list[str]:

@@ -36,8 +36,9 @@ assert (AT_K, AT_V, AT_OUT, AT_LSE, AT_M0) == (AT_Q + 10, AT_Q + 20, AT_Q + 30, 
 
 def _settings() -> tuple[Any, ...]:
     """What the plan and the loop read besides the call (replace them to change them)."""
-    return (kernels.USE_COMPILED, kernels.USE_LOOP, plan.SUB_M, plan.LOOP_SUB_M, plan.DECODE_ROWS, plan.SMALL_TILE,
-            plan.MIN_TASKS, plan.MIN_SPLIT, forward.BUDGET, forward.NATIVE_WORK, blas.small_product_limit())
+    return (kernels.USE_COMPILED, kernels.USE_LOOP, plan.block_sizes, plan.SUB_M, plan.LOOP_SUB_M, plan.DECODE_ROWS,
+            plan.SMALL_TILE, plan.MIN_TASKS, plan.MIN_SPLIT, forward.BUDGET, forward.NATIVE_WORK,
+            blas.small_product_limit())
 
 
 def _as_numpy(spec: Spec) -> Spec:
@@ -77,7 +78,10 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
     as described above (3-D or 4-D operands)."""
     if spec.dtype != "float32" or spec.v is None or len(spec.batch) > 1 or spec.sinks is not None:
         return None
-    spec = _as_numpy(spec)
+    try:
+        spec = _as_numpy(spec)
+    except (RuntimeError, TypeError):                    # a tensor NumPy cannot view (a negative bit)
+        return None
     call = Call(spec, None, None)
     if call.flat is None:
         return None
