@@ -55,13 +55,15 @@ def _head_unsqueeze(two_d: bool, x: Any, tail: int) -> Any:
     return x[(Ellipsis, None) + (slice(None),) * tail] if two_d else x
 
 
-# Calls that repeat one signature (a decoding step: every layer, every step) skip the
-# checks and the choice after the first: where the chosen rung has a direct call for it
-# (``rung.direct(spec)``: the small rung's streaming call, behind the torch op's
-# per-call tests of gradients, tracing and autocast), attention keeps it under the key
-# validate reuses its check by (the same signature: types, dtypes, shapes but the key
-# length, devices, scalar keywords) while the key length stays where select makes the
-# same choice, under the settings select read then (backends.settings). A kept call
+# Calls that repeat one signature (a decoding step: every layer, every step; a model's
+# layers) skip the checks and the choice after the first: where the chosen rung has a
+# direct call for it (``rung.direct(spec)``: the small rung's streaming call, the flash
+# rung's compiled loop on a kept plan, behind the torch op's per-call tests of
+# gradients, tracing and autocast), attention keeps it under the key validate reuses
+# its check by (the same signature: types, dtypes, shapes but the key length, devices,
+# scalar keywords; lengths and offsets by value) while the key length stays where
+# select makes the same choice (the flash rung's: that key length alone, see _keep),
+# under the settings select read then (backends.settings). A kept call
 # ``call(q, k, v, need_lse) -> (out, lse or None)`` may decline (None): then the call
 # takes the full path.
 _KEPT: dict[tuple[Any, ...], tuple[Callable[[Any, Any, Any, bool], Any], int, int, tuple[Any, ...]]] = {}
