@@ -2,6 +2,7 @@
 lengths and offsets by value — runs the compiled tile loop on the first call's plan,
 with the full path's bits, and takes the full path wherever it would differ."""
 
+import copy
 import gc
 
 import numpy as np
@@ -213,3 +214,29 @@ def test_operands_without_a_batch_dim(lib):
         got = attnkit.attention(q, k, v, causal=True, return_lse=True, backend="flash")
     assert len(api._KEPT) == 1
     _same(got, _fresh_call(q, k, v, causal=True))
+
+
+def test_a_padded_model_runs_its_layers_kept_with_the_same_outputs(full):
+    """A BERT forward with a padding mask (transformers gives each layer the same
+    kv_lengths): the first two layers take the full path, every later layer call and
+    every later forward the kept call — the same outputs, bit for bit, forward after
+    forward, and SDPA's up to rounding on the real tokens."""
+    transformers = pytest.importorskip("transformers")
+    import attnkit.hf
+    attnkit.hf.register()
+    cfg = transformers.BertConfig(vocab_size=97, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                                  intermediate_size=64, max_position_embeddings=256)
+    ids = torch.randint(1, 97, (3, 256), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 256, dtype=torch.long)
+    mask[1, 150:] = 0
+    mask[2, 20:] = 0
+    outs = {}
+    for impl in ("sdpa", "attnkit"):
+        torch.manual_seed(0)
+        model = transformers.AutoModel.from_config(copy.deepcopy(cfg), attn_implementation=impl).eval()
+        with torch.no_grad():
+            outs[impl] = [model(input_ids=ids, attention_mask=mask).last_hidden_state for _ in range(3)]
+    assert full[0] == 2 and len(api._KEPT) == 1
+    assert all(torch.equal(o, outs["attnkit"][0]) for o in outs["attnkit"])
+    real = mask.bool()
+    assert float((outs["attnkit"][0] - outs["sdpa"][0])[real].abs().max()) < 1e-5
