@@ -240,3 +240,58 @@ def test_a_padded_model_runs_its_layers_kept_with_the_same_outputs(full):
     assert all(torch.equal(o, outs["attnkit"][0]) for o in outs["attnkit"])
     real = mask.bool()
     assert float((outs["attnkit"][0] - outs["sdpa"][0])[real].abs().max()) < 1e-5
+
+
+class _Layer:
+    """What transformers passes as ``module``: an encoder's attention layer."""
+    is_causal = False
+
+
+def _refuse(*a, **kw):
+    raise AssertionError("the call took attention's steps")
+
+
+def test_a_padded_layer_reruns_its_kept_call_for_its_padding_only(monkeypatch):
+    """transformers' hook keeps a layer's call with a 2-D padding mask as one without a
+    mask, the lengths' bytes in its key: a repeat runs without attention's steps and
+    gives attention's bits; other lengths, the mask changed in place, left padding (a
+    keep mask), a sliding window, or recording attentions take the full path and get
+    their own result."""
+    from attnkit import hf
+    hf._LAYERS.clear()
+    layer = _Layer()
+    q, k, v = _qkv("torch", B=3, H=8, A=8, L=256, S=256, D=32, Dv=32)
+    mask = torch.ones(3, 256, dtype=torch.long)
+    mask[1, 150:] = 0
+
+    def want(m, **kw):
+        lengths = dict(kv_lengths=m.sum(-1), align="top_left") if bool((m.diff(dim=-1) <= 0).all()) else \
+            dict(keep=m.bool()[:, None, None, :])
+        return attnkit.attention(q, k, v, scale=0.2, **lengths, **kw).transpose(1, 2)
+
+    for _ in range(4):
+        hf.attention_forward(layer, q, k, v, mask, scaling=0.2, encoder_hidden_states=None, position_ids=None)
+    with monkeypatch.context() as m:
+        m.setattr(api, "attention", _refuse)
+        got, weights = hf.attention_forward(layer, q, k, v, mask, scaling=0.2, encoder_hidden_states=None)
+    assert weights is None and torch.equal(got, want(mask))
+    other = mask.clone()
+    other[2, 200:] = 0
+    left = mask.clone()
+    left[0, :10] = 0
+    cases = [(other, {}), (left, {}), (mask, dict(sliding_window=64)), (mask, dict(output_attentions=True))]
+    for m_, kw in cases:
+        calls = []
+        real = api.attention
+        with monkeypatch.context() as m:
+            m.setattr(api, "attention", lambda *a, **o: calls.append(1) or real(*a, **o))
+            got, _ = hf.attention_forward(layer, q, k, v, m_, scaling=0.2, **kw)
+        assert calls == [1], kw                          # (a sliding window with a 2-D mask: none, as
+        assert torch.equal(got, want(m_)), kw            # without the fast path; see attnkit.hf)
+    mask[2, 100:] = 0                                    # in place: a new version
+    calls = []
+    real = api.attention
+    with monkeypatch.context() as m:
+        m.setattr(api, "attention", lambda *a, **o: calls.append(1) or real(*a, **o))
+        got, _ = hf.attention_forward(layer, q, k, v, mask, scaling=0.2)
+    assert calls == [1] and torch.equal(got, want(mask))

@@ -157,7 +157,7 @@ def _compiling() -> bool:
     return torch is not None and torch.compiler.is_compiling()
 
 
-# the last 2-D mask read by _padding: (weak reference, version, L == S, keywords)
+# the last 2-D mask read by _padded: (weak reference, version, L == S, keywords, token)
 _LAST_PADDING: list[Any] = [None]
 
 
@@ -167,10 +167,17 @@ def _padding(mask: Any, square: bool) -> dict[str, Any]:
     then zeros) or a (B, 1, 1, S) key-padding ``keep``. Read once per mask: every layer
     of a forward gets the same tensor (an in-place change bumps its version; tensors
     made under ``torch.inference_mode`` have no version counter and are read every time)."""
+    return dict(_padded(mask, square)[0])
+
+
+def _padded(mask: Any, square: bool) -> tuple[dict[str, Any], tuple[Any, ...] | None]:
+    """(:func:`_padding`'s keywords, what they add to a layer's key: the lengths' bytes,
+    or nothing where there is no padding; None for a ``keep`` mask or one not in CPU
+    memory), read once per mask as :func:`_padding` says."""
     version = None if mask.is_inference() else mask._version
     last = _LAST_PADDING[0]
     if version is not None and last is not None and last[0]() is mask and last[1] == version and last[2] == square:
-        return dict(last[3])
+        return last[3], last[4]
     res: dict[str, Any] = {}
     if not bool(mask.all()):
         pad = mask.bool()
@@ -178,9 +185,12 @@ def _padding(mask: Any, square: bool) -> dict[str, Any]:
             res = dict(kv_lengths=pad.sum(-1), align="top_left")
         else:
             res = dict(keep=pad[:, None, None, :])
+    token: tuple[Any, ...] | None = None
+    if mask.device.type == "cpu" and "keep" not in res:
+        token = ("padding", res["kv_lengths"].numpy().tobytes() if res else b"")
     if version is not None:
-        _LAST_PADDING[0] = (weakref.ref(mask), version, square, res)
-    return dict(res)
+        _LAST_PADDING[0] = (weakref.ref(mask), version, square, res, token)
+    return res, token
 
 
 _TRUSTED: dict[type, bool] = {}
@@ -356,6 +366,22 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
                         return direct[0].transpose(1, 2).contiguous(), None
                     break
     else:
+        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] == S_all \
+                and not want and kwargs.get("sliding_window") is None and not _compiling() \
+                and all(n in _COMMON or x is None for n, x in kwargs.items()):
+            # a padding mask that _options turns into kv_lengths (or nothing): kept as the
+            # calls without a mask, the lengths' bytes in the layer's key
+            token = _padded(attention_mask, L == S_all)[1]
+            plain = plain_signature(query, key, value, "auto", True,
+                                    dict(scale=scaling, dropout=float(dropout or 0.0), causal=causal))
+            if token is not None and plain is not None:
+                layer = (*plain, S_all, *token)
+                for signature, kept in _LAYERS.get(id(module), ()):
+                    if signature == layer:
+                        direct = api.run_kept(kept, query, key, value, False)
+                        if direct is not None:
+                            return direct[0].transpose(1, 2).contiguous(), None
+                        break
         key, value, opts = _options(query, key, value, attention_mask, scaling, dropout, causal, kwargs)
     res = api.attention(query, key, value, return_weights=want, **opts)
     if layer is not None:

@@ -298,8 +298,7 @@ def _omp_team(n: int) -> Any:
     multiprocessing child, and n at most torch's own thread count — a team torch also
     runs (libgomp ends the process when it cannot start a thread; and a fork child
     that gave torch one thread keeps its hands off the parent's team)."""
-    from .. import _PID
-    if os.getpid() != _PID:
+    if os.getpid() != sys.modules["attnkit"]._PID:     # (no import statement: called per call)
         return None
     torch = sys.modules.get("torch")
     if torch is None:
