@@ -320,6 +320,16 @@ def _keep_layer(module: Any, layer: tuple[Any, ...], kept: Any) -> None:
     _LAYERS[id(module)] = (kept_now + others)[:LAYER_SIGNATURES]
 
 
+def _rerun(module: Any, layer: Any, query: Any, key: Any, value: Any) -> Any:
+    """out (B, L, H, Dv) of the call the layer kept for signature ``layer``, or None
+    (none kept, or it declines: the full path)."""
+    for signature, kept in _LAYERS.get(id(module), ()):
+        if signature == layer:
+            direct = api.run_kept(kept, query, key, value, False)
+            return None if direct is None else direct[0].transpose(1, 2).contiguous()
+    return None
+
+
 def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
                       scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Any, Any]:
     """attnkit as a transformers attention function (registered by :func:`register`).
@@ -359,12 +369,9 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         opts: dict[str, Any] = dict(scale=scaling, dropout=float(dropout or 0.0), **_no_mask(causal, L))
         if not want and not _compiling():
             layer = plain_signature(query, key, value, "auto", True, opts)
-            for signature, kept in _LAYERS.get(id(module), ()):
-                if signature == layer:
-                    direct = api.run_kept(kept, query, key, value, False)
-                    if direct is not None:
-                        return direct[0].transpose(1, 2).contiguous(), None
-                    break
+            out = _rerun(module, layer, query, key, value)
+            if out is not None:
+                return out, None
     else:
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] == S_all \
                 and not want and kwargs.get("sliding_window") is None and not _compiling() \
@@ -376,12 +383,9 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
                                     dict(scale=scaling, dropout=float(dropout or 0.0), causal=causal))
             if token is not None and plain is not None:
                 layer = (*plain, S_all, *token)
-                for signature, kept in _LAYERS.get(id(module), ()):
-                    if signature == layer:
-                        direct = api.run_kept(kept, query, key, value, False)
-                        if direct is not None:
-                            return direct[0].transpose(1, 2).contiguous(), None
-                        break
+                out = _rerun(module, layer, query, key, value)
+                if out is not None:
+                    return out, None
         key, value, opts = _options(query, key, value, attention_mask, scaling, dropout, causal, kwargs)
     res = api.attention(query, key, value, return_weights=want, **opts)
     if layer is not None:
