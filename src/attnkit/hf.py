@@ -379,10 +379,10 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
             # a padding mask that _options turns into kv_lengths (or nothing): kept as the
             # calls without a mask, the lengths' bytes in the layer's key
             token = _padded(attention_mask, L == S_all)[1]
-            plain = plain_signature(query, key, value, "auto", True,
-                                    dict(scale=scaling, dropout=float(dropout or 0.0), causal=causal))
-            if token is not None and plain is not None:
-                layer = (*plain, S_all, *token)
+            plain = None if token is None else plain_signature(
+                query, key, value, "auto", True, dict(scale=scaling, dropout=float(dropout or 0.0), causal=causal))
+            if plain is not None:
+                layer = (*plain, S_all, *(token or ()))
                 out = _rerun(module, layer, query, key, value)
                 if out is not None:
                     return out, None

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..spec import Spec
+from ..spec.validate import GEOMETRY
 from . import blas, forward, kernels, plan
 from .numba_loop import AT_COUNTER, AT_INNER, AT_K, AT_LSE, AT_M0, AT_OUT, AT_Q, AT_STATUS, AT_V
 from .plan import MIN_SPLIT, Call
@@ -43,8 +44,8 @@ def _settings() -> tuple[Any, ...]:
 
 def _as_numpy(spec: Spec) -> Spec:
     """spec with its operands and lengths as NumPy arrays (views of CPU tensors)."""
-    names = ("q", "k", "v", "q_lengths", "kv_lengths", "cu_seqlens_q", "cu_seqlens_k")
-    return spec.replace(**{n: np.asarray(getattr(spec, n)) for n in names if getattr(spec, n) is not None})
+    return spec.replace(**{n: np.asarray(getattr(spec, n)) for n in ("q", "k", "v", *GEOMETRY)
+                           if getattr(spec, n) is not None})
 
 
 def _operand(address: int, strides: tuple[int, ...], shape: tuple[int, ...]) -> list[int] | None:

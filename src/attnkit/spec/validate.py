@@ -242,7 +242,7 @@ def signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
 
 # array keywords whose values may join a call's key (attnkit.api's kept calls): the
 # sequences' lengths and offsets, which fix the plan (a model's layers repeat them)
-_GEOMETRY = frozenset({"q_lengths", "kv_lengths", "cu_seqlens_q", "cu_seqlens_k"})
+GEOMETRY = ("q_lengths", "kv_lengths", "cu_seqlens_q", "cu_seqlens_k")
 GEOMETRY_MAX = 4096
 
 
@@ -255,7 +255,7 @@ def geometry_key(options: dict) -> tuple[Any, ...] | None:
     for name, x in options.items():
         if x is None or name not in _TENSOR_SET:
             continue
-        if name not in _GEOMETRY:
+        if name not in GEOMETRY:
             return None
         try:
             a = x if isinstance(x, np.ndarray) else x.numpy()   # another device: TypeError
