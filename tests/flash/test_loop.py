@@ -103,7 +103,7 @@ def _claims(monkeypatch, spec, loop, **blocks):
     """(out, lse, where the task counter stood after each pass of the compiled loop):
     passes of BUDGET scores (not one pass on torch's team)."""
     monkeypatch.setattr(kernels, "USE_LOOP", loop)
-    monkeypatch.setattr(runtime, "run_native", lambda *a: False)
+    monkeypatch.setattr(runtime, "run_native", lambda *a, **kw: False)
     counts = []
     tasks = kernels.compiled_kernels().tile_tasks
     if tasks is not None:
@@ -427,7 +427,7 @@ def test_one_native_pass_on_torchs_team_gives_the_passes_bits(monkeypatch, case)
     budget = forward.BUDGET
     monkeypatch.setattr(forward, "BUDGET", 1000)         # the one pass must not stop at it
     real, native = runtime.run_native, []
-    monkeypatch.setattr(runtime, "run_native", lambda *a: real(*a) and (native.append(a[2]) or True))
+    monkeypatch.setattr(runtime, "run_native", lambda *a, **kw: real(*a, **kw) and (native.append(a[2]) or True))
     with flash.threads(2):
         out, lse, _ = flash.rung_forward(spec)
     assert native == [2]
@@ -442,6 +442,64 @@ def test_one_native_pass_on_torchs_team_gives_the_passes_bits(monkeypatch, case)
             got = _claims(monkeypatch, spec, True)
         assert got[2] and np.array_equal(got[0], out) and np.array_equal(got[1], lse)
     assert np.array_equal(big[0], out) and np.array_equal(big[1], lse)
+
+
+@pytest.mark.skipif(not LOOP, reason="NumPy's sgemm was not found")
+def test_blas_is_held_to_one_thread_only_where_a_product_may_use_more(monkeypatch):
+    """OpenBLAS makes a product of at most its small-product limit on the calling thread,
+    but hands one with a single column to gemv (threaded from 460 800 multiply-adds):
+    the loop's products are cut to the limit where that leaves MIN_CHUNK rows for the
+    widest tile. A call whose products all stay on their thread takes no hold (its
+    enter and exit cost 90 µs inside a model); the same call with whole tiles does."""
+    def tiles(*widths):
+        return np.array([[0, 64, 0, w, 0] for w in widths], dtype=np.int64)
+
+    monkeypatch.setattr(blas, "small_product_limit", lambda: 10**6)
+    one_thread = numba_loop.Tasks.one_thread
+    assert one_thread(tiles(256, 64), 32, 32) and one_thread(tiles(960), 64, 32)   # 16 · 960 · 64 ≤ 10⁶
+    assert not one_thread(tiles(2048), 32, 32)                # 16 rows of 2048 keys: over the limit
+    assert not one_thread(tiles(1024), 32, 128)               # the widest of D and Dv counts
+    assert not one_thread(tiles(256, 1), 32, 32)              # one key: gemv
+    assert not one_thread(tiles(256), 32, 1)                  # Dv = 1: gemv
+    monkeypatch.setattr(blas, "small_product_limit", lambda: 0)
+    assert not one_thread(tiles(64), 32, 32)                  # no small kernels known: whole tiles
+
+    holds = []
+    real = runtime.blas_single_threaded
+    monkeypatch.setattr(runtime, "blas_single_threaded", lambda: holds.append(1) or real())
+    q, k, v = make_qkv((4, 8, 256, 32), (4, 8, 256, 32), dtype="float32", seed=2)
+    spec = validate(q, k, v, kv_lengths=np.array([256, 200, 256, 256]))
+    with flash.threads(2):
+        whole = flash.rung_forward(spec)
+        assert len(holds) == 1
+        monkeypatch.setattr(blas, "small_product_limit", lambda: 10**6)
+        chunked = flash.rung_forward(spec)
+    assert len(holds) == 1
+    np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not LOOP, reason="NumPy's sgemm was not found")
+def test_on_torchs_team_and_in_a_kept_call_blas_is_held_only_where_a_product_may_use_more(monkeypatch):
+    """As above for the one native pass on torch's team (runtime.run_native) and for the
+    flash rung's kept call (flash.direct), which decides once for its plan."""
+    pytest.importorskip("torch")
+    if runtime.blas_controller() is None or runtime._omp_team(2) is None:
+        pytest.skip("torch's OpenMP runtime is not GNU libgomp here (or no threadpoolctl)")
+    holds, native = [], []
+    real, real_native = runtime.blas_single_threaded, runtime.run_native
+    monkeypatch.setattr(runtime, "blas_single_threaded", lambda: holds.append(1) or real())
+    monkeypatch.setattr(runtime, "run_native", lambda *a, **kw: native.append(kw) or real_native(*a, **kw))
+    q, k, v = make_qkv((4, 8, 256, 32), (4, 8, 256, 32), dtype="float32", seed=2)
+    spec = validate(q, k, v, kv_lengths=np.array([256, 200, 256, 256]))
+    for small, held in ((10**6, 0), (0, 1)):
+        monkeypatch.setattr(blas, "small_product_limit", lambda: small)
+        with flash.threads(2):
+            out, lse, _ = flash.rung_forward(spec)
+            kept = flash.direct(spec)
+            assert kept is not None and len(holds) == held
+            again = kept(q, k, v, True)
+        assert len(native) == 2 * (1 + held) and len(holds) == 2 * held
+        assert np.array_equal(again[0], out) and np.array_equal(again[1], lse)
 
 
 def test_the_packed_block_holds_each_argument_where_the_entry_reads_it():

@@ -14,7 +14,7 @@ import pytest
 
 import attnkit
 from attnkit import flash
-from attnkit.flash import runtime
+from attnkit.flash import blas, runtime
 from attnkit.spec import validate
 from attnkit.testing import make_qkv, max_error
 
@@ -217,8 +217,10 @@ import signal, threading, time, _thread, sys
 import numpy as np
 import attnkit
 from attnkit import flash
+from attnkit.flash import blas
 from attnkit.testing import make_qkv
 import threadpoolctl
+blas.small_product_limit = lambda: 0                   # whole tiles: the calls hold BLAS
 
 def blas():
     return [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
@@ -296,6 +298,7 @@ def test_a_blas_limit_error_is_raised_and_the_next_call_works(monkeypatch, blas_
         return orig(*a, **kw)
 
     monkeypatch.setattr(owner, name, flaky)
+    monkeypatch.setattr(blas, "small_product_limit", lambda: 0)   # whole tiles: products that may thread
     q = np.ones((1, 4, 300, 16), np.float32)
     results = []
 

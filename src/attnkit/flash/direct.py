@@ -93,6 +93,7 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
     (q4, _), (k4, _), (v4, _) = call.flat
     N, H, L, Dv = int(np.prod(spec.batch, dtype=np.int64)), spec.H, spec.L, spec.Dv
     loop, work, n_tasks, stamp, S0 = call.kern.tile_tasks, forward._work(table, tiles), len(table), _settings(), spec.S
+    hold = not loop.one_thread(tiles, spec.D, Dv)
     none = forward._NO_STATE
     scratch = np.empty((N, H, L), np.float32)           # lse where the caller wants none: written, never read
     packed = loop.pack(q4, call.qs, k4, v4, table, tiles, lo, hi, np.zeros(1, np.int64), np.zeros(n_tasks, np.int8),
@@ -126,7 +127,7 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
         block = array.array("q", template)
         block[_RUN] = array.array("q", values + [out] + layout[0] + [lse or scratch_at] + lse_slots)
         block[AT_COUNTER], block[AT_STATUS], block[AT_INNER] = at, at + 8, layout[1]
-        forward._run_block(loop, block, work, n_tasks)
+        forward._run_block(loop, block, work, n_tasks, hold)
         return state.tobytes().find(b"\0", 8, 8 + n_tasks) < 0
     return run
 

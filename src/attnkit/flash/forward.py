@@ -134,7 +134,8 @@ def _tile_tasks(call: Call, blocks: list[tuple[Unit, int, int]], tasks: list[tup
     loop = call.kern.tile_tasks
     block = loop.pack(q4, call.qs, k4, v4, table, tiles, lo, hi, counter, status, m0, l0, out4, lse3, sm, sl, sacc,
                       BUDGET)
-    _run_block(loop, array.array("q", block.tobytes()), work, len(table))
+    _run_block(loop, array.array("q", block.tobytes()), work, len(table),
+               not loop.one_thread(tiles, call.spec.D, Dv))
     if status.all() and not parts:
         return []
     left = []
@@ -154,10 +155,11 @@ def _work(table: np.ndarray, tiles: np.ndarray) -> int:
     return int(((tiles[:, 1] - tiles[:, 0]) * (tiles[:, 3] - tiles[:, 2]) * heads).sum())
 
 
-def _run_block(loop: Any, block: array.array, work: int, n_tasks: int) -> None:
+def _run_block(loop: Any, block: array.array, work: int, n_tasks: int, hold: bool) -> None:
     """The compiled loop on the arguments packed in ``block`` (``work`` scores, n_tasks
     tasks): in one pass on torch's team (a call of at most NATIVE_WORK scores), else in
-    passes of about BUDGET scores on :func:`runtime.run`'s threads. A pass that stops
+    passes of about BUDGET scores on :func:`runtime.run`'s threads; BLAS held to one
+    thread where ``hold`` (a product may use more: ``loop.one_thread``). A pass that stops
     for its budget did BUDGET scores: one more pass than there can be such stops (one
     per thread at least) reaches the end of the table. (An ``array.array``, not NumPy:
     inside a model, whose ops leave the caches cold, NumPy's indexing and reductions
@@ -165,10 +167,10 @@ def _run_block(loop: Any, block: array.array, work: int, n_tasks: int) -> None:
     n = runtime.get_threads()
     if work <= NATIVE_WORK:
         unbounded = loop.unbounded(block)
-        if runtime.run_native(loop.address, unbounded.buffer_info()[0], min(n, n_tasks)):
+        if runtime.run_native(loop.address, unbounded.buffer_info()[0], min(n, n_tasks), blas=hold):
             return
     address = block.buffer_info()[0]
-    runtime.run(range(work // BUDGET + n), lambda _: loop.run(address))
+    runtime.run(range(work // BUDGET + n), lambda _: loop.run(address), blas=hold)
 
 
 _NO_STATE = np.zeros((0, 0, 0), dtype=np.float32)

@@ -329,6 +329,21 @@ class Tasks:
         return block
 
     @staticmethod
+    def one_thread(tiles: np.ndarray, D: int, Dv: int) -> bool:
+        """Whether NumPy's OpenBLAS makes every product of the loop on these tiles (rows
+        f, keys [c0, c1) each) on the calling thread, so that BLAS need not be held to
+        one thread. It does for a product of at most ``blas.small_product_limit()``
+        multiply-adds (unpacked, before its threading: OpenBLAS's interface/gemm.c),
+        which _step cuts every product to where that leaves MIN_CHUNK rows for the
+        widest tile; a product with one column (a tile of one key, or Dv = 1) it hands
+        to gemv instead, which threads from 460 800 (a one-row product here has at most
+        small / MIN_CHUNK). False where any may use more (or the limit is unknown)."""
+        small, widths = blas.small_product_limit(), tiles[:, 3] - tiles[:, 2]
+        if not small or Dv <= 1 or not len(widths) or int(widths.min()) <= 1:
+            return False
+        return int(widths.max()) * max(D, Dv) * MIN_CHUNK <= small
+
+    @staticmethod
     def unbounded(block: Any) -> Any:
         """A copy of the block (an ``array.array('q')``) with no budget: one pass runs
         until no task is left."""

@@ -228,10 +228,10 @@ def run(tasks: Sequence[Any], fn: Callable[[Any], None], *, blas: bool = True) -
     """fn(task) for every task: on the calling thread and up to get_threads() − 1 pool
     workers (or libgomp threads: torch's OpenMP team), with BLAS held to one thread;
     or on the calling thread alone (BLAS threading as it likes) without threadpoolctl.
-    ``blas=False`` says the tasks make no BLAS call (the compiled decode kernel): BLAS
-    is then left alone, which saves the BLAS thread's two hand-offs (0.1–0.2 ms a call
-    here). Re-raises the first error (or KeyboardInterrupt) after every worker has left
-    the job."""
+    ``blas=False`` says the tasks make no BLAS call that could use more than one thread
+    (the compiled decode kernel makes none): BLAS is then left alone, which saves the
+    BLAS thread's two hand-offs (0.1–0.2 ms a call here). Re-raises the first error (or
+    KeyboardInterrupt) after every worker has left the job."""
     n = min(get_threads(), len(tasks))
     hold = blas_single_threaded if blas else contextlib.nullcontext
     if blas_controller() is None or n <= 1 or getattr(_local, "worker", False):
@@ -262,13 +262,14 @@ def run(tasks: Sequence[Any], fn: Callable[[Any], None], *, blas: bool = True) -
             raise job.errors[0]
 
 
-def run_native(fn: int, data: int, n: int) -> bool:
+def run_native(fn: int, data: int, n: int, *, blas: bool = True) -> bool:
     """The C function at address ``fn`` on the address ``data``, on the calling thread
-    and n − 1 of torch's libgomp threads (no Python, no GIL), BLAS held to one thread;
-    False where the team cannot take it (:func:`run` then). Ctrl-C waits for its end."""
+    and n − 1 of torch's libgomp threads (no Python, no GIL), BLAS held to one thread
+    unless ``blas=False`` (as :func:`run`'s: 90 µs a call inside a model); False where
+    the team cannot take it (:func:`run` then). Ctrl-C waits for its end."""
     team = None if n <= 1 or getattr(_local, "worker", False) or blas_controller() is None else _omp_team(n)
     if team is not None:
-        with blas_single_threaded():
+        with blas_single_threaded() if blas else contextlib.nullcontext():
             team.GOMP_parallel(fn, data, n, 0)
     return team is not None
 
