@@ -329,6 +329,42 @@ def test_a_transformers_layer_reruns_its_kept_call_for_its_signature_only(change
     torch.testing.assert_close(got.double(), want.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
+def test_a_transformers_layer_checks_the_scales_type_as_attention_does():
+    """A layer kept for scale 1.0 called with scale True takes the full path, which
+    refuses it: the kept call skips attention's checks of the scalars, so their types
+    are part of the layer's key."""
+    from attnkit import hf
+    hf._LAYERS.clear()
+    layer = _Layer()
+    for S in (5, 6):
+        hf.attention_forward(layer, *_qkv("torch", S), None, scaling=1.0)
+    with pytest.raises(ValueError, match="scale"):
+        hf.attention_forward(layer, *_qkv("torch", 7), None, scaling=True)
+
+
+def test_a_layers_tensor_test_agrees_with_the_signatures_key():
+    """hf._same_tensors (the layer's cheap test of a call's tensors) says yes exactly
+    where validate.tensor_key gives the first call's key: another key length or
+    strides, yes; another dtype, shape, head dim, tensor type, device or layout, no."""
+    from attnkit import hf
+    from attnkit.spec.validate import tensor_key
+    q, k, v = _qkv("torch", 5)
+    same = hf._same_tensors(q, k, v)
+    variants = {
+        "key length": _qkv("torch", 9, seed=1), "strides": (q.transpose(1, 2).contiguous().transpose(1, 2), k, v),
+        "q dtype": (q.double(), k, v), "k dtype": (q, k.half(), v), "v dtype": (q, k, v.double()),
+        "batch": _qkv("torch", 5, B=3), "rows": _qkv("torch", 5, L=2), "heads": _qkv("torch", 5, H=6, A=3),
+        "k batch": (q, k[:1], v), "v batch": (q, k, v[:1]), "q head dim": (q[..., :4], k, v),
+        "k head dim": (q, k[..., :4], v), "value dim": (q, k, v[..., :4]),
+        "v heads": (q, k, v[:, :1]), "a Parameter": (torch.nn.Parameter(q, requires_grad=False), k, v),
+        "meta": (q, k.to("meta"), v), "sparse": (q, k, v.to_sparse()),
+    }
+    first = tensor_key(q, k, v)
+    for name, xs in variants.items():
+        assert same(*xs) == (tensor_key(*xs) == first) == (name in ("key length", "strides")), name
+    assert hf._same_tensors(q, k, v.to_sparse()) is None and hf._same_tensors(q.to("meta"), k, v) is None
+
+
 def test_a_transformers_layer_recording_attentions_takes_the_full_path(monkeypatch):
     from attnkit import hf
     hf._LAYERS.clear()

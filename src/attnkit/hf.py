@@ -65,7 +65,7 @@ import weakref
 from typing import Any
 
 from . import api
-from .spec.validate import plain_signature
+from .spec.validate import tensor_key
 
 NAME = "attnkit"
 # keywords transformers passes that cannot change the attention result
@@ -304,27 +304,55 @@ def _options(query: Any, key: Any, value: Any, attention_mask: Any, scaling: flo
 
 # A layer's call that repeats (every decoding step) runs the call attention kept for
 # its signature (api.kept_call) without attention's own steps: a layer's last
-# LAYER_SIGNATURES signatures (a prefill's and its steps', validate.plain_signature)
-# are kept by id(layer) with their calls, compared rather than hashed (a layer freed
-# and its id reused finds only calls of the signatures it asks for)
-_LAYERS: dict[int, tuple[tuple[tuple[Any, ...], Any], ...]] = {}
+# LAYER_SIGNATURES signatures (a prefill's and its steps') are kept by id(layer) with
+# their calls, each as the hook's scalars (a tuple: scale, dropout, causality; for a
+# padding mask its key length and lengths too) and a test of the tensors (_same_tensors),
+# compared rather than hashed (a layer freed and its id reused finds only calls of the
+# signatures it asks for)
+_LAYERS: dict[int, tuple[tuple[tuple[Any, ...], Any, Any], ...]] = {}
 _LAYERS_MAX = 1024
 LAYER_SIGNATURES = 2
 
 
-def _keep_layer(module: Any, layer: tuple[Any, ...], kept: Any) -> None:
-    others = tuple(e for e in _LAYERS.get(id(module), ()) if e[0] != layer)
-    kept_now = ((layer, kept),) if kept is not None else ()
+def _same_tensors(query: Any, key: Any, value: Any) -> Any:
+    """For CPU torch tensors (strided; what kept calls run on): a test that another
+    call's query, key and value have these ones' :func:`attnkit.spec.validate.tensor_key`
+    — the same types, dtypes and shapes but the key length, in CPU memory, strided —
+    without making the key (its shapes and device objects cost a decoding step's
+    layer 10–15 µs inside a model, whose ops leave the interpreter's caches cold);
+    None for other tensors. Outside torch.compile, as the key (the caller checks)."""
+    torch = sys.modules.get("torch")
+    xs = (query, key, value)
+    if torch is None or tensor_key(*xs) is None or not all(x.is_cpu and x.layout is torch.strided for x in xs):
+        return None
+    T, strided = torch.Tensor, torch.strided
+    (qd, qs), (kd, kb, kD), (vd, vb, vD) = (query.dtype, query.shape), \
+        (key.dtype, key.shape[:-2], key.shape[-1]), (value.dtype, value.shape[:-2], value.shape[-1])
+
+    def same(q: Any, k: Any, v: Any) -> bool:
+        return (type(q) is T and type(k) is T and type(v) is T and q.dtype is qd and k.dtype is kd
+                and v.dtype is vd and q.shape == qs and k.shape[:-2] == kb and k.shape[-1] == kD
+                and v.shape[:-2] == vb and v.shape[-1] == vD and q.is_cpu and k.is_cpu and v.is_cpu
+                and q.layout is strided and k.layout is strided and v.layout is strided)
+    return same
+
+
+def _keep_layer(module: Any, layer: tuple[Any, ...], query: Any, key: Any, value: Any, kept: Any) -> None:
+    """Keep ``kept`` (api.kept_call's, or None: nothing) for the layer's scalars
+    ``layer`` and its tensors' signature."""
+    same = None if kept is None else _same_tensors(query, key, value)
+    others = tuple(e for e in _LAYERS.get(id(module), ()) if not (e[0] == layer and e[1](query, key, value)))
+    kept_now = ((layer, same, kept),) if same is not None else ()
     if len(_LAYERS) >= _LAYERS_MAX:
         _LAYERS.clear()
     _LAYERS[id(module)] = (kept_now + others)[:LAYER_SIGNATURES]
 
 
-def _rerun(module: Any, layer: Any, query: Any, key: Any, value: Any) -> Any:
-    """out (B, L, H, Dv) of the call the layer kept for signature ``layer``, or None
-    (none kept, or it declines: the full path)."""
-    for signature, kept in _LAYERS.get(id(module), ()):
-        if signature == layer:
+def _rerun(module: Any, layer: tuple[Any, ...], query: Any, key: Any, value: Any) -> Any:
+    """out (B, L, H, Dv) of the call the layer kept for scalars ``layer`` and tensors
+    of its signature, or None (none kept, or it declines: the full path)."""
+    for scalars, same, kept in _LAYERS.get(id(module), ()):
+        if scalars == layer and same(query, key, value):
             direct = api.run_kept(kept, query, key, value, False)
             return None if direct is None else direct[0].transpose(1, 2).contiguous()
     return None
@@ -365,31 +393,31 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     S_all = key.shape[-2]
     want = bool(kwargs.get("output_attentions")) or _recording_attentions()
     layer = None
+    # the layer's scalars (types too: a kept call skips attention's checks of them)
+    scalars = (type(scaling), scaling, float(dropout or 0.0), causal)
     if attention_mask is None and kwargs.keys() <= _COMMON:   # most calls (every decoding step): in few steps
-        opts: dict[str, Any] = dict(scale=scaling, dropout=float(dropout or 0.0), **_no_mask(causal, L))
         if not want and not _compiling():
-            layer = plain_signature(query, key, value, "auto", True, opts)
+            layer = scalars
             out = _rerun(module, layer, query, key, value)
             if out is not None:
                 return out, None
+        opts: dict[str, Any] = dict(scale=scaling, dropout=scalars[2], **_no_mask(causal, L))
     else:
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] == S_all \
                 and not want and kwargs.get("sliding_window") is None and not _compiling() \
                 and all(n in _COMMON or x is None for n, x in kwargs.items()):
             # a padding mask that _options turns into kv_lengths (or nothing): kept as the
-            # calls without a mask, the lengths' bytes in the layer's key
+            # calls without a mask, the key length and the lengths' bytes in the layer's key
             token = _padded(attention_mask, L == S_all)[1]
-            plain = None if token is None else plain_signature(
-                query, key, value, "auto", True, dict(scale=scaling, dropout=float(dropout or 0.0), causal=causal))
-            if plain is not None:
-                layer = (*plain, S_all, *(token or ()))
+            if token is not None:
+                layer = (*scalars, S_all, *token)
                 out = _rerun(module, layer, query, key, value)
                 if out is not None:
                     return out, None
         key, value, opts = _options(query, key, value, attention_mask, scaling, dropout, causal, kwargs)
     res = api.attention(query, key, value, return_weights=want, **opts)
     if layer is not None:
-        _keep_layer(module, layer, api.kept_call(query, key, value, "auto", opts)[1])
+        _keep_layer(module, layer, query, key, value, api.kept_call(query, key, value, "auto", opts)[1])
     out, weights = res if want else (res, None)
     if weights is not None and weights.shape[-1] < S_all:  # a static cache's empty slots: weight 0,
         weights = _torch_required().nn.functional.pad(weights, (0, S_all - weights.shape[-1]))   # as eager's
