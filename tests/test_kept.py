@@ -3,6 +3,7 @@ layer) runs the chosen rung's direct call, without the checks — the bits of th
 path, only while the full path would choose the same, and never where something
 watches the call (gradients, autocast, forward-mode AD, torch function modes)."""
 
+import ctypes
 import functools
 import weakref
 
@@ -399,3 +400,52 @@ def test_a_transformers_layer_keeps_its_last_two_signatures(monkeypatch):
     hf.attention_forward(layer, *_qkv("torch", 6, **prefill), None, scaling=0.5)
     hf.attention_forward(layer, *_qkv("torch", 6, **other), None, scaling=0.5)
     assert calls == [1, 1]
+
+
+def _team_or_skip():
+    from attnkit.flash import runtime
+    if runtime.blas_controller() is None or runtime._omp_team(2) is None:
+        pytest.skip("torch's OpenMP runtime is not GNU libgomp here (or no threadpoolctl)")
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window=(9, 0), softcap=2.0),
+                                dict(window=(5, 5), scale=0.3), dict(causal=True, inf_key=True)],
+                         ids=["causal", "causal window, softcap", "window both ways", "an inf key"])
+def test_a_kept_small_prefill_runs_its_units_on_torchs_team_with_the_same_bits(monkeypatch, kw):
+    """A kept small call of TEAM_WORK or more (a short prefill of a small model: 4 × 8
+    heads on 2 kv heads, 32 × 32, transformers' heads-inner q) runs its (batch element,
+    kv head) units on torch's team: the full path's bits and lse, on one thread or two;
+    a decoding step stays on the calling thread."""
+    from attnkit import small
+    from attnkit.flash import runtime
+    _team_or_skip()
+    kw = dict(kw)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(4, 32, 8, 32, generator=gen).transpose(1, 2)
+    k, v = (torch.randn(4, 2, 32, 32, generator=gen) for _ in range(2))
+    if kw.pop("inf_key", False):
+        k[1, 0, 5, 3] = float("inf")                        # −inf and NaN scores: the rows' key by key path
+    teams, regions = [], []
+    real = runtime.native_team
+
+    def parallel(fn, data, n, flags):                     # GOMP_parallel, counted, as the kernel calls it
+        regions.append(n)
+        runtime._omp[0].GOMP_parallel(fn, data, n, flags)
+    spy = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)(parallel)
+    spy_at = ctypes.cast(spy, ctypes.c_void_p).value
+    monkeypatch.setattr(runtime, "native_team", lambda n: teams.append(n) or (spy_at if real(n) else 0))
+    with flash.threads(1):
+        want, want_lse = attnkit.attention(q, k, v, return_lse=True, **kw)
+    kept = api.kept_call(q, k, v, "auto", kw)[1]
+    assert kept is not None and not teams
+    for n in (2, 1, 2):
+        with flash.threads(n):
+            got = api.run_kept(kept, q, k, v, True)
+        assert got is not None
+        assert torch.equal(got[0].nan_to_num(7.0), want.nan_to_num(7.0))
+        assert torch.equal(got[1].nan_to_num(7.0), want_lse.nan_to_num(7.0))
+    assert teams == [2, 1, 2] and regions == [2, 2] and small.TEAM_WORK <= 4 * 2 * 4 * 32 * 32 * 64
+    step = (q[:, :, :1], k, v)                              # a decoding step: one query row
+    attnkit.attention(*step, **kw)
+    attnkit.attention(*step, **kw)
+    assert teams == [2, 1, 2]

@@ -24,7 +24,9 @@ steps; or a short prefill under a causal band, rows × keys ≤ STREAM_BANDED) i
 without bias, keep, drop, ALiBi or dropout runs instead as one
 compiled call over every batch element and head (:mod:`attnkit.flash.numba_small`:
 the same steps, the bounds per row, a key whose score is −inf never read): in a
-decoding step of a small model the NumPy calls above cost 23 µs, this call 14. Such
+decoding step of a small model the NumPy calls above cost 23 µs, this call 14; a kept
+call of TEAM_WORK or more (a short prefill) runs its (batch element, kv head) units on
+torch's OpenMP team where it can (1.6× as fast on 2 cores, the same bits). Such
 a call that repeats its signature (every layer, every step) runs without validation:
 :func:`attnkit.api.attention` keeps :func:`direct`'s prepared call for it (torch
 tensors: :func:`direct_at`'s, on their memory). The
@@ -51,7 +53,7 @@ import numpy as np
 
 from . import flash, reference
 from .backends import Grads, key_range
-from .flash import kernels
+from .flash import kernels, runtime
 from .flash.forward import finish
 from .flash.kernels import for_dtype
 from .flash.plan import unit_rows
@@ -161,7 +163,7 @@ def streamer(spec: Spec) -> Callable[[Any, Any, Any], tuple[np.ndarray, np.ndarr
         # rows of unit stride, as the kernel reads them (its sums take one order whatever
         # the other strides: the same bits for any layout)
         kernel(_heads(q, batch, N, A), _heads(k, batch, N, A), _heads(v, batch, N, A), scale, softcap, lo, hi, m, l,
-               out.reshape(N, A, R, Dv), lse.reshape(N, A, R))
+               out.reshape(N, A, R, Dv), lse.reshape(N, A, R), np.zeros(1, dtype=np.int64))
         return out, lse
     return call
 
@@ -198,14 +200,23 @@ def direct(spec: Spec) -> Callable[[Any, Any, Any, bool], tuple[np.ndarray, np.n
     return call
 
 
+# the work (rows × keys × (D + Dv), all heads) from which a kept call's (batch element,
+# kv head) units run on torch's team where it can take them (a short prefill: 4 × 8
+# heads on 2 kv heads, 32 × 32 causal, D = 32 has 2.1 × 10⁶); below, a second thread's
+# start costs more than it takes over (a decoding step has 10⁴–10⁵)
+TEAM_WORK = 1 << 20
+
+
 def direct_at(spec: Spec) -> Callable[..., bool] | None:
     """:func:`direct` for a caller whose arrays are another library's (the torch op):
     ``call(q, q_strides, k, k_strides, v, v_strides, S, out, out_strides, lse) -> bool``
     with addresses of float32 memory and strides in elements (q, k, v of spec's shapes
     but for k's and v's key length S; out of its out shape, any strides; lse its lse
-    shape, C-ordered, or 0), by :func:`.flash.numba_small.small_rows_at`. False, having
-    written nothing, when the call no longer streams (as :func:`direct`) or its layout
-    is not one the compiled call reads; None unless spec streams alone in float32."""
+    shape, C-ordered, or 0), by :func:`.flash.numba_small.small_rows_at`: a call of
+    TEAM_WORK or more on torch's OpenMP team (:func:`.flash.runtime.native_team`), one
+    (batch element, kv head) at a time, with the same bits. False, having written
+    nothing, when the call no longer streams (as :func:`direct`) or its layout is not
+    one the compiled call reads; None unless spec streams alone in float32."""
     made = _prepared(spec)
     if made is None:
         return None
@@ -213,7 +224,10 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
     shapes = spec.out_shape, spec.Hkv, spec.shapes["q"], spec.shapes["k"], spec.shapes["v"]
     scale, softcap = np.float32(spec.scale), np.float32(spec.softcap or 0.0)
     bounded = spec.has_index_mask
-    kernel = for_dtype("float32").small_rows_at
+    kernels_ = for_dtype("float32")
+    kernel, entry = kernels_.small_rows_at, kernels_.small_units
+    units = prod(spec.batch) * spec.Hkv
+    per_key = units * spec.group * spec.L * (spec.D + spec.Dv)       # the call's work is per_key · S
 
     def call(q: int, q_strides: tuple[int, ...], k: int, k_strides: tuple[int, ...], v: int,
              v_strides: tuple[int, ...], S: int, out: int, out_strides: tuple[int, ...], lse: int) -> bool:
@@ -222,10 +236,14 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
         lo = hi = None
         if bounded:
             lo, hi = _row_bounds(kept if S == kept.S else kept.replace(S=S))
+        team = n = 0
+        if units > 1 and per_key * S >= TEAM_WORK:
+            n = min(runtime.get_threads(), units)
+            team = runtime.native_team(n)
         out_shape, A, q_shape, k_shape, v_shape = shapes
         return kernel(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides, out,
                       out_strides, lse, scale, softcap, 0 if lo is None else lo.ctypes.data,
-                      0 if hi is None else hi.ctypes.data) == 0
+                      0 if hi is None else hi.ctypes.data, team, n, entry) == 0
     return call
 
 

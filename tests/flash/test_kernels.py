@@ -195,12 +195,12 @@ def test_without_working_vectors_decoding_takes_the_tiles(monkeypatch):
     pytest.importorskip("numba")
     from attnkit.flash import numba_kernels as nk
     from attnkit.flash import numba_simd
-    for name in ("decode_part", "small_rows", "small_rows_at"):
+    for name in ("decode_part", "small_rows", "small_rows_at", "small_units"):
         monkeypatch.setattr(nk.KERNELS, name, getattr(nk.KERNELS, name))   # restored after
     monkeypatch.setattr(K, "_compiled", [])
     monkeypatch.setattr(numba_simd, "works", lambda: False)
     kern = K.compiled_kernels()
-    assert kern.decode_part is None and kern.small_rows is None and kern.small_rows_at is None
+    assert kern.decode_part is None and kern.small_rows is None and kern.small_rows_at is None and kern.small_units is None
     assert kern.tile_tasks is not None
     q, k, v = make_qkv((2, 8, 1, 16), (2, 2, 40, 16), dtype="float32", seed=2)
     want = attnkit.attention(*(x.astype(np.float64) for x in (q, k, v)), backend="reference")

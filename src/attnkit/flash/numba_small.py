@@ -2,7 +2,9 @@
 of a small model — in one call over every batch element and head, for the small
 rung (:func:`attnkit.small.forward`). There the Python around NumPy's products and the
 row kernels cost more than the arithmetic: a step of 4 × 8 heads (2 kv heads), 45
-keys, D = 32 took 23 µs that way, 14 this way (the kernel 10).
+keys, D = 32 took 23 µs that way, 14 this way (the kernel 10). Its (batch element, kv
+head) units are claimed from a counter: :func:`small_rows_at` may hand them to torch's
+OpenMP team (:func:`small_units`, a C entry every thread runs; no Python there).
 
 Developers: numba's disk cache follows this file's own timestamp, not that of
 :mod:`.numba_kernels`, whose bodies and flags are compiled in here: after editing those,
@@ -12,6 +14,7 @@ for :mod:`.numba_simd` and :mod:`.numba_products`.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numba
@@ -22,12 +25,13 @@ from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
 from .numba_kernels import REDUCE, _fmax, _lse_value, _normalized, _row_done, _softmax_span, _wide, f32
+from .numba_loop import _claim, _pointer
 from .numba_products import copy_row, exp_row, row_max, scale_row, scores, weighted_values, weighted_values_bounded
 from .numba_simd import ORDERED, address
 
 
 @numba.njit(**REDUCE)
-def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
+def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse, counter):
     """A whole small call with few query rows per kv head (decoding), finished: rows
     q (N, A, R, D) of batch element n and kv head a against keys k (N, A, S, D) and
     values v (N, A, S, Dv) of the same n and a (unit stride along D), into out (N, A, R, Dv)
@@ -35,6 +39,8 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
     then softcap · tanh(s / softcap) where softcap > 0. Flat row f = a·R + r of element
     n sees keys [lo[n, f], hi[n, f]) (lo with no columns: all S); m_i, l_i (N, A·R)
     hold each row's state before its keys (a sink's; with no columns: none, −inf and 0).
+    The (n, a) units are claimed in turn from ``counter`` (int64, one element: the next
+    unit), which threads running the call together share (:func:`small_units`).
 
     Per head: the scores (:func:`.numba_products.scores`, four rows by four keys per pass:
     the rows of a GQA group share each key read; under bounds each four rows' over the
@@ -54,73 +60,76 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse):
     row_lo, row_hi = np.zeros(R, dtype=np.int64), np.full(R, S, dtype=np.int64)
     m_r, l_r, alpha = np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32), np.empty(R, dtype=np.float32)
     hole, cut = np.empty(S, dtype=np.bool_), np.empty(R, dtype=np.bool_)   # a row's keys with −inf scores
-    for n in range(N):
-        for a in range(A):
-            full = True                                # no bounds or holes cut a row
-            if lo.shape[1]:                            # each four rows over the keys one of them sees
-                for r0 in range(0, R, 4):
-                    r1, c0, c1 = min(r0 + 4, R), S, 0
-                    for r in range(r0, r1):              # (a row that sees none may lie past S)
-                        if hi[n, a * R + r] > lo[n, a * R + r]:
-                            c0, c1 = min(c0, lo[n, a * R + r]), max(c1, hi[n, a * R + r])
-                    if c1 > c0:
-                        scores(address(q, (n, a, r0, 0)), q.strides[2], r1 - r0, D, address(k, (n, a, 0, 0)),
-                               k.strides[2], c0, c1, address(s, (r0, 0)), s.strides[0], 0, 0, 0)
-                        for r in range(r0, r1):
-                            scale_row(address(s, (r, c0)), c1 - c0, scale)
+    while True:                                        # (batch element, kv head) units, claimed in turn
+        u = _claim(counter)
+        if u >= N * A:
+            return
+        n, a = u // A, u % A
+        full = True                                # no bounds or holes cut a row
+        if lo.shape[1]:                            # each four rows over the keys one of them sees
+            for r0 in range(0, R, 4):
+                r1, c0, c1 = min(r0 + 4, R), S, 0
+                for r in range(r0, r1):              # (a row that sees none may lie past S)
+                    if hi[n, a * R + r] > lo[n, a * R + r]:
+                        c0, c1 = min(c0, lo[n, a * R + r]), max(c1, hi[n, a * R + r])
+                if c1 > c0:
+                    scores(address(q, (n, a, r0, 0)), q.strides[2], r1 - r0, D, address(k, (n, a, 0, 0)),
+                           k.strides[2], c0, c1, address(s, (r0, 0)), s.strides[0], 0, 0, 0)
+                    for r in range(r0, r1):
+                        scale_row(address(s, (r, c0)), c1 - c0, scale)
+        else:
+            scores(address(q, (n, a, 0, 0)), q.strides[2], R, D, address(k, (n, a, 0, 0)), k.strides[2], 0, S,
+                   address(s, (0, 0)), s.strides[0], 0, 0, 0)
+            for r in range(R):
+                scale_row(address(s, (r, 0)), S, scale)
+        for r in range(R):
+            f = a * R + r
+            if lo.shape[1]:
+                row_lo[r], row_hi[r] = lo[n, f], hi[n, f]
+            # unsigned: indexing with a signed int whose sign the compiler does not
+            # know adds the wraparound of negative indexes, which stops vectorising
+            j0, j1 = np.uint64(row_lo[r]), np.uint64(row_hi[r])
+            if softcap > f32(0.0):
+                for j in range(j0, j1):
+                    s[r, j] = softcap * np.tanh(s[r, j] / softcap)
+            m_r[r], l_r[r] = (m_i[n, f], l_i[n, f]) if m_i.shape[1] else (f32(-np.inf), f32(0.0))
+            p, width = address(s, (r, j0)) if j1 > j0 else 0, np.int64(j1 - j0)
+            top, holes = row_max(p, width)        # holes: −inf scores (an inf in q or k)
+            cut[r] = holes
+            if holes:                              # their keys marked −1 after the
+                full = False                       # softmax: never read
+                for j in range(j0, j1):
+                    hole[j] = s[r, j] == -np.inf
+                _softmax_span(s, r, j0, j1, m_r, l_r, alpha)
+                for j in range(j0, j1):
+                    if hole[j]:
+                        s[r, j] = f32(-1.0)
             else:
-                scores(address(q, (n, a, 0, 0)), q.strides[2], R, D, address(k, (n, a, 0, 0)), k.strides[2], 0, S,
-                       address(s, (0, 0)), s.strides[0], 0, 0, 0)
-                for r in range(R):
-                    scale_row(address(s, (r, 0)), S, scale)
-            for r in range(R):
-                f = a * R + r
-                if lo.shape[1]:
-                    row_lo[r], row_hi[r] = lo[n, f], hi[n, f]
-                # unsigned: indexing with a signed int whose sign the compiler does not
-                # know adds the wraparound of negative indexes, which stops vectorising
-                j0, j1 = np.uint64(row_lo[r]), np.uint64(row_hi[r])
-                if softcap > f32(0.0):
-                    for j in range(j0, j1):
-                        s[r, j] = softcap * np.tanh(s[r, j] / softcap)
-                m_r[r], l_r[r] = (m_i[n, f], l_i[n, f]) if m_i.shape[1] else (f32(-np.inf), f32(0.0))
-                p, width = address(s, (r, j0)) if j1 > j0 else 0, np.int64(j1 - j0)
-                top, holes = row_max(p, width)        # holes: −inf scores (an inf in q or k)
-                cut[r] = holes
-                if holes:                              # their keys marked −1 after the
-                    full = False                       # softmax: never read
-                    for j in range(j0, j1):
-                        hole[j] = s[r, j] == -np.inf
-                    _softmax_span(s, r, j0, j1, m_r, l_r, alpha)
-                    for j in range(j0, j1):
-                        if hole[j]:
-                            s[r, j] = f32(-1.0)
-                else:
-                    m_new = _fmax(m_r[r], top)
-                    shift = f32(0.0) if m_new == -np.inf else m_new
-                    _row_done(r, m_new, shift, exp_row(p, width, shift), m_r, l_r, alpha)
-                full = full and j0 == 0 and j1 == S
-                if lse.shape[2]:                       # (none wanted: no log)
-                    lse[n, a, r] = _lse_value(m_r[r], l_r[r])
-            acc[:] = f32(0.0)
-            if full:                                   # every row reads every value row
-                weighted_values(address(s, (0, 0)), s.strides[0], R, 0, S, address(v, (n, a, 0, 0)), v.strides[2],
-                                address(acc, (0, 0, 0)), acc.strides[1], Dv)
-            else:                                      # each row its own keys
-                weighted_values_bounded(address(s, (0, 0)), s.strides[0], R, row_lo, row_hi, cut,
-                                        address(v, (n, a, 0, 0)), v.strides[2], address(acc, (0, 0, 0)),
-                                        acc.strides[1], Dv)
-                for r in range(R):                     # rows with −inf scores: key by key
-                    if not cut[r]:
-                        continue
-                    for j in range(np.uint64(row_lo[r]), np.uint64(row_hi[r])):
-                        w = s[r, j]
-                        if not w < f32(0.0):
-                            for d in range(Dv):
-                                acc[0, r, d] += w * v[n, a, j, d]
-            for r in range(R):
-                for d in range(Dv):
-                    out[n, a, r, d] = _normalized(acc[0, r, d], l_r[r])
+                m_new = _fmax(m_r[r], top)
+                shift = f32(0.0) if m_new == -np.inf else m_new
+                _row_done(r, m_new, shift, exp_row(p, width, shift), m_r, l_r, alpha)
+            full = full and j0 == 0 and j1 == S
+            if lse.shape[2]:                       # (none wanted: no log)
+                lse[n, a, r] = _lse_value(m_r[r], l_r[r])
+        acc[:] = f32(0.0)
+        if full:                                   # every row reads every value row
+            weighted_values(address(s, (0, 0)), s.strides[0], R, 0, S, address(v, (n, a, 0, 0)), v.strides[2],
+                            address(acc, (0, 0, 0)), acc.strides[1], Dv)
+        else:                                      # each row its own keys
+            weighted_values_bounded(address(s, (0, 0)), s.strides[0], R, row_lo, row_hi, cut,
+                                    address(v, (n, a, 0, 0)), v.strides[2], address(acc, (0, 0, 0)),
+                                    acc.strides[1], Dv)
+            for r in range(R):                     # rows with −inf scores: key by key
+                if not cut[r]:
+                    continue
+                for j in range(np.uint64(row_lo[r]), np.uint64(row_hi[r])):
+                    w = s[r, j]
+                    if not w < f32(0.0):
+                        for d in range(Dv):
+                            acc[0, r, d] += w * v[n, a, j, d]
+        for r in range(R):
+            for d in range(Dv):
+                out[n, a, r, d] = _normalized(acc[0, r, d], l_r[r])
 
 
 def _viewer(layout: str) -> Any:
@@ -193,9 +202,55 @@ def _heads_at(x, N, A, G, L, D, n_step, strides):
     return view_at(x, (N, A, G, L, D), (n_step, G * sh, sh, sl, 1), f32(0.0))
 
 
+# ---- a call's (batch element, kv head) units on torch's OpenMP team ------------------------
+# small_rows_at's views as int64 slots that small_units reads on every thread: the task
+# counter's address, N, A, R, D, S, Dv; q's, k's and v's address and four strides
+# (elements); out's and lse's addresses (C-ordered; lse 0: none); lo's and hi's
+# addresses and their row count w (0: none); scale's and softcap's float32 bits
+UNIT_SLOTS = 32
+_PARALLEL = numba.typeof(ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)(1))
+
+
+@intrinsic
+def _parallel_at(typingctx, addr):
+    # libgomp's GOMP_parallel(fn, data, n, flags) at address addr
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(_PARALLEL))
+    return _PARALLEL(types.int64), codegen
+
+
+@numba.njit(inline="always")
+def _put_view(block, i, x):
+    block[i] = x.ctypes.data
+    for d in range(4):
+        block[i + 1 + d] = x.strides[d] // 4
+    return i + 5
+
+
+@numba.cfunc(types.void(types.voidptr), cache=True, error_model="numpy")
+def small_units(data):
+    """:func:`small_rows` on the views small_rows_at wrote at ``data`` (UNIT_SLOTS), its
+    units claimed from the shared counter there: what every thread of torch's team
+    runs. A unit's rows, keys and sums are those of one call over all: the same bits
+    whatever the thread count."""
+    a = numba.carray(data, (UNIT_SLOTS,), np.int64)
+    N, A, R, D, S, Dv = a[1], a[2], a[3], a[4], a[5], a[6]
+    qv = view_at(a[7], (N, A, R, D), (a[8], a[9], a[10], a[11]), f32(0.0))
+    kv = view_at(a[12], (N, A, S, D), (a[13], a[14], a[15], a[16]), f32(0.0))
+    vv = view_at(a[17], (N, A, S, Dv), (a[18], a[19], a[20], a[21]), f32(0.0))
+    ov = c_view_at(a[22], (N, A, R, Dv), (A * R * Dv, R * Dv, Dv, 1), f32(0.0))
+    nl = R if a[23] else 0
+    lv = c_view_at(a[23], (N, A, nl), (A * nl, nl, 1), f32(0.0))
+    w = a[26]
+    lo, hi = view_at(a[24], (N, w), (w, 1), np.int64(0)), view_at(a[25], (N, w), (w, 1), np.int64(0))
+    scale, softcap = np.int32(a[27]).view(np.float32), np.int32(a[28]).view(np.float32)
+    none = np.empty((N, 0), dtype=np.float32)
+    small_rows(qv, kv, vv, scale, softcap, lo, hi, none, none, ov, lv, numba.carray(_pointer(a[0]), (1,), np.int64))
+
+
 @numba.njit(**ORDERED)
 def small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides, out,
-                  out_strides, lse, scale, softcap, lo, hi):
+                  out_strides, lse, scale, softcap, lo, hi, team, threads, entry):
     """:func:`small_rows` on operands given by address (a tensor library's memory, no
     NumPy arrays to make): q (..., H, L, D), k (..., A, S, D), v (..., A, S, Dv) and out
     (..., H, L, Dv) at addresses q, k, v, out with their shapes and strides in elements
@@ -203,8 +258,11 @@ def small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides,
     C-ordered at address lse (0: not wanted); lo, hi: the addresses of the rows' key
     bounds (:func:`small_rows`' lo and hi, int64, C-ordered; 0: none). Rows that no one
     stride steps through (heads inner in memory, several rows per head, a GQA group)
-    are copied. 0 when done; 1, touching nothing, where a batch dim has no one stride
-    or a row of q, k, v is not of unit stride."""
+    are copied. With ``team`` (libgomp's GOMP_parallel, :func:`.runtime.native_team`,
+    or 0) the (batch element, kv head) units run on that many ``threads`` of torch's
+    team through ``entry`` (:func:`small_units`' address). 0 when done; 1, touching
+    nothing, where a batch dim has no one stride or a row of q, k, v is not of unit
+    stride (2: a unit the team left, which cannot happen)."""
     nd = len(out_shape)
     H, L, Dv, D = out_shape[nd - 3], out_shape[nd - 2], out_shape[nd - 1], q_shape[len(q_shape) - 1]
     G, N = H // A, 1
@@ -235,9 +293,21 @@ def small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides,
         else np.empty((N, A, R, Dv), dtype=np.float32)
     lv = c_view_at(lse, (N, A, R), (A * R, R, 1), f32(0.0)) if lse else np.empty((N, A, 0), dtype=np.float32)
     w = A * R if lo else 0
-    small_rows(qv, kv, vv, scale, softcap, view_at(lo, (N, w), (w, 1), np.int64(0)),
-               view_at(hi, (N, w), (w, 1), np.int64(0)), np.empty((N, 0), dtype=np.float32),
-               np.empty((N, 0), dtype=np.float32), ov, lv)
+    if team and threads > 1 and N * A > 1:
+        block, counter = np.zeros(UNIT_SLOTS, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        block[0], block[1], block[2], block[3], block[4], block[5], block[6] = counter.ctypes.data, N, A, R, D, S, Dv
+        i = _put_view(block, _put_view(block, _put_view(block, 7, qv), kv), vv)
+        block[i], block[i + 1], block[i + 2], block[i + 3], block[i + 4] = ov.ctypes.data, lse, lo, hi, w
+        block[i + 5], block[i + 6] = np.float32(scale).view(np.int32), np.float32(softcap).view(np.int32)
+        _parallel_at(team)(_pointer(entry), _pointer(block.ctypes.data), np.uint32(min(threads, N * A)), np.uint32(0))
+        # (every unit claimed; and the arrays the threads read are used after them,
+        # so that they live until then: numba frees an array after its last use)
+        if counter[0] < N * A or block[0] != counter.ctypes.data or qv.size + ov.size + lv.size < 0:
+            return 2
+    else:
+        small_rows(qv, kv, vv, scale, softcap, view_at(lo, (N, w), (w, 1), np.int64(0)),
+                   view_at(hi, (N, w), (w, 1), np.int64(0)), np.empty((N, 0), dtype=np.float32),
+                   np.empty((N, 0), dtype=np.float32), ov, lv, np.zeros(1, dtype=np.int64))
     if not dense:
         dst = _heads_at(out, N, A, G, L, Dv, on, out_strides)
         for n in range(N):

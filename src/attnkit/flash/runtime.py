@@ -2,24 +2,20 @@
 and safety under fork and KeyboardInterrupt.
 
 Threads: :func:`run` executes a call's tasks on the calling thread plus up to
-``get_threads() − 1`` pool workers, which take tasks in order from a shared counter
-(load balances itself) and sleep on a queue between calls. The worker count is
-:func:`get_threads` (:func:`threads`, else :func:`set_threads`, else the usable
-cores); results never depend on it: each output element is reduced by one task in a
-fixed order.
+``get_threads() − 1`` pool workers (:func:`threads`, else :func:`set_threads`, else the
+usable cores), which take tasks in order from a shared counter and sleep on a queue
+between calls; results never depend on their number (each output element is reduced
+by one task in a fixed order). Where torch is loaded with GNU libgomp, the tasks run
+on the calling thread's libgomp team instead, whose threads spin for milliseconds
+after each of torch's ops (a Llama layer's attention beside them took twice as long
+inside the model as alone); compiled entries run there with no Python
+(:func:`run_native`, :func:`native_team`). Never in a fork or multiprocessing child
+(libgomp would wait for the parent's threads forever), nor with more threads than
+torch runs (libgomp ends the process when it cannot start one). Ctrl-C while the
+region is open cancels the job and is raised once the region is closed (:func:`_on_team`).
 
-torch's OpenMP team: where torch is loaded with GNU libgomp, the tasks run on the
-calling thread's libgomp team instead (its threads take tasks from the same counter):
-after each of torch's ops those threads spin for milliseconds, so a call between two
-ops of a model shared its cores with a spinning thread (a Llama layer's attention took
-twice as long inside the model as alone). A compiled entry runs there with no Python
-(:func:`run_native`). Never in a fork child (libgomp would wait for the parent's
-threads forever) or a multiprocessing child, nor with more threads than torch runs
-(libgomp ends the process when it cannot start one). Ctrl-C while the region is open
-cancels the job and is raised once the region is closed (:func:`_on_team`).
-
-BLAS: while any call's tasks run, NumPy's BLAS is held to one thread per worker (a
-tile's matmul is small). threadpoolctl's limit is process-wide, so overlapping calls
+BLAS: while a call's tiles may multiply on several BLAS threads, NumPy's BLAS is held
+to one thread per worker. threadpoolctl's limit is process-wide, so overlapping calls
 share it: one dedicated thread applies it when the first call enters and restores it
 when the last leaves (OpenMP libraries keep it per thread); one OpenBLAS threaded by
 pthreads (NumPy's wheels) is set by the calls themselves (:meth:`_Blas._inline`).
@@ -128,9 +124,9 @@ def threads(n: int | None) -> Iterator[None]:
 
 
 def _wait_until(done: Callable[[], bool], lock: Any, on_interrupt: Callable[[], None]) -> BaseException | None:
-    """Block until ``done()``, waking when ``lock`` is released (and at least every
-    50 ms, so a lost wake-up costs little). A KeyboardInterrupt meanwhile calls
-    ``on_interrupt`` and is returned once done() holds, for the caller to raise."""
+    """Block until ``done()``, waking when ``lock`` is released (and every 50 ms: a lost
+    wake-up costs little); a KeyboardInterrupt meanwhile calls ``on_interrupt`` and is
+    returned once done() holds, for the caller to raise."""
     caught: BaseException | None = None
     while True:
         try:
@@ -148,10 +144,8 @@ def _wait_until(done: Callable[[], bool], lock: Any, on_interrupt: Callable[[], 
 
 
 def _release(lock: Any) -> None:
-    try:
+    with contextlib.suppress(RuntimeError):  # already released: a wake-up is pending anyway
         lock.release()
-    except RuntimeError:                     # already released: a wake-up is pending anyway
-        pass
 
 
 # ---- the worker pool -------------------------------------------------------------------
@@ -226,12 +220,11 @@ _pool = _Pool()
 
 def run(tasks: Sequence[Any], fn: Callable[[Any], None], *, blas: bool = True) -> None:
     """fn(task) for every task: on the calling thread and up to get_threads() − 1 pool
-    workers (or libgomp threads: torch's OpenMP team), with BLAS held to one thread;
-    or on the calling thread alone (BLAS threading as it likes) without threadpoolctl.
-    ``blas=False`` says the tasks make no BLAS call that could use more than one thread
-    (the compiled decode kernel makes none): BLAS is then left alone, which saves the
-    BLAS thread's two hand-offs (0.1–0.2 ms a call here). Re-raises the first error (or
-    KeyboardInterrupt) after every worker has left the job."""
+    workers (or libgomp threads: torch's OpenMP team), with BLAS held to one thread; or
+    on the calling thread alone (BLAS threading as it likes) without threadpoolctl.
+    ``blas=False``: the tasks make no BLAS call that could use more than one thread, and
+    BLAS is left alone (its hold's hand-offs cost 0.1–0.2 ms a call here). Re-raises the
+    first error (or KeyboardInterrupt) after every worker has left the job."""
     n = min(get_threads(), len(tasks))
     hold = blas_single_threaded if blas else contextlib.nullcontext
     if blas_controller() is None or n <= 1 or getattr(_local, "worker", False):
@@ -267,11 +260,21 @@ def run_native(fn: int, data: int, n: int, *, blas: bool = True) -> bool:
     and n − 1 of torch's libgomp threads (no Python, no GIL), BLAS held to one thread
     unless ``blas=False`` (as :func:`run`'s: 90 µs a call inside a model); False where
     the team cannot take it (:func:`run` then). Ctrl-C waits for its end."""
-    team = None if n <= 1 or getattr(_local, "worker", False) or blas_controller() is None else _omp_team(n)
+    team = _native(n)
     if team is not None:
         with blas_single_threaded() if blas else contextlib.nullcontext():
             team.GOMP_parallel(fn, data, n, 0)
     return team is not None
+
+
+def native_team(n: int) -> int:
+    """The address of libgomp's ``GOMP_parallel(fn, data, n, 0)`` where n threads may run
+    as in :func:`run_native`, else 0: for compiled code without BLAS that opens the region."""
+    return 0 if (team := _native(n)) is None else int(ctypes.cast(team.GOMP_parallel, ctypes.c_void_p).value or 0)
+
+
+def _native(n: int) -> Any:                 # libgomp where run_native may open a region
+    return None if n <= 1 or getattr(_local, "worker", False) or blas_controller() is None else _omp_team(n)
 
 
 # ---- torch's OpenMP team -------------------------------------------------------------------
@@ -313,15 +316,14 @@ def _omp_team(n: int) -> Any:
 
 def _on_team(team: Any, job: _Job, n: int) -> None:
     """The job on the calling thread and n − 1 of libgomp's threads: a parallel region
-    opened and closed around the caller's share; task errors go to ``job.errors``.
-
-    The region must be closed whatever happens: left open, every later region of the
-    thread (torch's included) runs single-threaded and the team's threads wait at its
-    barrier for good. Python may raise a signal handler's exception at almost any
-    bytecode boundary, so the close is retried through any exception, which is kept
-    with the call's errors. On the main thread, SIGINT's handler meanwhile is
-    :func:`_holder`'s: the original handler runs at once, and what it raises
-    (KeyboardInterrupt) cancels the job and is raised when the region is closed."""
+    opened and closed around the caller's share; task errors go to ``job.errors``. The
+    region must be closed whatever happens: left open, every later region of the thread
+    (torch's included) runs single-threaded and the team's threads wait at its barrier
+    for good. Python may raise a signal handler's exception at almost any bytecode
+    boundary, so the close is retried through any exception, kept with the call's
+    errors. On the main thread, SIGINT's handler meanwhile is :func:`_holder`'s: the
+    original handler runs at once; what it raises (KeyboardInterrupt) cancels the job
+    and is raised when the region is closed."""
     level = team.omp_get_level()
     main = threading.current_thread() is threading.main_thread()
     handler = _signal.getsignal(_signal.SIGINT) if main else None   # _signal: no enum conversions
@@ -390,8 +392,7 @@ def _find_libgomp(torch: Any) -> Any:
 
 # ---- BLAS held to one thread -------------------------------------------------------------
 class _Token:
-    """One call's hold on the BLAS limit (weakly referenced: a token that dies without
-    its exit still releases the limit)."""
+    """One call's hold on the BLAS limit (weakly referenced: dying, it releases it)."""
 
     def __init__(self) -> None:
         self.acked = False
@@ -472,8 +473,8 @@ class _Blas:
     def _inline(self, cmd: str, tok: _Token) -> BaseException | None:
         """``cmd`` on the calling thread (a pthreads OpenBLAS: any thread may set its one
         count), counted under the lock: no hand-off to the BLAS thread (0.1 ms a call).
-        Dead calls' tokens are dropped (restoring if they were the last); ``restoring``
-        is set before the last call leaves, so a cut-short restore is finished next."""
+        Dead calls' tokens are dropped (restoring if they were the last); ``restoring`` is
+        set before the last call leaves: a cut-short restore is finished next."""
         lib = self.direct
         try:
             with self.lock:
@@ -503,8 +504,8 @@ class _Blas:
 
 def _one_pthreads_openblas(controller: Any) -> Any:
     """The thread-count functions (get, set) of the process's BLAS when that is one
-    OpenBLAS threaded by pthreads (NumPy's wheels), else None. Its own C functions:
-    threadpoolctl's wrapper lets only the first thread that sets a limit set one."""
+    OpenBLAS threaded by pthreads (NumPy's wheels), else None. Its own C functions
+    (threadpoolctl's wrapper lets only the first thread that sets a limit set one)."""
     libs = [c for c in getattr(controller, "lib_controllers", ()) if c.user_api == "blas"]
     if len(libs) != 1 or libs[0].internal_api != "openblas" or getattr(libs[0], "threading_layer", "") != "pthreads":
         return None
@@ -580,13 +581,11 @@ def _after_fork_in_child() -> None:
     _pool = _Pool()
     _blas = _Blas()
     _blas.controller, _blas.direct = parent.controller, parent.direct
-    try:
+    with contextlib.suppress(Exception):    # a best effort in a fresh child
         if parent.limiter is not None:
             parent.limiter.restore_original_limits()
         if parent.held or parent.restoring:
             parent.direct.set_num_threads(parent.saved)
-    except Exception:                       # noqa: BLE001 — a best effort in a fresh child
-        pass
 
 
 _fork_hooks: list[bool] = []
