@@ -449,3 +449,27 @@ def test_a_kept_small_prefill_runs_its_units_on_torchs_team_with_the_same_bits(m
     attnkit.attention(*step, **kw)
     attnkit.attention(*step, **kw)
     assert teams == [2, 1, 2]
+
+
+def test_a_unit_the_team_left_undone_is_not_taken_for_a_result():
+    """An error inside the small kernel on a team thread is printed by that thread and
+    ends its part: small_rows_at then says 2 (the kept call declines, the full path
+    runs) instead of returning out with that unit unwritten. Here an entry that does
+    no unit stands in for a failing one."""
+    numba = pytest.importorskip("numba")
+    from attnkit.flash import numba_small, runtime
+    _team_or_skip()
+
+    @numba.cfunc(numba.types.void(numba.types.voidptr))
+    def idle(data):
+        pass
+
+    q, o = np.zeros((1, 2, 1, 8), np.float32), np.zeros((1, 2, 1, 8), np.float32)
+    k = np.zeros((1, 2, 4, 8), np.float32)
+
+    def st(x):
+        return tuple(s // 4 for s in x.strides)
+    args = ((1, 2, 1, 8), 2, 4, q.ctypes.data, q.shape, st(q), k.ctypes.data, k.shape, st(k), k.ctypes.data, k.shape,
+            st(k), o.ctypes.data, st(o), 0, np.float32(1), np.float32(0), 0, 0, runtime.native_team(2), 2)
+    assert numba_small.small_rows_at(*args, idle.address) == 2
+    assert numba_small.small_rows_at(*args, numba_small.small_units.address) == 0

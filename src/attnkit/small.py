@@ -163,7 +163,7 @@ def streamer(spec: Spec) -> Callable[[Any, Any, Any], tuple[np.ndarray, np.ndarr
         # rows of unit stride, as the kernel reads them (its sums take one order whatever
         # the other strides: the same bits for any layout)
         kernel(_heads(q, batch, N, A), _heads(k, batch, N, A), _heads(v, batch, N, A), scale, softcap, lo, hi, m, l,
-               out.reshape(N, A, R, Dv), lse.reshape(N, A, R), np.zeros(1, dtype=np.int64))
+               out.reshape(N, A, R, Dv), lse.reshape(N, A, R), np.zeros(2, dtype=np.int64))
         return out, lse
     return call
 

@@ -39,8 +39,8 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse, counter):
     then softcap · tanh(s / softcap) where softcap > 0. Flat row f = a·R + r of element
     n sees keys [lo[n, f], hi[n, f]) (lo with no columns: all S); m_i, l_i (N, A·R)
     hold each row's state before its keys (a sink's; with no columns: none, −inf and 0).
-    The (n, a) units are claimed in turn from ``counter`` (int64, one element: the next
-    unit), which threads running the call together share (:func:`small_units`).
+    The (n, a) units are claimed in turn from ``counter`` (int64: the next unit, then the
+    units finished), which threads running the call together share (:func:`small_units`).
 
     Per head: the scores (:func:`.numba_products.scores`, four rows by four keys per pass:
     the rows of a GQA group share each key read; under bounds each four rows' over the
@@ -130,6 +130,7 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse, counter):
         for r in range(R):
             for d in range(Dv):
                 out[n, a, r, d] = _normalized(acc[0, r, d], l_r[r])
+        _claim(counter[1:])                        # (one more unit done)
 
 
 def _viewer(layout: str) -> Any:
@@ -203,10 +204,11 @@ def _heads_at(x, N, A, G, L, D, n_step, strides):
 
 
 # ---- a call's (batch element, kv head) units on torch's OpenMP team ------------------------
-# small_rows_at's views as int64 slots that small_units reads on every thread: the task
-# counter's address, N, A, R, D, S, Dv; q's, k's and v's address and four strides
-# (elements); out's and lse's addresses (C-ordered; lse 0: none); lo's and hi's
-# addresses and their row count w (0: none); scale's and softcap's float32 bits
+# small_rows_at's views as int64 slots that small_units reads on every thread: the
+# counters' address (the next unit, the units done), N, A, R, D, S, Dv; q's, k's and
+# v's address and four strides (elements); out's and lse's addresses (C-ordered; lse 0:
+# none); lo's and hi's addresses and their row count w (0: none); scale's and
+# softcap's float32 bits
 UNIT_SLOTS = 32
 _PARALLEL = numba.typeof(ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)(1))
 
@@ -245,7 +247,7 @@ def small_units(data):
     lo, hi = view_at(a[24], (N, w), (w, 1), np.int64(0)), view_at(a[25], (N, w), (w, 1), np.int64(0))
     scale, softcap = np.int32(a[27]).view(np.float32), np.int32(a[28]).view(np.float32)
     none = np.empty((N, 0), dtype=np.float32)
-    small_rows(qv, kv, vv, scale, softcap, lo, hi, none, none, ov, lv, numba.carray(_pointer(a[0]), (1,), np.int64))
+    small_rows(qv, kv, vv, scale, softcap, lo, hi, none, none, ov, lv, numba.carray(_pointer(a[0]), (2,), np.int64))
 
 
 @numba.njit(**ORDERED)
@@ -262,7 +264,8 @@ def small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides,
     or 0) the (batch element, kv head) units run on that many ``threads`` of torch's
     team through ``entry`` (:func:`small_units`' address). 0 when done; 1, touching
     nothing, where a batch dim has no one stride or a row of q, k, v is not of unit
-    stride (2: a unit the team left, which cannot happen)."""
+    stride; 2 where a unit on the team failed (an error inside the kernel: printed by
+    its thread, and the call takes the full path)."""
     nd = len(out_shape)
     H, L, Dv, D = out_shape[nd - 3], out_shape[nd - 2], out_shape[nd - 1], q_shape[len(q_shape) - 1]
     G, N = H // A, 1
@@ -294,20 +297,21 @@ def small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides,
     lv = c_view_at(lse, (N, A, R), (A * R, R, 1), f32(0.0)) if lse else np.empty((N, A, 0), dtype=np.float32)
     w = A * R if lo else 0
     if team and threads > 1 and N * A > 1:
-        block, counter = np.zeros(UNIT_SLOTS, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        block, counter = np.zeros(UNIT_SLOTS, dtype=np.int64), np.zeros(2, dtype=np.int64)
         block[0], block[1], block[2], block[3], block[4], block[5], block[6] = counter.ctypes.data, N, A, R, D, S, Dv
         i = _put_view(block, _put_view(block, _put_view(block, 7, qv), kv), vv)
         block[i], block[i + 1], block[i + 2], block[i + 3], block[i + 4] = ov.ctypes.data, lse, lo, hi, w
         block[i + 5], block[i + 6] = np.float32(scale).view(np.int32), np.float32(softcap).view(np.int32)
         _parallel_at(team)(_pointer(entry), _pointer(block.ctypes.data), np.uint32(min(threads, N * A)), np.uint32(0))
-        # (every unit claimed; and the arrays the threads read are used after them,
-        # so that they live until then: numba frees an array after its last use)
-        if counter[0] < N * A or block[0] != counter.ctypes.data or qv.size + ov.size + lv.size < 0:
+        # (every unit done: a thread's error — it prints and leaves — must not pass for
+        # a result; and the arrays the threads read are used after them, so that they
+        # live until then: numba frees an array after its last use)
+        if counter[1] != N * A or block[0] != counter.ctypes.data or qv.size + ov.size + lv.size < 0:
             return 2
     else:
         small_rows(qv, kv, vv, scale, softcap, view_at(lo, (N, w), (w, 1), np.int64(0)),
                    view_at(hi, (N, w), (w, 1), np.int64(0)), np.empty((N, 0), dtype=np.float32),
-                   np.empty((N, 0), dtype=np.float32), ov, lv, np.zeros(1, dtype=np.int64))
+                   np.empty((N, 0), dtype=np.float32), ov, lv, np.zeros(2, dtype=np.int64))
     if not dense:
         dst = _heads_at(out, N, A, G, L, Dv, on, out_strides)
         for n in range(N):
