@@ -217,10 +217,10 @@ import signal, threading, time, _thread, sys
 import numpy as np
 import attnkit
 from attnkit import flash
-from attnkit.flash import blas
+from attnkit.flash import blas as flash_blas
 from attnkit.testing import make_qkv
 import threadpoolctl
-blas.small_product_limit = lambda: 0                   # whole tiles: the calls hold BLAS
+flash_blas.small_product_limit = lambda: 0             # whole tiles: the calls hold BLAS
 
 def blas():
     return [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
