@@ -433,7 +433,8 @@ def test_a_kept_small_prefill_runs_its_units_on_torchs_team_with_the_same_bits(m
         runtime._omp[0].GOMP_parallel(fn, data, n, flags)
     spy = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)(parallel)
     spy_at = ctypes.cast(spy, ctypes.c_void_p).value
-    monkeypatch.setattr(runtime, "native_team", lambda n: teams.append(n) or (spy_at if real(n) else 0))
+    monkeypatch.setattr(runtime, "native_team",
+                        lambda n: teams.append(n) or ((spy_at, real(n)[1]) if real(n)[0] else (0, 0)))
     with flash.threads(1):
         want, want_lse = attnkit.attention(q, k, v, return_lse=True, **kw)
     kept = api.kept_call(q, k, v, "auto", kw)[1]
@@ -449,6 +450,9 @@ def test_a_kept_small_prefill_runs_its_units_on_torchs_team_with_the_same_bits(m
     attnkit.attention(*step, **kw)
     attnkit.attention(*step, **kw)
     assert teams == [2, 1, 2]
+    with flash.threads(torch.get_num_threads() + 1):      # more than torch's team: capped to it
+        assert api.run_kept(kept, q, k, v, False) is not None
+    assert regions[2:] == [min(torch.get_num_threads(), 8)]
 
 
 def test_a_unit_the_team_left_undone_is_not_taken_for_a_result():
@@ -470,6 +474,6 @@ def test_a_unit_the_team_left_undone_is_not_taken_for_a_result():
     def st(x):
         return tuple(s // 4 for s in x.strides)
     args = ((1, 2, 1, 8), 2, 4, q.ctypes.data, q.shape, st(q), k.ctypes.data, k.shape, st(k), k.ctypes.data, k.shape,
-            st(k), o.ctypes.data, st(o), 0, np.float32(1), np.float32(0), 0, 0, runtime.native_team(2), 2)
+            st(k), o.ctypes.data, st(o), 0, np.float32(1), np.float32(0), 0, 0, *runtime.native_team(2))
     assert numba_small.small_rows_at(*args, idle.address) == 2
     assert numba_small.small_rows_at(*args, numba_small.small_units.address) == 0

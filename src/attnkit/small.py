@@ -238,8 +238,7 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
             lo, hi = _row_bounds(kept if S == kept.S else kept.replace(S=S))
         team = n = 0
         if units > 1 and per_key * S >= TEAM_WORK:
-            n = min(runtime.get_threads(), units)
-            team = runtime.native_team(n)
+            team, n = runtime.native_team(min(runtime.get_threads(), units))
         out_shape, A, q_shape, k_shape, v_shape = shapes
         return kernel(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides, out,
                       out_strides, lse, scale, softcap, 0 if lo is None else lo.ctypes.data,

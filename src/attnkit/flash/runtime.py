@@ -256,10 +256,9 @@ def run(tasks: Sequence[Any], fn: Callable[[Any], None], *, blas: bool = True) -
 
 
 def run_native(fn: int, data: int, n: int, *, blas: bool = True) -> bool:
-    """The C function at address ``fn`` on the address ``data``, on the calling thread
-    and n − 1 of torch's libgomp threads (no Python, no GIL), BLAS held to one thread
-    unless ``blas=False`` (as :func:`run`'s: 90 µs a call inside a model); False where
-    the team cannot take it (:func:`run` then). Ctrl-C waits for its end."""
+    """The C function at address ``fn`` on the address ``data``, on the calling thread and
+    n − 1 of torch's libgomp threads (no Python, no GIL), BLAS held to one thread unless
+    ``blas=False``; False where the team cannot take it (:func:`run` then). Ctrl-C waits."""
     team = _native(n)
     if team is not None:
         with blas_single_threaded() if blas else contextlib.nullcontext():
@@ -267,10 +266,12 @@ def run_native(fn: int, data: int, n: int, *, blas: bool = True) -> bool:
     return team is not None
 
 
-def native_team(n: int) -> int:
-    """The address of libgomp's ``GOMP_parallel(fn, data, n, 0)`` where n threads may run
-    as in :func:`run_native`, else 0: for compiled code without BLAS that opens the region."""
-    return 0 if (team := _native(n)) is None else int(ctypes.cast(team.GOMP_parallel, ctypes.c_void_p).value or 0)
+def native_team(n: int) -> tuple[int, int]:
+    """(libgomp's ``GOMP_parallel``'s address, m) for m ≤ n threads, at most torch's, as
+    :func:`run_native` runs them, else (0, 0): for compiled code without BLAS to call."""
+    m = min(n, sys.modules["torch"].get_num_threads()) if "torch" in sys.modules else n
+    team = _native(m)
+    return (0, 0) if team is None else (int(ctypes.cast(team.GOMP_parallel, ctypes.c_void_p).value or 0), m)
 
 
 def _native(n: int) -> Any:                 # libgomp where run_native may open a region
