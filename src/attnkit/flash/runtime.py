@@ -270,8 +270,7 @@ def native_team(n: int) -> tuple[int, int]:
     """(libgomp's ``GOMP_parallel``'s address, m) for m ≤ n threads, at most torch's, as
     :func:`run_native` runs them, else (0, 0): for compiled code without BLAS to call."""
     m = min(n, sys.modules["torch"].get_num_threads()) if "torch" in sys.modules else n
-    team = _native(m)
-    return (0, 0) if team is None else (int(ctypes.cast(team.GOMP_parallel, ctypes.c_void_p).value or 0), m)
+    return (0, 0) if _native(m) is None else (_omp[1], m)
 
 
 def _native(n: int) -> Any:                 # libgomp where run_native may open a region
@@ -280,7 +279,7 @@ def _native(n: int) -> Any:                 # libgomp where run_native may open 
 
 # ---- torch's OpenMP team -------------------------------------------------------------------
 _CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_omp: list[Any] = [_UNSET]                  # libgomp (ctypes) once torch is loaded, or None
+_omp: list[Any] = [_UNSET, 0]   # libgomp (ctypes) once torch is loaded, or None; its GOMP_parallel's address
 
 
 def _team_member(job: _Job) -> None:
@@ -309,7 +308,8 @@ def _omp_team(n: int) -> Any:
     if torch is None:
         return None                         # looked for again on the next call
     if _omp[0] is _UNSET:
-        _omp[0] = _find_libgomp(torch)
+        found = _find_libgomp(torch)         # (the address kept: a ctypes cast costs a call 9 µs cold)
+        _omp[:] = [found, 0 if found is None else int(ctypes.cast(found.GOMP_parallel, ctypes.c_void_p).value or 0)]
     if _omp[0] is None or n > torch.get_num_threads():
         return None
     return _omp[0]

@@ -436,12 +436,14 @@ class TorchRung:
         def call(q: Any, k: Any, v: Any, need_lse: bool) -> tuple[torch.Tensor, Any] | None:
             # (torch.compile: api keeps no call for a traced one; dtype, device and layout
             # are the signature's)
-            if _C._is_any_autocast_enabled() or _forward_ad_possible() or not _plain((q, k, v)) \
+            # (forward-mode AD: _plain sees a functorch transform, the level a dual one)
+            if _C._is_any_autocast_enabled() or _fwad._current_level >= 0 or not _plain((q, k, v)) \
                     or q.is_neg() or k.is_neg() or v.is_neg():
                 return None
-            out = empty_out(out_shape, heads_inner(q), new) if apart else new(out_shape)
+            qs = q.stride()                            # (heads_inner(q): the signature's H, L > 1)
+            out = empty_out(out_shape, True, new) if apart and qs[-3] < qs[-2] else new(out_shape)
             lse = new(lse_shape) if need_lse else None
-            done = inner(q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), k.shape[-2],
+            done = inner(q.data_ptr(), qs, k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), k.shape[-2],
                          out.data_ptr(), out.stride(), 0 if lse is None else lse.data_ptr())
             return (out, lse) if done else None
         return call
