@@ -282,6 +282,34 @@ def test_packed_batch_equals_the_sequences_unpacked(name, how, calls):
             start += len(s)
 
 
+@pytest.mark.parametrize("name, how", [("llama", "position_ids"), ("llama", "cu_seq_lens"),
+                                       ("gpt_oss", "cu_seq_lens")])    # (gemma3 normalises in float32)
+def test_training_packed_gives_the_loss_and_gradients_of_the_sequences_unpacked(name, how, calls):
+    """A training step on three sequences packed into one row has the loss (next-token
+    cross-entropy summed over each sequence's own tokens, in float64: transformers'
+    own loss is float32 for some models) and every parameter's gradient of the same
+    sequences run one by one (float64 ≤ 1e-10), attention running packed."""
+    seqs, packed, pos = packed_sequences()
+    model = decoder(name, "attnkit").train()
+    kw = {}
+    if how == "cu_seq_lens":
+        cu = torch.tensor([0, 5, 8, 15])
+        kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+
+    def nll(logits, ids):                        # next-token loss within one sequence
+        return torch.nn.functional.cross_entropy(logits[:-1].double(), ids[1:], reduction="sum")
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = model(input_ids=packed, position_ids=pos, use_cache=False, **kw).logits[0]
+    assert calls and all(c.get("cu_seqlens_q") is not None for c in calls)
+    ends = torch.cumsum(torch.tensor([len(s) for s in seqs]), 0).tolist()
+    loss = sum(nll(out[a:b], packed[0, a:b]) for a, b in zip([0] + ends[:-1], ends))
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    alone = sum(nll(model(input_ids=s[None], use_cache=False).logits[0], s) for s in seqs)
+    want = torch.autograd.grad(alone, params, allow_unused=True)
+    assert abs(float(loss - alone)) <= 1e-10
+    for g, w in zip(grads, want):
+        assert (g is None) == (w is None) and (g is None or (g - w).abs().max() <= 1e-10)
+
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_restarting_positions_with_a_cache_are_not_packed(name, calls):
     """With a cache transformers builds no packed mask, and sdpa attends across the

@@ -9,6 +9,7 @@ import pytest
 
 import attnkit
 from attnkit import flash, reference
+from attnkit.backends import Grads
 from attnkit.flash import plan
 from attnkit.spec import validate
 from attnkit.testing import error_budget, make_qkv, max_error
@@ -146,3 +147,125 @@ def test_query_lengths_alone_pad_rows():
     assert max_error(out, ref_out) <= 1e-12 and max_error(lse, ref_lse) <= 1e-12
     assert all(max_error(a, b) <= 1e-12 for a, b in zip(g[:3], ref_g[:3]))
     assert np.all(out[1, :, 4:] == 0) and np.all(lse[2] == -np.inf) and np.all(g.dq[1, :, 4:] == 0)
+
+
+def _array_terms(rng, shape):
+    """keep, drop and bias (the mask terms given as arrays) of shape (..., L, S), and all at once."""
+    keep, drop, bias = rng.random(shape) < 0.8, rng.random(shape[-2:]) < 0.2, rng.standard_normal(shape)
+    return {"keep": dict(keep=keep), "drop": dict(drop=drop), "bias": dict(bias=bias),
+            "all": dict(keep=keep, drop=drop, bias=bias, softcap=2.0, causal=True, window=(3, None))}
+
+
+def _block(kw, rows, keys, b=None):
+    """kw with its array terms cut to one sequence's block (batch element b first)."""
+    cut = {n: (x if b is None or x.ndim < 4 else x[b])[..., rows, keys] for n, x in kw.items()
+           if n in ("keep", "drop", "bias")}
+    return {**kw, **cut}
+
+
+@pytest.mark.parametrize("backend", ["flash", "reference"])
+@pytest.mark.parametrize("term", ["keep", "drop", "bias", "all"])
+def test_array_terms_in_packed_coordinates_equal_each_sequence_alone(term, backend):
+    """keep, drop and bias given over the packed rows and keys: each sequence gets its
+    own block of them — out, lse, every gradient (dbias 0 off the blocks) and the
+    weights (0 off the blocks) equal the sequence attended alone with that block."""
+    cq, ck = np.cumsum([0] + LQ), np.cumsum([0] + LK)
+    q, k, v = make_qkv((4, cq[-1], 8), (2, ck[-1], 8), 6, seed=9)
+    rng = np.random.default_rng(10)
+    kw = _array_terms(rng, (4, cq[-1], ck[-1]))[term]
+    dout = rng.standard_normal((4, cq[-1], 6))
+    packed = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, backend=backend, **kw)
+    out, lse = attnkit.attention(q, k, v, return_lse=True, **packed)
+    g = Grads(*attnkit.attention_backward(dout, q, k, v, out, lse, **packed), None)
+    w = attnkit.attention_weights(q, k, **packed)
+    off = np.ones((cq[-1], ck[-1]), dtype=bool)
+    for i in range(len(LQ)):
+        rows, keys = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        off[rows, keys] = False
+        if LQ[i] == 0 or LK[i] == 0:
+            continue
+        one = _block(kw, rows, keys)
+        o, l, gw = alone(q, k, v, dout, one, rows=rows, keys=keys)
+        assert max_error(out[:, rows], o) <= 1e-10 and max_error(lse[:, rows], l) <= 1e-10
+        assert max_error(g.dq[:, rows], gw.dq) <= 1e-10
+        assert max_error(g.dk[:, keys], gw.dk) <= 1e-10 and max_error(g.dv[:, keys], gw.dv) <= 1e-10
+        ws = attnkit.attention_weights(q[:, rows], k[:, keys], backend="reference", **one)
+        assert max_error(w[:, rows, keys], ws) <= 1e-10
+        if "bias" in kw:
+            assert max_error(g.dbias[:, rows, keys], gw.dbias) <= 1e-10
+    assert np.all(w[:, off] == 0) and ("bias" not in kw or np.all(g.dbias[:, off] == 0))
+
+
+@pytest.mark.parametrize("backend", ["flash", "reference"])
+@pytest.mark.parametrize("term", ["keep", "drop", "bias", "all"])
+def test_array_terms_with_lengths_equal_each_sequence_alone(term, backend):
+    """keep, drop and bias with q_lengths and kv_lengths: out, lse and every gradient of
+    each batch element equal its sequence attended alone with its block of them."""
+    ql, kl = np.array([0, 3, 1, 40, 17]), np.array([5, 0, 9, 33, 61])
+    q, k, v = make_qkv((5, 4, 40, 8), (5, 2, 61, 8), 6, seed=11)
+    rng = np.random.default_rng(12)
+    kw = _array_terms(rng, (5, 4, 40, 61))[term]
+    dout = rng.standard_normal((5, 4, 40, 6))
+    padded = dict(q_lengths=ql, kv_lengths=kl, backend=backend, **kw)
+    out, lse = attnkit.attention(q, k, v, return_lse=True, **padded)
+    g = Grads(*attnkit.attention_backward(dout, q, k, v, out, lse, **padded), None)
+    for b in range(5):
+        assert np.all(out[b, :, ql[b]:] == 0) and np.all(g.dq[b, :, ql[b]:] == 0)
+        assert np.all(g.dk[b, :, kl[b]:] == 0) and np.all(g.dv[b, :, kl[b]:] == 0)
+        if "bias" in kw:
+            assert np.all(g.dbias[b, :, ql[b]:] == 0) and np.all(g.dbias[b, :, :, kl[b]:] == 0)
+        if ql[b] == 0 or kl[b] == 0:
+            continue
+        rows, keys = slice(0, ql[b]), slice(0, kl[b])
+        one = _block(kw, rows, keys, b)
+        o, l, gw = alone(q[b], k[b], v[b], dout[b], one, rows=rows, keys=keys)
+        assert max_error(out[b, :, rows], o) <= 1e-10 and max_error(lse[b, :, rows], l) <= 1e-10
+        assert max_error(g.dq[b, :, rows], gw.dq) <= 1e-10
+        assert max_error(g.dk[b, :, keys], gw.dk) <= 1e-10 and max_error(g.dv[b, :, keys], gw.dv) <= 1e-10
+        if "bias" in kw:
+            assert max_error(g.dbias[b, :, rows, keys], gw.dbias) <= 1e-10
+
+
+def test_one_padded_sequence_never_changes_another_bitwise():
+    """Forward and backward: another batch element's keys and values, and a sequence's
+    own keys past its length, change no other output or gradient bit."""
+    ql, kl = np.array([7, 20, 13]), np.array([9, 20, 5])
+    q, k, v = make_qkv((3, 2, 20, 8), (3, 2, 20, 8), dtype="float32", seed=13)
+    dout = np.random.default_rng(14).standard_normal((3, 2, 20, 8)).astype(np.float32)
+
+    def run(k, v):
+        spec = validate(q, k, v, q_lengths=ql, kv_lengths=kl, causal=True)
+        out, lse, _ = flash.rung_forward(spec, block_m=8, block_n=8)
+        return out, lse, flash.rung_backward(spec, dout, out, lse, block_m=8, block_n=8)
+    before = run(k, v)
+    k2, v2 = k.copy(), v.copy()
+    k2[1], v2[1] = 100.0, np.nan                       # batch element 1 only
+    k2[2, :, 5:], v2[2, :, 5:] = np.nan, np.inf        # element 2's keys past its length
+    after = run(k2, v2)
+    for b in (0, 2):
+        assert np.array_equal(before[0][b], after[0][b]) and np.array_equal(before[1][b], after[1][b])
+        assert np.array_equal(before[2].dq[b], after[2].dq[b])
+        assert np.array_equal(before[2].dk[b, :, :kl[b]], after[2].dk[b, :, :kl[b]])
+        assert np.array_equal(before[2].dv[b, :, :kl[b]], after[2].dv[b, :, :kl[b]])
+    assert np.all(after[2].dk[2, :, 5:] == 0) and np.all(after[2].dv[2, :, 5:] == 0)
+
+
+@pytest.mark.parametrize("how", ["packed", "lengths"])
+def test_packed_and_padded_never_allocate_an_L_by_S_array(how):
+    """Sequences' edges are tile bounds, not a mask: a packed or padded call of 8,192
+    tokens allocates a small part of what a boolean L × S mask would."""
+    from cases import peak_bytes
+    T = 8192
+    q, k, v = make_qkv((1, T, 16), (1, T, 16), dtype="float32", seed=15)
+    cu = np.array([0, 1000, 1001, 5000, T])
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu) if how == "packed" else \
+        dict(q_lengths=np.array([8000, 100]), kv_lengths=np.array([T, 50]))
+    if how == "lengths":
+        q, k, v = (np.stack([x, x]) for x in (q, k, v))
+    warm = validate(q[..., :256, :], k[..., :256, :], v[..., :256, :], causal=True)   # compiles outside the trace
+    w_out, w_lse, _ = flash.rung_forward(warm)
+    flash.rung_backward(warm, w_out, w_out, w_lse)
+    spec = validate(q, k, v, causal=True, **kw)
+    (out, lse, _), fwd_peak = peak_bytes(lambda: flash.rung_forward(spec))
+    _, bwd_peak = peak_bytes(lambda: flash.rung_backward(spec, out, out, lse))
+    assert fwd_peak < T * T // 8 and bwd_peak < T * T // 2
