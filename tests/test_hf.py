@@ -142,6 +142,35 @@ def test_a_padding_mask_is_read_again_when_it_changes():
             assert torch.allclose(run(mask), want(mask), atol=1e-12)
 
 
+def test_a_decoding_step_on_a_long_cache_reads_each_kv_head_once_in_parts(monkeypatch):
+    """A generation step (one query row) against 5,000 cached keys, as transformers
+    hands it over (8 heads on 2 kv heads) and on the flash rung, as real sizes run:
+    each GQA group's heads are one unit's rows, every kv head is read by one unit, its
+    keys cut into parts (split-KV), and out equals SDPA's (float64 ≤ 1e-12)."""
+    import types
+
+    from attnkit import flash
+    monkeypatch.setattr(backends, "SMALL_TOTAL", 0)
+    for kept in (api._KEPT, api._ONCE, attnkit.hf._LAYERS):   # (caches: the full path, not a call
+        kept.clear()                                          # an earlier run of this test kept)
+    seen, parts = [], []
+    forward = flash._forward.forward
+
+    def spy(call, *args):                                # the units, and each task's part count
+        seen.extend(call.units)
+        parts.extend(n for _, _, n, _, _ in flash._forward._plan(call)[1])
+        return forward(call, *args)
+    monkeypatch.setattr(flash._forward, "forward", spy)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 8, 1, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 5000, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    out, _ = attnkit.hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, None, scaling=0.25)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True).transpose(1, 2)
+    assert seen and all(u.g == 4 for u in seen)
+    assert sorted(u.h0 // 4 + i for u in seen for i in range(u.nk)) == [0, 1]
+    assert parts and min(parts) > 1
+    assert (out - want).abs().max() <= 1e-12
+
 @pytest.mark.parametrize("name", ["llama", "gpt_oss", "gemma2"])
 def test_generate_with_a_cache_matches_sdpa(name):
     """Greedy decoding, one query against a growing KV cache, left padding."""

@@ -131,6 +131,35 @@ def test_float32_by_the_twice_the_reference_rule_and_bits_across_threads(paged, 
         assert max_error(got, o) <= error_budget(o, s)
 
 
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("paged,page_size", [(True, 16), (False, 5000)], ids=["pages of 16", "contiguous"])
+def test_a_long_sequence_is_split_and_merged_exactly(paged, page_size, L, monkeypatch):
+    """One sequence of 5,000 keys (B = 1, two GQA groups: too few units for the workers)
+    has its keys cut into parts (split-KV) merged by lse: equal to attention over its
+    keys (float64 ≤ 1e-12; causal), the same bits on one thread and two."""
+    B, H, Hkv, D, S = 1, 8, 2, 16, 5000
+    k, v, table = make_cache(B, Hkv, D, D, S, page_size, paged)
+    rng = RNG(5)
+    for cache in (k, v):
+        write(cache, table, 0, range(S), rng.standard_normal((Hkv, S, D)), page_size)
+    q = rng.standard_normal((B, H, L, D))
+    parts, forward = [], flash._forward.forward
+
+    def spy(call, *args):                                # each task's part count (plans are kept)
+        parts.extend(n for _, _, n, _, _ in flash._forward._plan(call)[1])
+        return forward(call, *args)
+    monkeypatch.setattr(flash._forward, "forward", spy)
+    results = []
+    for n in (1, 2):
+        with flash.threads(n):
+            results.append(attnkit.attention_kvcache(q, k, v, np.array([S]), block_table=table, causal=True,
+                                                     return_lse=True, backend="flash"))
+    assert parts and min(parts) > 1
+    assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
+    keys, values = read(k, table, 0, S, page_size), read(v, table, 0, S, page_size)
+    out, lse = attnkit.attention(q[0], keys, values, causal=True, return_lse=True, backend="reference")
+    assert max_error(results[0][0][0], out) <= 1e-12 and max_error(results[0][1][0], lse) <= 1e-12
+
 @pytest.mark.parametrize("paged,page_size", [(True, 1), (True, 16), (True, 65), (False, 300)],
                          ids=["pages of 1", "pages of 16", "pages of 65", "contiguous"])
 @pytest.mark.parametrize("H,Hkv,L,D,Dv", [(8, 2, 1, 32, 24), (6, 2, 2, 17, 5), (8, 1, 3, 8, 16), (3, 3, 1, 64, 64),
@@ -297,10 +326,16 @@ BAD = [
 ]
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("kw,err,name", BAD)
-def test_bad_input_gets_a_named_error_and_leaves_the_cache_alone(kw, err, name):
+def test_bad_input_gets_a_named_error_and_leaves_the_cache_alone(kw, err, name, paged):
+    """Each a named error with the cache untouched, contiguous or paged (pages of 8, five
+    a sequence in a shuffled table: the same 40 keys of capacity)."""
     k, v = np.zeros((2, 1, 40, 4)), np.zeros((2, 1, 40, 4))
     args = dict(q=np.zeros((2, 2, 1, 4)), cache_lengths=np.array([3, 0]))
+    if paged:
+        k, v = np.zeros((10, 1, 8, 4)), np.zeros((10, 1, 8, 4))
+        args["block_table"] = RNG(6).permutation(10).reshape(2, 5)
     args.update(kw)
     with pytest.raises(err, match=f"^{name}"):
         attnkit.attention_kvcache(args.pop("q"), k, v, args.pop("cache_lengths"), **args)
@@ -582,10 +617,10 @@ def test_paged_cache_refuses_a_sequence_twice_and_grows_all_or_nothing():
     cache.attend(np.ones((1, 1, 1, 2)), a, k_new=four, v_new=four)   # a: 4 keys on two of three pages
     with pytest.raises(ValueError, match="^k_new"):      # a needs a page, b needs one: one is free
         cache.attend(np.ones((2, 1, 1, 2)), [b, a], k_new=k, v_new=k)
-    assert cache.block_table([b]).tolist() == [[0]] and cache.length(b) == 0   # b took no page
+    assert cache.block_table([b]).tolist() == [[-1]] and cache.length(b) == 0   # b took no page
     with pytest.raises(ValueError, match="^v_new"):      # refused once b has its page: no page kept
         cache.attend(np.ones((1, 1, 1, 2)), b, k_new=k[:1], v_new=np.ones((1, 2, 1, 2)))
-    assert cache.block_table([b]).tolist() == [[0]] and cache.length(b) == 0
+    assert cache.block_table([b]).tolist() == [[-1]] and cache.length(b) == 0
     c = cache.add_sequence()                             # the last free page is still there
     cache.attend(np.ones((1, 1, 1, 2)), c, k_new=k[:1], v_new=k[:1])
     assert cache.length(c) == 1
@@ -605,7 +640,7 @@ def test_paged_cache_errors_name_its_own_arguments():
                          (np.ones((2, 1, 1, 4), np.float32), ValueError, "seqs: 1 sequence")):
         with pytest.raises(err, match=f"^{name}"):
             cache.attend(q, s, k_new=new, v_new=new)
-    assert cache.length(s) == 0 and cache.block_table([s]).tolist() == [[0]]
+    assert cache.length(s) == 0 and cache.block_table([s]).tolist() == [[-1]]
 
 
 def test_paged_cache_dtype_none_or_not_a_float_type_is_refused():

@@ -77,7 +77,7 @@ def test_paged_cache_on_torch_tensors_like_its_numpy_twin():
         assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), want)
     table, lengths = tc.block_table(ts), tc.lengths(ts)
     assert isinstance(table, torch.Tensor) and isinstance(lengths, torch.Tensor)
-    assert table.tolist() == nc.block_table(ns).tolist() == [[0, 1], [2, 0]] and lengths.tolist() == [6, 3]
+    assert table.tolist() == nc.block_table(ns).tolist() == [[0, 1], [2, -1]] and lengths.tolist() == [6, 3]
     assert np.array_equal(tc.k.numpy(), nc.k) and np.array_equal(tc.v.numpy(), nc.v)
 
 
@@ -90,14 +90,43 @@ def test_paged_cache_hands_out_each_page_once_and_takes_it_back():
     cache.reserve(a, 3)                                  # two pages
     cache.reserve(b, 2)                                  # the last page
     cache.reserve(a, 4)                                  # a has room for 4 already
-    assert cache.block_table([a, b]).tolist() == [[0, 1], [2, 0]]
+    assert cache.block_table([a, b]).tolist() == [[0, 1], [2, -1]]
     with pytest.raises(ValueError, match=r"^n: 3 more keys need 1 more pages, 0 are free"):
         cache.reserve(b, 3)
     cache.free(a)
     c = cache.add_sequence()
     cache.reserve(c, 4)
-    assert cache.block_table([c, b]).tolist() == [[0, 1], [2, 0]]
+    assert cache.block_table([c, b]).tolist() == [[0, 1], [2, -1]]
 
+
+
+@pytest.mark.parametrize("torch_cache", [False, True], ids=["numpy", "torch"])
+def test_an_append_past_a_sequences_pages_in_its_table_is_refused(torch_cache):
+    """A loop of one's own that appends through attention_kvcache with the helper's
+    table but without reserve: the entry past a sequence's pages is no page (−1), so
+    the append is a ValueError naming block_table and no key in the cache changes
+    (with page 0 there, sequence a's new key overwrote sequence b's first)."""
+    if torch_cache:
+        torch = pytest.importorskip("torch")
+        cache = attnkit.PagedCache(num_pages=4, page_size=4, kv_heads=1, head_dim=2,
+                                   like=torch.zeros(1, dtype=torch.float64))
+        full = cache.k.new_full
+    else:
+        cache = attnkit.PagedCache(num_pages=4, page_size=4, kv_heads=1, head_dim=2, dtype="float64")
+
+        def full(shape, value):
+            return np.full(shape, value)
+    b, a = cache.add_sequence(), cache.add_sequence()
+    cache.attend(full((1, 1, 1, 2), 1.0), b, k_new=full((1, 1, 5, 2), 1.0), v_new=full((1, 1, 5, 2), 1.0))
+    cache.attend(full((1, 1, 1, 2), 1.0), a, k_new=full((1, 1, 4, 2), 2.0), v_new=full((1, 1, 4, 2), 2.0))
+    table = cache.block_table([b, a])                    # b: pages 0, 1; a: page 2, full
+    assert table.tolist() == [[0, 1], [2, -1]]
+    before = [x.clone() if torch_cache else x.copy() for x in (cache.k, cache.v)]
+    new = full((2, 1, 1, 2), 9.0)
+    with pytest.raises(ValueError, match=r"^block_table: sequence 1 points at page -1 outside \[0, num_pages=4\)"):
+        attnkit.attention_kvcache(full((2, 1, 1, 2), 1.0), cache.k, cache.v, cache.lengths([b, a]),
+                                  block_table=table, k_new=new, v_new=new)
+    assert all(bool((x == y).all()) for x, y in zip((cache.k, cache.v), before))
 
 def test_sequence_ids_count_from_zero_and_are_never_reused():
     """add_sequence hands out 0, 1, 2, … in order (a loop that keeps its own lists per
@@ -121,7 +150,7 @@ def test_attend_with_new_keys_of_the_wrong_rank_is_named_and_keeps_no_page(shape
     s = cache.add_sequence()
     with pytest.raises(ValueError, match=r"^k_new: expected shape \(B, Hkv, L_new, D\)"):
         cache.attend(np.ones((1, 1, 1, 2)), s, k_new=np.ones(shape), v_new=np.ones(shape))
-    assert cache.length(s) == 0 and cache.block_table([s]).tolist() == [[0]]
+    assert cache.length(s) == 0 and cache.block_table([s]).tolist() == [[-1]]
     cache.reserve(s, 8)                                  # all four pages are still free
     assert max_error(cache.block_table([s]), np.arange(4)[None]) == 0
 

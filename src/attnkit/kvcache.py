@@ -178,10 +178,13 @@ class PagedCache:
         return max(-(-(self._lengths[self._check(seq)] + int(n)) // self.page_size) - len(self._pages[seq]), 0)
 
     def block_table(self, seqs: list[int]) -> Any:
-        """The page table of sequences ``seqs``: (len(seqs), max_pages) int32 (unused
-        entries 0), in the cache's array library."""
+        """The page table of sequences ``seqs``: (len(seqs), max_pages) int32, in the
+        cache's array library. Entries past a sequence's pages are −1, no page: an
+        append through attention_kvcache that would reach one (without :meth:`attend`
+        or :meth:`reserve` taking the pages first) is refused with a ValueError naming
+        block_table, instead of landing in another sequence's page."""
         width = max((len(self._pages[self._check(s)]) for s in seqs), default=0)
-        t = np.zeros((len(seqs), max(width, 1)), dtype=np.int32)
+        t = np.full((len(seqs), max(width, 1)), -1, dtype=np.int32)
         for i, s in enumerate(seqs):
             t[i, :len(self._pages[s])] = self._pages[s]
         if isinstance(self.k, np.ndarray):
