@@ -329,17 +329,19 @@ BAD = [
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("kw,err,name", BAD)
 def test_bad_input_gets_a_named_error_and_leaves_the_cache_alone(kw, err, name, paged):
-    """Each a named error with the cache untouched, contiguous or paged (pages of 8, five
-    a sequence in a shuffled table: the same 40 keys of capacity)."""
-    k, v = np.zeros((2, 1, 40, 4)), np.zeros((2, 1, 40, 4))
+    """Each a named error with the cache untouched (random keys: the new ones, zeros,
+    would show), contiguous or paged (pages of 8, five a sequence in a shuffled table:
+    the same 40 keys of capacity)."""
     args = dict(q=np.zeros((2, 2, 1, 4)), cache_lengths=np.array([3, 0]))
+    k, v = RNG(7).standard_normal((2, 2, 1, 40, 4))
     if paged:
-        k, v = np.zeros((10, 1, 8, 4)), np.zeros((10, 1, 8, 4))
+        k, v = RNG(7).standard_normal((2, 10, 1, 8, 4))
         args["block_table"] = RNG(6).permutation(10).reshape(2, 5)
+    before = k.copy(), v.copy()
     args.update(kw)
     with pytest.raises(err, match=f"^{name}"):
         attnkit.attention_kvcache(args.pop("q"), k, v, args.pop("cache_lengths"), **args)
-    assert not k.any() and not v.any()
+    assert np.array_equal(k, before[0]) and np.array_equal(v, before[1])
 
 
 def test_a_block_table_past_the_pages_is_refused():

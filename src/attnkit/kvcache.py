@@ -180,9 +180,9 @@ class PagedCache:
     def block_table(self, seqs: list[int]) -> Any:
         """The page table of sequences ``seqs``: (len(seqs), max_pages) int32, in the
         cache's array library. Entries past a sequence's pages are −1, no page: an
-        append through attention_kvcache that would reach one (without :meth:`attend`
-        or :meth:`reserve` taking the pages first) is refused with a ValueError naming
-        block_table, instead of landing in another sequence's page."""
+        append through attention_kvcache past a sequence's pages (without :meth:`attend`
+        or :meth:`reserve` taking them first) is refused with a ValueError, instead of
+        landing in a page another sequence may hold."""
         width = max((len(self._pages[self._check(s)]) for s in seqs), default=0)
         t = np.full((len(seqs), max(width, 1)), -1, dtype=np.int32)
         for i, s in enumerate(seqs):

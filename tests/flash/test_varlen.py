@@ -255,17 +255,19 @@ def test_packed_and_padded_never_allocate_an_L_by_S_array(how):
     """Sequences' edges are tile bounds, not a mask: a packed or padded call of 8,192
     tokens allocates a small part of what a boolean L × S mask would."""
     from cases import peak_bytes
-    T = 8192
-    q, k, v = make_qkv((1, T, 16), (1, T, 16), dtype="float32", seed=15)
-    cu = np.array([0, 1000, 1001, 5000, T])
-    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu) if how == "packed" else \
-        dict(q_lengths=np.array([8000, 100]), kv_lengths=np.array([T, 50]))
-    if how == "lengths":
+
+    def case(T):
+        q, k, v = make_qkv((1, T, 16), (1, T, 16), dtype="float32", seed=15)
+        if how == "packed":
+            cu = np.array([0, T // 8, T // 8 + 1, T * 5 // 8, T])
+            return validate(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
         q, k, v = (np.stack([x, x]) for x in (q, k, v))
-    warm = validate(q[..., :256, :], k[..., :256, :], v[..., :256, :], causal=True)   # compiles outside the trace
+        return validate(q, k, v, causal=True, q_lengths=np.array([T - 192, 100]), kv_lengths=np.array([T, 50]))
+    warm = case(256)                                     # the same kind of call compiles outside the trace
     w_out, w_lse, _ = flash.rung_forward(warm)
     flash.rung_backward(warm, w_out, w_out, w_lse)
-    spec = validate(q, k, v, causal=True, **kw)
+    T = 8192
+    spec = case(T)
     (out, lse, _), fwd_peak = peak_bytes(lambda: flash.rung_forward(spec))
     _, bwd_peak = peak_bytes(lambda: flash.rung_backward(spec, out, out, lse))
     assert fwd_peak < T * T // 8 and bwd_peak < T * T // 2
