@@ -51,7 +51,7 @@ from .. import philox
 from ..backends import RUNGS, Grads, load
 from ..spec import OPTIONS, Spec, dtype_name
 from ..spec import acc_dtype as spec_acc_dtype
-from ..spec.core import empty_out, heads_inner
+from ..spec.core import empty_out, heads_inner, strides_heads_inner
 
 # ---- the flat argument order: the one place that knows it --------------------------------
 _ARRAY_OPTIONS = tuple(o.name for o in OPTIONS if o.schema == "Tensor?")
@@ -440,8 +440,8 @@ class TorchRung:
             if _C._is_any_autocast_enabled() or _fwad._current_level >= 0 or not _plain((q, k, v)) \
                     or q.is_neg() or k.is_neg() or v.is_neg():
                 return None
-            qs = q.stride()                            # (heads_inner(q): the signature's H, L > 1)
-            out = empty_out(out_shape, True, new) if apart and qs[-3] < qs[-2] else new(out_shape)
+            qs = q.stride()                            # (read once: the layout and the kernel)
+            out = empty_out(out_shape, True, new) if apart and strides_heads_inner(qs) else new(out_shape)
             lse = new(lse_shape) if need_lse else None
             done = inner(q.data_ptr(), qs, k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), k.shape[-2],
                          out.data_ptr(), out.stride(), 0 if lse is None else lse.data_ptr())
