@@ -225,6 +225,20 @@ def test_float32_caches_in_any_layout_give_the_bits_of_their_copies(paged, layou
     assert np.array_equal(k, kc, equal_nan=True) and np.array_equal(v, vc, equal_nan=True)
 
 
+@pytest.mark.parametrize("backend", ["auto", "small", "flash"])
+def test_a_broadcast_batch_of_queries_and_a_batch_inner_cache(backend):
+    """q broadcast along the batch (stride 0) and caches stored (Hkv, B, S, D), viewed as
+    (B, Hkv, S, D): every rung as the reference (the small rung's scores came out of
+    NumPy's product in another memory order, and its in-place softmax missed them)."""
+    rng = RNG(0)
+    q = np.broadcast_to(rng.standard_normal((1, 4, 3, 16)), (2, 4, 3, 16))
+    k, v = (rng.standard_normal((2, 2, 20, 16)).transpose(1, 0, 2, 3) for _ in range(2))
+    lengths = np.array([5, 13])
+    want = attnkit.attention_kvcache(q, k, v, lengths, return_lse=True, backend="reference")
+    got = attnkit.attention_kvcache(q, k, v, lengths, return_lse=True, backend=backend)
+    assert all(max_error(g, w) <= 1e-12 for g, w in zip(got, want))
+
+
 def test_a_pool_read_in_place_unless_strided_along_d():
     """Only a pool whose rows are not of unit stride is copied for the kernel (a padded
     or heads-inner pool is read where it is)."""

@@ -128,6 +128,29 @@ def test_gqa_groups_and_broadcast_batches():
         assert max_error(o1, o0) <= 1e-12 and max_error(l1, l0) <= 1e-12
 
 
+def test_every_storage_order_and_a_broadcast_batch():
+    """Scores of any operands' memory order (q's batch broadcast, stride 0; k stored
+    heads-major or Fortran-ordered...) are taken through NumPy's product, whose result
+    then need not be C-ordered: the softcap and the softmax act on it in place."""
+    from itertools import permutations
+    rng = np.random.default_rng(0)
+    shapes = {"q": (2, 4, 3, 5), "k": (2, 2, 6, 5), "v": (2, 2, 6, 3)}
+    base = {n: rng.standard_normal(s) for n, s in shapes.items()}
+
+    def stored(x, order):                                # x's values in memory order `order`
+        return np.ascontiguousarray(x.transpose(order)).transpose(np.argsort(order))
+    kw = dict(causal=True, softcap=1.5)
+    want = reference.rung_forward(validate(base["q"], base["k"], base["v"], **kw))[0]
+    cases = [(stored(base["q"], a), stored(base["k"], b), base["v"]) for a in permutations(range(4))
+             for b in permutations(range(4))]
+    cases += [(base["q"], base["k"], stored(base["v"], c)) for c in permutations(range(4))]
+    one = base["q"][:1]
+    cases.append((np.broadcast_to(one, shapes["q"]), stored(base["k"], (1, 0, 2, 3)), base["v"]))
+    for q, k, v in cases:
+        ref = want if q.strides[0] else reference.rung_forward(validate(q, k, v, **kw))[0]
+        assert max_error(small.rung_forward(validate(q, k, v, **kw))[0], ref) <= 1e-12
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True, kv_lengths=np.array([5, 2])),
                                 dict(sinks=np.array([0.3, -0.2]), window=(1, 2))])
 def test_dropout_draws_what_the_reference_draws(kw):

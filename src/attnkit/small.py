@@ -286,7 +286,10 @@ def _product(spec: Spec, kern: Any) -> tuple[np.ndarray, np.ndarray]:
         return o_ref, lse_ref
     L, S, Hkv = spec.L, spec.S, spec.Hkv
     qg = q.reshape(q.shape[:-3] + (Hkv, spec.group * L, spec.D))    # head h = kv head h // group
-    s = np.matmul(qg, np.swapaxes(k, -1, -2))            # (..., Hkv, group·L, S)
+    # (..., Hkv, group·L, S), C-ordered: NumPy's product of some operands' memory orders
+    # (a broadcast batch, k stored heads-major) is not, and the steps below act in place
+    # on heads and rows, reshapes that must be views of s
+    s = np.ascontiguousarray(np.matmul(qg, np.swapaxes(k, -1, -2)))
     s *= s.dtype.type(spec.scale)
     heads = s.reshape(spec.score_shape)                  # the same memory as (..., H, L, S)
     if spec.softcap is not None:
