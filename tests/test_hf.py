@@ -365,6 +365,32 @@ def test_a_static_cache_without_a_mask_matches_sdpa():
     assert (outs[0] - outs[1]).abs().max() <= 1e-10
 
 
+@pytest.mark.parametrize("span", ["the cache", "16 slots", "fewer than the tokens"])
+def test_a_static_cache_with_a_mask_over_other_slots_matches_sdpa(span):
+    """A fixed-length 2-D mask on a StaticCache (ones on the tokens so far, zeros after:
+    a loop that never reshapes its mask), or one shorter than the tokens so far (the
+    missing slots padding, as transformers reads it): the causal diagonal stays at the
+    tokens so far. Two chunks, left padding in one row."""
+    ids, _ = batch(2)
+    n = {"the cache": 32, "16 slots": 16, "fewer than the tokens": None}[span]
+    outs = []
+    for impl in ("sdpa", "attnkit"):
+        model = decoder("llama", impl)
+        cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+        got = []
+        for a, b in ((0, 6), (6, 8)):
+            width = n or b - 2
+            mask = torch.zeros(2, width, dtype=torch.long)
+            mask[:, :min(b, width)] = 1
+            mask[1, :3] = 0
+            with torch.no_grad():
+                got.append(model(input_ids=ids[:, a:b], attention_mask=mask, cache=cache).logits)
+        outs.append(torch.cat(got, 1))
+    real = torch.ones(2, 8, dtype=torch.bool)
+    real[1, :3] = False
+    assert (outs[0] - outs[1])[real].abs().max() <= 1e-10
+
+
 @pytest.mark.parametrize("decoder_mask", [False, True])
 def test_t5_on_a_static_cache_matches_sdpa(decoder_mask):
     """T5's position bias spans the static cache; the keys past the tokens so far are

@@ -309,18 +309,26 @@ def test_only_the_classes_of_the_configs_own_model_decide(monkeypatch):
 
 # --- torch.compile with a static cache
 
-def test_a_static_cache_compiles_whole():
-    """The static cache's offset is a tensor while tracing: sdpa_mask builds the mask."""
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no mask", "a mask over the cache"])
+def test_a_static_cache_compiles_whole(with_mask):
+    """The static cache's offset is a tensor while tracing: sdpa_mask builds the mask
+    (also from a fixed-length 2-D mask over the whole cache, whose slots past the tokens
+    so far only causality hides), as sdpa's."""
     torch._dynamo.reset()
     ids, _ = batch(2)
     model = decoder("llama", "attnkit", torch.float32)
+    peer = decoder("llama", "sdpa", torch.float32)
     outs = []
-    for run in (torch.compile(model, fullgraph=True), model):
+    for run in (torch.compile(model, fullgraph=True), model, peer):
         cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        mask = {}
+        if with_mask:
+            mask = dict(attention_mask=torch.zeros(2, 16, dtype=torch.long))
+            mask["attention_mask"][:, :8] = 1
         with torch.no_grad():
-            run(input_ids=ids[:, :6], cache=cache)
-            outs.append(run(input_ids=ids[:, 6:8], cache=cache).logits)
-    assert (outs[0] - outs[1]).abs().max() <= 1e-5
+            run(input_ids=ids[:, :6], cache=cache, **mask)
+            outs.append(run(input_ids=ids[:, 6:8], cache=cache, **mask).logits)
+    assert (outs[0] - outs[1]).abs().max() <= 1e-5 and (outs[1] - outs[2]).abs().max() <= 1e-5
 
 
 # --- helpers pinned down (mutation run of hf.py, 2026-12-05)
@@ -424,6 +432,22 @@ def test_the_mask_builder_on_a_static_cache_gives_the_tokens_so_far():
         m = attnkit.hf.attention_mask(2, 1, 16, q_offset=offset, mask_function=causal, config=cfg)
         assert m is not None and m.shape == (2, 6) and bool(m.all()), offset
         assert attnkit.hf.attention_mask(2, 1, 6, q_offset=offset, mask_function=causal, config=cfg) is None
+        # a mask over more slots than the tokens so far is cut to them, one over fewer padded
+        for width, want in ((16, [1, 1, 1, 1, 1, 0]), (4, [1, 0, 1, 1, 0, 0])):
+            given = torch.ones(1, width, dtype=torch.long)
+            given[0, 1] = 0
+            if width == 16:
+                given[0, 5:] = 0
+            m = attnkit.hf.attention_mask(1, 1, 16, q_offset=offset, mask_function=causal, attention_mask=given,
+                                          config=cfg)
+            want_ = torch.tensor([want], dtype=torch.bool)
+            want_[0, 1] = False
+            assert torch.equal(m, want_), (offset, width)
+    # a bidirectional layer's shorter mask stays as it is (the hook cuts the keys to it)
+    m = attnkit.hf.attention_mask(1, 3, 8, mask_function=mu.bidirectional_mask_function,
+                                  attention_mask=torch.tensor([[1, 0, 1]]), allow_is_bidirectional_skip=True,
+                                  config=cfg)
+    assert torch.equal(m, torch.tensor([[True, False, True]]))
 
 
 def test_register_without_torch_says_what_to_install(monkeypatch):

@@ -313,3 +313,22 @@ def test_exempt_matmul_takes_a_visibility_that_broadcasts():
         want = np.where(np.matmul(full, bad) > 0, np.nan, aa @ np.where(bad, 0.0, b))
         assert np.array_equal(got, want, equal_nan=True)
         assert np.isnan(got[1, :, 3]).all() == bool(full[1, :, 2].all())
+
+
+@pytest.mark.parametrize("backend", ["reference", "small", "flash"])
+def test_a_float16_result_past_its_range_is_inf_without_a_warning(backend):
+    """Rungs compute under one floating-point state (nonfinite.quiet), their casts to
+    the caller's dtype included: a float16 output (dropout's 1/(1 − p) on values near
+    float16's largest) or gradient (dq ~ 10⁶) past its range is inf, never a warning or,
+    under np.errstate(all="raise"), an error."""
+    import warnings
+    q = np.array([[0.01], [0.02]], np.float16)
+    k = np.array([[0.0], [100.0]], np.float16)
+    v = np.array([[0.0], [60000.0]], np.float16)
+    with warnings.catch_warnings(), np.errstate(all="raise"):
+        warnings.simplefilter("error")
+        out, lse = attnkit.attention(q, k, v, scale=1.0, dropout=0.5, seed=1, return_lse=True, backend=backend)
+        assert out.dtype == np.float16 and np.isinf(out).any()
+        out, lse = attnkit.attention(q, k, v, scale=1.0, return_lse=True, backend=backend)
+        dq, dk, dv = attnkit.attention_backward(np.ones_like(out), q, k, v, out, lse, scale=1.0, backend=backend)
+        assert dq.dtype == np.float16 and np.isinf(dq).all()

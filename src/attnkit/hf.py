@@ -458,23 +458,33 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
         return mu.eager_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
                              mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
                              allow_is_bidirectional_skip=False, **kwargs)
+    causal = mask_function is mu.causal_mask_function
+    # causal: the keys are the tokens so far, T (a static cache's other slots are empty).
+    # A static cache's offset is a tensor: under torch.compile reading it would break the
+    # graph, so sdpa_mask below builds the mask there
     if plain and kv_offset == 0 and (attention_mask is None or attention_mask.dim() == 2) \
-            and (attention_mask is None or attention_mask.shape[-1] <= kv_length):
+            and (attention_mask is None or attention_mask.shape[-1] <= kv_length) \
+            and (not causal or isinstance(q_offset, int) or not _compiling()):
+        T = int(q_offset) + q_length if causal else kv_length
         if attention_mask is not None:
+            # a causal layer's mask over more slots than the tokens so far (a static
+            # cache's whole length): its slots past T are causality's to hide, so it is
+            # cut to T (the hook aligns the diagonal to the mask's end); one over fewer
+            # slots is padded with zeros, as transformers reads it
+            n = attention_mask.shape[-1]
+            if n > T:
+                attention_mask = attention_mask[:, :T]
+            elif n < T and causal:
+                attention_mask = _torch_required().nn.functional.pad(attention_mask, (0, T - n))
             if attention_mask.shape[-1] == kv_length and not _compiling() and bool(attention_mask.all()):
                 return None
             return attention_mask.bool()
-        if mask_function is not mu.causal_mask_function:
+        if not causal:
             return None
-        # causal: the keys are the tokens so far (a static cache's other slots are empty).
-        # A static cache's offset is a tensor: under torch.compile reading it would break
-        # the graph, so sdpa_mask below builds the mask there
-        if isinstance(q_offset, int) or not _compiling():
-            T = int(q_offset) + q_length
-            if T >= kv_length:
-                return None
-            import torch
-            return torch.ones(batch_size, T, dtype=torch.bool, device=kwargs.get("device", "cpu"))
+        if T >= kv_length:
+            return None
+        import torch
+        return torch.ones(batch_size, T, dtype=torch.bool, device=kwargs.get("device", "cpu"))
     return mu.sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
                         mask_function=mask_function, attention_mask=attention_mask,
                         allow_is_causal_skip=False, allow_is_bidirectional_skip=False, local_size=local_size,

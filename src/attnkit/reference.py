@@ -231,18 +231,18 @@ def _user_dtype(spec: Spec, name: str) -> Any:
 
 
 def rung_forward(spec: Spec, need_weights: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    with quiet():
+    with quiet():                                        # (the casts too: a float16 overflow is inf)
         out, lse, weights = forward(spec)
-    return out.astype(spec.dtype), lse, (weights.astype(spec.dtype) if need_weights else None)
+        return out.astype(spec.dtype), lse, (weights.astype(spec.dtype) if need_weights else None)
 
 
 def rung_backward(spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None, need_dbias: bool = True) -> Grads:
     with quiet():
         g = backward(spec, dout, out, lse, dlse)
-    dt = spec.dtype
-    return Grads(g.dq.astype(dt), g.dk.astype(dt), g.dv.astype(dt),
-                 None if g.dbias is None or not need_dbias else g.dbias.astype(_user_dtype(spec, "bias")),
-                 None if g.dsinks is None else g.dsinks.astype(_user_dtype(spec, "sinks")))
+        dt = spec.dtype
+        return Grads(g.dq.astype(dt), g.dk.astype(dt), g.dv.astype(dt),
+                     None if g.dbias is None or not need_dbias else g.dbias.astype(_user_dtype(spec, "bias")),
+                     None if g.dsinks is None else g.dsinks.astype(_user_dtype(spec, "sinks")))
 
 
 def rung_weights(spec: Spec, lse: Any = None, rows: Any = None) -> np.ndarray:

@@ -164,3 +164,60 @@ def test_need_weights_takes_what_torch_takes():
     for flag in (None, 0, 1):
         out, w = mha(x, x, x, need_weights=flag)
         assert (w is None) == (not flag) and torch.equal(out, mha(x, x, x, need_weights=False)[0])
+
+
+def encoder(num_kv_heads=None, layers=2, seed=0):
+    """torch's encoder (float32: its fused inference path takes no float64) and a copy
+    with attnkit's module in every layer."""
+    torch.manual_seed(seed)
+    ref = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 4, 32, 0.0, batch_first=True), layers)
+    ours = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 4, 32, 0.0, batch_first=True), layers)
+    ours.load_state_dict(ref.state_dict())
+    for layer in ours.layers:
+        layer.self_attn = MultiheadAttention.from_torch(layer.self_attn) if num_kv_heads is None else \
+            MultiheadAttention(16, 4, num_kv_heads=num_kv_heads)
+    return ref.eval(), ours.eval()
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("padding", [False, True], ids=["no padding", "padding (nested tensors)"])
+def test_in_torchs_encoder_in_inference(context, padding, monkeypatch):
+    """torch.nn.TransformerEncoder(Layer) in eval without gradients takes torch's fused
+    path (and with a padding mask turns the batch into nested tensors): with attnkit's
+    module in its layers, attention stays attnkit's (each layer's call is counted) and
+    the result is torch's own encoder's."""
+    ref, ours = encoder()
+    x = torch.randn(3, 6, 16, generator=torch.Generator().manual_seed(1))
+    mask = dict(src_key_padding_mask=torch.arange(6)[None, :] >= torch.tensor([[6], [4], [2]])) if padding else {}
+    calls = []
+    real = attnkit.api.attention
+    monkeypatch.setattr(attnkit.api, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with getattr(torch, context)():
+        want, got = ref(x, **mask), ours(x, **mask)
+        one = ours.layers[0](x, **{"src_key_padding_mask": mask["src_key_padding_mask"]} if padding else {})
+        assert max_error(one, ref.layers[0](x, **mask)) <= 1e-5
+    assert len(calls) == 3 and got.shape == want.shape and max_error(got, want) <= 1e-5
+
+
+def test_a_gqa_module_in_torchs_encoder_in_inference_is_as_in_training():
+    """GQA's packed projection would be wrong in torch's fused kernel: eval without
+    gradients gives what a training-mode (no dropout) forward gives."""
+    _, ours = encoder(num_kv_heads=2)
+    x = torch.randn(3, 6, 16, generator=torch.Generator().manual_seed(2))
+    pad = torch.arange(6)[None, :] >= torch.tensor([[6], [4], [2]])
+    with torch.no_grad():
+        fast = [ours(x), ours(x, src_key_padding_mask=pad)]
+        ours.train()
+        slow = [ours(x), ours(x, src_key_padding_mask=pad)]
+    real = ~pad[..., None]                              # (padded positions: 0 from torch's nested path)
+    assert max_error(fast[0], slow[0]) <= 1e-6 and max_error(fast[1] * real, slow[1] * real) <= 1e-6
+
+
+def test_nested_inputs_refuse_what_they_cannot_carry():
+    _, mha = pair()
+    x = torch.nested.as_nested_tensor([torch.randn(3, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64)])
+    out, w = mha(x, x, x, need_weights=False)
+    assert out.is_nested and [t.shape[0] for t in out.unbind()] == [3, 5] and w is None
+    for bad in (dict(need_weights=True), dict(need_weights=False, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))):
+        with pytest.raises(ValueError, match="^query, key, value: nested tensors"):
+            mha(x, x, x, **bad)

@@ -8,10 +8,12 @@ kv heads is worked key-major — the transposed scores sᵀ (keys × rows), so t
 five products multiply untransposed operands (OpenBLAS's fastest kernels; see
 :mod:`.blas`)::
 
-    qc = q · scale, qᵀ, doᵀ, δ = rowsum(do ∘ out) − dlse      the head's rows, once
+    qᵀ, qc = q · scale, doᵀ, δ = rowsum(do ∘ out) − dlse      the head's rows, once
     for each key block: kᵀ
         for each query tile that sees it (columns of the rows):
-            pᵀ = exp(k qcᵀ − lse)          0 outside each row's band, or lse = −inf
+            pᵀ = exp(scale · (k qᵀ) − lse) 0 outside each row's band, or lse = −inf
+                                           (the scale applied to the sums, as the
+                                           forward's: the scores' bits lse was made from)
             dv (+)= pᵀ do;   dsᵀ = pᵀ ∘ (v doᵀ − δ)
             dk (+)= dsᵀ qc;  dqᵀ += kᵀ dsᵀ
     dq = scale · (dqᵀ)ᵀ
@@ -128,11 +130,16 @@ def _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, s
                     return False
                 for d in range(D):
                     y = q4[nq, h, r0 + r, d]
-                    qc[i, d] = y * scale
+                    qc[i, d] = y
                     z += y * f32(0.0)
         if z != f32(0.0):                                # q, dout or out holds NaN or inf
             return False
+        # qᵀ unscaled: the scores are scale · (k qᵀ), as the forward's scale · (q kᵀ) (the
+        # same products summed in the same order: the bits exp(s − lse) was made from)
         omatcopy(ROW_MAJOR, TRANS, C, D, f32(1.0), qc.ctypes.data, D, qT.ctypes.data, C)   # (D, Dv ≥ 1: validated)
+        for i in range(C):
+            for d in range(D):
+                qc[i, d] *= scale
         omatcopy(ROW_MAJOR, TRANS, C, Dv, f32(1.0), doc.ctypes.data, Dv, doT.ctypes.data, C)
         dqT[...] = f32(0.0)
         k, v = k4[nkk, hk + a], v4[nv, hk + a]
@@ -155,7 +162,7 @@ def _task(gemm, omatcopy, q4, k4, v4, do4, o4, lse3, dlse3, scale, tl, lo, hi, s
             R = j1 - j0
             p = pT[:w * R].reshape((w, R))
             ds = dsT[:w * R].reshape((w, R))
-            _nn(gemm, w, R, D, f32(1.0), k[c0:].ctypes.data, ldk, qT.ctypes.data + j0 * 4, C, f32(0.0),
+            _nn(gemm, w, R, D, scale, k[c0:].ctypes.data, ldk, qT.ctypes.data + j0 * 4, C, f32(0.0),
                 p.ctypes.data, R, small)
             for j in range(w):
                 key = c0 + j

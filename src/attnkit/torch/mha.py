@@ -27,6 +27,11 @@ exact but carry no gradient (they are recomputed from the forward's lse, so the 
 path is the same with or without them — pass ``need_weights=False`` to skip the
 extra L × S work; with dropout they are the weights before dropout); ``add_bias_kv``
 and ``add_zero_attn`` are not supported; a fully masked query row gives 0, not NaN.
+Inside ``torch.nn.TransformerEncoderLayer`` / ``TransformerEncoder`` attention stays
+attnkit's in inference too: the module holds a forward pre-hook that does nothing, which
+keeps those layers off torch's fused inference path (it would run torch's kernel on these
+weights); the nested tensors ``TransformerEncoder`` makes of a padded batch there are
+taken (all three nested, ``need_weights=False``, no other mask) and given back nested.
 Attention-weight dropout (``dropout=p`` while training) is attnkit's: its seed comes
 from torch's generator, so ``torch.manual_seed`` makes a step reproducible.
 
@@ -116,6 +121,10 @@ class MultiheadAttention(nn.Module):
             self.register_parameter("in_proj_bias", None)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
         self._reset_parameters()
+        # torch.nn.TransformerEncoderLayer's inference fast path would run torch's fused
+        # kernel on this module's weights (not attnkit, and wrong for GQA's packing); it
+        # declines where a module holds forward hooks: this one does nothing
+        self.register_forward_pre_hook(_no_fused_encoder_path)
 
     def _reset_parameters(self):
         """torch.nn.MultiheadAttention's initialisation."""
@@ -185,12 +194,26 @@ class MultiheadAttention(nn.Module):
         """
         key = query if key is None else key
         value = key if value is None else value
+        if query.is_nested or key.is_nested or value.is_nested:
+            return self._nested(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = query[None], key[None], value[None]
             key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
         elif not self.batch_first:
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        out, w = self._attend(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                              is_causal)
+        if unbatched:
+            return out[0], None if w is None else w[0]
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, w
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_padding_mask: Any,
+                need_weights: bool, attn_mask: Any, average_attn_weights: bool,
+                is_causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` on batch-first (B, L, E) inputs."""
         check_mha_inputs(query, key, value, (self.embed_dim, self.kdim, self.vdim), self.num_heads,
                          key_padding_mask, attn_mask)
         B, L, _ = query.shape
@@ -217,8 +240,27 @@ class MultiheadAttention(nn.Module):
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))
         if w is not None and average_attn_weights:
             w = w.mean(dim=1)
-        if unbatched:
-            return out[0], None if w is None else w[0]
-        if not self.batch_first:
-            out = out.transpose(0, 1)
         return out, w
+
+    def _nested(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_padding_mask: Any,
+                need_weights: bool, attn_mask: Any, is_causal: bool) -> tuple[torch.Tensor, None]:
+        """Nested (B, L_b, E) inputs — what ``torch.nn.TransformerEncoder`` makes of a padded
+        batch in inference: the sequences padded, their lengths as the key padding, the
+        output nested again (batch first whatever ``batch_first`` says, as nested tensors
+        are)."""
+        if not (query.is_nested and key.is_nested and value.is_nested) or key_padding_mask is not None \
+                or attn_mask is not None or need_weights:
+            raise ValueError("query, key, value: nested tensors (as torch.nn.TransformerEncoder makes of a padded "
+                             "batch) are taken all three nested, without key_padding_mask or attn_mask (their "
+                             "lengths are the padding) and with need_weights=False")
+        lengths = [torch.tensor([t.shape[0] for t in x.unbind()]) for x in (query, key)]
+        q, k, v = (x.to_padded_tensor(0.0) for x in (query, key, value))
+        ignore = torch.arange(k.shape[1]) >= lengths[1][:, None]              # (B, S): past each key sequence
+        out, _ = self._attend(q, k, v, ignore.to(q.device), False, None, False, is_causal)
+        real = (torch.arange(q.shape[1]) < lengths[0][:, None]).to(q.device)  # (B, L): each query sequence
+        return torch._nested_tensor_from_mask(out, real, mask_check=False), None
+
+
+def _no_fused_encoder_path(module: nn.Module, args: Any) -> None:
+    """A forward pre-hook that changes nothing (see MultiheadAttention.__init__)."""
+    return None
