@@ -20,7 +20,8 @@ How the model's arguments map:
   right for prefill, chunked prefill and decoding with a cache); right padding with
   L == S → ``kv_lengths`` (tiles past each sequence's end are skipped); other
   padding → a (B, 1, 1, S) key-padding ``keep``. A static cache's empty slots are
-  cut off (keys, and T5's position bias, up to the tokens so far). Every other mask
+  cut off (keys, and T5's position bias, up to the tokens so far; a causal layer's
+  mask over more slots is cut to them, one over fewer padded). Every other mask
   (sliding windows, image-token or prefix patterns) is transformers' own boolean SDPA
   mask (True = attend) passed as ``keep``; a float mask is ``bias``. The window of a
   layer is the one in its mask (a ``sliding_window`` keyword alone, as OLMoE passes
