@@ -454,3 +454,34 @@ def test_register_without_torch_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)      # import torch fails
     with pytest.raises(ImportError, match=r"^attnkit.hf needs torch and transformers: pip install 'attnkit\[hf\]'"):
         attnkit.hf.register()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no padding", "right padding"])
+def test_gemma_layers_made_bidirectional_under_a_causal_mask_attend_as_eager(padded):
+    """Gemma's use_bidirectional_attention makes its layers' is_causal False, while
+    GemmaModel (and PaliGemma without token_type_ids) still builds a causal mask: eager
+    attends causally. The short masks leave causality to the layer, so such configs get
+    transformers' own mask (sdpa, given None without padding, attends both ways)."""
+    cfg = transformers.GemmaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=1, head_dim=8, intermediate_size=64,
+                                   use_bidirectional_attention=True)
+    ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    if padded:
+        mask[1, 6:] = 0
+    out = {}
+    for impl in ("eager", "attnkit"):
+        torch.manual_seed(0)
+        model = transformers.GemmaModel._from_config(cfg, attn_implementation=impl).double().eval()
+        with torch.no_grad():
+            out[impl] = model(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()]
+    assert (out["eager"] - out["attnkit"]).abs().max() <= 1e-6      # (eager's softmax is float32)
+
+
+def test_which_configs_have_non_causal_layers():
+    see = attnkit.hf._layers_not_causal
+    flag = lambda x: types.SimpleNamespace(use_bidirectional_attention=x)        # noqa: E731
+    assert see(flag(True)) and see(flag("all"))                                  # gemma, gemma4's "all"
+    assert not see(flag(False)) and not see(flag("vision")) and not see(flag(None)) and not see(None)
+    composite = types.SimpleNamespace(use_bidirectional_attention=None, get_text_config=lambda: flag(True))
+    assert see(composite)                                                        # paligemma's text config

@@ -234,6 +234,19 @@ def _model_classes(config_class: type) -> list[Any]:
     return [c for c in models if getattr(c, "config_class", None) is config_class] or models
 
 
+def _layers_not_causal(config: Any) -> bool:
+    """Whether a config makes its attention layers non-causal (``is_causal`` False:
+    Gemma's, Gemma 2's and pi0.5's ``use_bidirectional_attention`` True, or "all")
+    while a model of it may still build a causal mask (PaliGemma without
+    ``token_type_ids``): eager then attends causally, and the short masks, which leave
+    causality to the layer, would not."""
+    if config is None:
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    flag = getattr(text, "use_bidirectional_attention", None)
+    return flag is True or flag == "all"
+
+
 def _no_mask(causal: bool, L: int) -> dict[str, Any]:
     """A layer's causality with no L × S mask: causal aligned bottom-right (the last
     query sees the last key: prefill, chunked prefill and decoding with a cache); one
@@ -460,6 +473,8 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
                              mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
                              allow_is_bidirectional_skip=False, **kwargs)
     causal = mask_function is mu.causal_mask_function
+    if causal and _layers_not_causal(kwargs.get("config")):
+        plain = False                                    # transformers' mask: its causality
     # causal: the keys are the tokens so far, T (a static cache's other slots are empty).
     # A static cache's offset is a tensor: under torch.compile reading it would break the
     # graph, so sdpa_mask below builds the mask there
