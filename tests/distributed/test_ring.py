@@ -54,6 +54,7 @@ CASES = {
     "f32_gqa_causal_zigzag": (2, 4, 2, 8, 8, 32, 32, "float32", "zigzag", dict(causal=True), "keep"),
     "f32_full": (2, 4, 4, 8, 8, 32, 16, "float32", "contiguous", {}, None),
     "f16_causal": (1, 4, 4, 8, 8, 32, 32, "float16", "contiguous", dict(causal=True), None),
+    "f16_full": (1, 4, 4, 12, 12, 16, 16, "float16", "contiguous", {}, None),
     # the terms every rung has: ALiBi from global positions, sinks folded in once (and
     # their gradient summed over ranks), dropout dropping the single-device entries,
     # key lengths in global positions
@@ -319,6 +320,8 @@ def _check_cases(results, world):
         for key in got:
             err = max_error(got[key], oracle[key])
             tol = 1e-10 if same_precision is None else error_budget(oracle[key], same_precision[key])
+            if CASES[case][7] == "float16":  # blocks merged and summed unrounded (CPU): one rounding, as the reference's
+                tol = min(tol, 1.25 * max_error(same_precision[key], oracle[key]) + 1e-6)
             if not err <= tol:
                 failures.append(f"{case} P={world} {key}: error {err:.3g} > {tol:.3g}")
         if not all(r["cases"][case]["deterministic"] for r in results):

@@ -238,12 +238,20 @@ def _blocks(spec, cfg, ring, src):
                 align=spec.align, layout=cfg.layout)
 
 
+def _widened(x):
+    """A CPU block's half-precision operand in float32: the rung computes in float32
+    from the same values either way, and its block out and gradients then come back
+    unrounded, to be merged and summed before the one rounding to the input dtype (on
+    GPUs the Triton rung's half products stay, as FlashAttention's)."""
+    return x.float() if x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def _block_spec(spec, kb, vb, mb, b, ring):
     """The Spec of one block: the rank's rows [r0, r1) against keys [c0, c1) of the
     shard in hand, placed in the global problem (origin, extent). Sinks join the
     softmax once, after the ring (see :func:`_fold_sinks`), not in every block."""
-    q = _rows(spec.q, b, 1)
-    k, v = kb[..., b.c0:b.c1, :], vb[..., b.c0:b.c1, :]
+    q = _widened(_rows(spec.q, b, 1))
+    k, v = _widened(kb[..., b.c0:b.c1, :]), _widened(vb[..., b.c0:b.c1, :])
     return Spec.from_arrays(q, k, v, scale=spec.scale, causal=spec.causal, window=spec.window, align=spec.align,
                             keep=None if mb is None else mb[..., b.c0:b.c1], softcap=spec.softcap,
                             alibi_slopes=spec.alibi_slopes, kv_lengths=spec.kv_lengths, dropout=spec.dropout,
@@ -299,8 +307,8 @@ def _backward(dout, spec, out, lse, keep, cfg, ring, rung):
         dkv = torch.zeros(k.numel() + v.numel(), dtype=acc, device=q.device)
         dk, dv = _unpack(dkv, [k.shape, v.shape])
         for b in _blocks(spec, cfg, ring, src):
-            g = rung.rung_backward(_block_spec(spec, kb, vb, mb, b, ring), _rows(dout, b, 1), _rows(out, b, 1),
-                                   _rows(lse, b, 0))
+            g = rung.rung_backward(_block_spec(spec, kb, vb, mb, b, ring), _widened(_rows(dout, b, 1)),
+                                   _rows(out, b, 1), _rows(lse, b, 0))
             _rows(dq, b, 1).add_(g.dq)
             dk[..., b.c0:b.c1, :] += g.dk
             dv[..., b.c0:b.c1, :] += g.dv
