@@ -332,3 +332,20 @@ def test_a_float16_result_past_its_range_is_inf_without_a_warning(backend):
         out, lse = attnkit.attention(q, k, v, scale=1.0, return_lse=True, backend=backend)
         dq, dk, dv = attnkit.attention_backward(np.ones_like(out), q, k, v, out, lse, scale=1.0, backend=backend)
         assert dq.dtype == np.float16 and np.isinf(dq).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash"])
+def test_softcap_gradient_of_an_excluded_pair_whose_score_is_nan(backend):
+    """softcap: row 0 does not see key 1 (causal), whose k holds inf where q's row 0
+    holds 0, so that pair's raw score is inf · 0 = NaN. Excluded pairs are exempt
+    (DESIGN.md §2): the softcap factor 1 − tanh² is applied on the pairs a row sees
+    only, and no gradient is NaN."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    q[0, 0, 0], q[0, 1, 0], k[0, 1, 0] = 0.0, 1.0, float("inf")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = attnkit.attention(*leaves, softcap=2.0, causal=True, backend=backend)
+    dq, dk, dv = torch.autograd.grad(out.sum(), leaves)
+    assert torch.isfinite(out[0, 0]).all() and torch.isfinite(dq[0, 0]).all()     # row 0: only key 0
+    assert torch.equal(dk[0, 1], torch.zeros(16, dtype=torch.float64))        # key 1: saturated, or unseen
+    assert torch.isnan(dq[0, 1, 0])                 # row 1 sees key 1: (1 − tanh²) · inf, as autograd's

@@ -209,7 +209,9 @@ def backward(spec: Spec, dout: Any, out: Any, lse: Any, dlse: Any = None) -> Gra
     dbias = None if spec.bias is None else reduce_to(dz, spec.shapes["bias"])
     # Step 2 back: softcap and scale
     if capped is not None:
-        dz = dz * (1.0 - capped * capped)                # d/ds c·tanh(s/c) = 1 − tanh²
+        # d/ds c·tanh(s/c) = 1 − tanh², on the pairs a row sees: an excluded pair's tanh
+        # may be NaN (inf · 0 from an infinite q or k entry), and excluded pairs are exempt
+        dz = np.where(vis, dz * (1.0 - capped * capped), 0.0)
     dz = dz * spec.scale
     # Step 1 back: scores = q kᵀ
     dq = exempt_matmul(dz, k, vis)                       # (..., H, L, D)

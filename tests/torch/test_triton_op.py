@@ -217,3 +217,34 @@ def test_v_nan_at_excluded_keys_is_exempt_on_every_tile_size(monkeypatch):
     for o in outs[1:]:
         same("out", o, outs[0], tol=1e-6)
     assert np.isfinite(outs[0][0, :3].numpy()).all()   # rows 0-2 see only keys 0-2: no poisoned key
+
+
+def softcap_inf_cases():
+    """(q, k, v, kw): an infinite entry under softcap, its inf · 0 on an excluded pair
+    only (causal row 0 against key 1; a tile's zero-padded rows and keys)."""
+    g = torch.Generator().manual_seed(0)
+    excluded = [torch.randn(1, 2, 16, generator=g) for _ in range(3)]
+    excluded[0][0, 0, 0], excluded[0][0, 1, 0], excluded[1][0, 1, 0] = 0.0, 1.0, INF
+    one_row = [torch.randn(1, n, 16, generator=g) for n in (1, 3, 3)]
+    one_row[0][0, 0, 0], one_row[1][0, 0, 0] = 1.0, INF        # (L = 1: the tile's padding rows)
+    inf_q = [torch.randn(1, n, 16, generator=g) for n in (4, 20, 20)]
+    inf_q[0][0, 3, 5] = INF                                     # (S = 20: a partial key tile)
+    # each case with the gradient entries the masked-then-scaled factor made NaN
+    return {"excluded pair": (*excluded, dict(causal=True), ("dq", 0)), "padding rows": (*one_row, {}, ("dk", 0)),
+            "padding keys": (*inf_q, {}, ("dq", 3))}
+
+
+@pytest.mark.parametrize("case", list(softcap_inf_cases()))
+def test_softcap_gradients_of_an_infinite_entry_stay_off_excluded_pairs(case):
+    """Under softcap an infinite q or k entry saturates its scores (tanh → ±1: gradient
+    0); where it meets a 0 — on a pair the row does not see, or in a tile's zero
+    padding — the product is NaN, and the kernels masked the score gradient before its
+    softcap factor 1 − tanh², so 0 · NaN spread over a whole dq or dk row. The factor
+    is applied inside the mask: the gradients are the reference's (NaN where an
+    infinite entry meets a pair a row sees: 0 · inf), that row or key NaN-free."""
+    q, k, v, kw, (grad, row) = softcap_inf_cases()[case]
+    got = run("triton", q, k, v, softcap=2.0, **kw)
+    want = run("reference", q, k, v, softcap=2.0, **kw)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        same(f"{case} {name}", a, b)
+    assert torch.isfinite(got[2 + "qkv".index(grad[1])][0, row]).all()

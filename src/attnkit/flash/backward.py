@@ -179,6 +179,8 @@ def backward(call: Call, dout: Any, out: Any, lse: Any, dlse: Any = None, need_d
                     np.multiply(tanh_t, tanh_t, out=tanh_t)   # d/dz c·tanh(z/c) = 1 − tanh²
                     np.subtract(1.0, tanh_t, out=tanh_t)
                     ds *= tanh_t
+                    if vis is not None:
+                        ds[~vis] = 0.0                   # (an excluded pair's tanh may be NaN: inf · 0)
                 dsT = ds.transpose(0, 2, 1)
                 if vis is None and first:
                     np.matmul(dsT, q_t, out=dk_j)

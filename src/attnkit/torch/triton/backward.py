@@ -101,7 +101,9 @@ def _dkdv_inner(dk, dv, k, v, q_tile, do_tile, lse_ptr, delta_ptr, stride_lm, co
             dpT = dpT * zT
         dsT = tl.where(visT, pT * (dpT - Di[None, :]), 0.0)   # softmax Jacobian: w ∘ (dw - Σ w·dw)
         if HAS_SOFTCAP:
-            dsT = dsT * (1.0 - tT * tT)             # d/dx c·tanh(x/c) = 1 - tanh²
+            # d/dx c·tanh(x/c) = 1 - tanh², inside the mask: an excluded pair's tanh may be
+            # NaN (inf · 0 from an infinite q or k entry, or a tile's zero padding)
+            dsT = tl.where(visT, dsT * (1.0 - tT * tT), 0.0)
         if CAREFUL:
             qT_c, badT = _exempt(qT, INTERPRET)
             dk = _nan_through(_mm_lowp(dsT, tl.trans(qT_c), dk, SPLIT, INTERPRET, PRECISION), visT,
@@ -232,7 +234,7 @@ def _dq_inner(dq, q, do, lse2, Di, k_tile, v_tile, ds_tile, offs_m, offs_d, offs
                      _cast(ds, ds_ptr.dtype.element_ty, INTERPRET),
                      mask=(offs_m[:, None] < Lq) & col_ok[None, :])
         if HAS_SOFTCAP:
-            ds = ds * (1.0 - t * t)                 # d/dx c·tanh(x/c) = 1 - tanh²
+            ds = tl.where(vis, ds * (1.0 - t * t), 0.0)      # (inside the mask, as in _dkdv_inner)
         if CAREFUL:                                 # some k is not finite: excluded keys never read it
             kT_c, badT = _exempt(kT, INTERPRET)
             dq = _nan_through(_mm_lowp(ds, tl.trans(kT_c), dq, SPLIT, INTERPRET, PRECISION), vis,
