@@ -518,3 +518,22 @@ def test_window_inf_is_an_unbounded_side(capsys):
 def test_reading_gives_the_top_weight_to_one_decimal(capsys):
     rc, out, _ = run(capsys, "explain")
     assert rc == 0 and "q weighs apple most (67.0%)" in out
+
+
+def test_errors_name_the_option_the_user_typed(capsys):
+    """A library error that names its argument ("keep: ...") names the option on the
+    command line ("--keep: ..."); an unknown option points at the command's help."""
+    for argv, flag in ((("--random", "1", "2", "2", "--keep", "1,0,1"), "--keep"),
+                       (("--random", "2", "3", "2", "--labels", "a,b"), "--labels"),
+                       (("--random", "1", "2", "2", "--query-labels", "a,b"), "--query-labels")):
+        rc, out, err = run(capsys, "explain", *argv)
+        assert rc == 1 and err.startswith(f"attnkit explain: error: {flag}: "), err
+    rc, out, err = run(capsys, "explain", "--frobnicate")
+    assert rc == 2 and err.strip().endswith("--frobnicate (see attnkit explain --help)"), err
+
+
+def test_the_formula_and_the_sink_say_what_was_computed(capsys):
+    rc, out, _ = run(capsys, "explain", "--random", "2", "3", "2", "--scale", "2", "--sinks", "1")
+    assert rc == 0 and "softmax(Q Kᵀ · 2) V" in out and "softmax(Q Kᵀ / √d_k)" not in out
+    assert "the sink's score; its value vector is 0" in " ".join(out.split())
+    assert "softmax(Q Kᵀ / √d_k) V" in run(capsys, "explain", "--random", "2", "3", "2")[1]

@@ -470,12 +470,28 @@ def _join_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
+# the library's argument names that the command line spells otherwise
+_FLAG_NAMES = {"alibi_slopes": "--alibi"}
+
+
+def _as_flag(command: argparse.ArgumentParser, msg: str) -> str:
+    """A message that starts with a library argument's name ("keep: expected ...")
+    with the option the user typed instead ("--keep: expected ...")."""
+    name, colon, rest = msg.partition(":")
+    flags = {a.dest: a.option_strings[-1] for a in command._actions if a.option_strings}
+    flag = _FLAG_NAMES.get(name) or flags.get(name)
+    return f"{flag}:{rest}" if colon and flag and flag.startswith("--") else msg
+
+
 def main(argv=None) -> int:
     for stream in (sys.stdout, sys.stderr):        # a console or file without UTF-8 (cp1252):
         if hasattr(stream, "reconfigure") and "utf" not in (stream.encoding or "").lower():   # ·, √ and ᵀ
             stream.reconfigure(errors="replace")                                                # become "?"
     p = parser()
-    args = p.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    args, extra = p.parse_known_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    commands = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if extra:                                      # the command's parser says so (its --help)
+        (commands[args.cmd] if args.cmd else p).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd is None:                           # bare `attnkit`: the commands, and success
         p.print_help()
         return 0
@@ -486,7 +502,7 @@ def main(argv=None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except (ValueError, TypeError, OSError, PlotUnavailable) as e:
-        msg = " ".join(str(e).split())             # one line, whatever the message
+        msg = _as_flag(commands[args.cmd], " ".join(str(e).split()))   # one line, whatever the message
         print(f"attnkit {args.cmd}: error: {msg}", file=sys.stderr)
         return 1
     except MemoryError:

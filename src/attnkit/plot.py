@@ -156,7 +156,10 @@ def panels(trace, block=None) -> list[dict]:
                         title="ALiBi penalty −slope·|diag(i) − j|", cmap="Purples_r", masked=ex,
                         vmin=None, vmax=0.0))
     out.append(dict(name="scores", data=trace.pick(trace.final_scores, b), columns=keys,
-                    title="scores · scale" + (" + ALiBi" if s.alibi_slopes is not None else "") + note,
+                    title="scores · scale" + "".join(t for t, on in ((" → softcap", s.softcap is not None),
+                                                                     (" + bias", s.bias is not None),
+                                                                     (" + ALiBi", s.alibi_slopes is not None))
+                                                     if on) + note,
                     cmap="coolwarm", masked=ex, vmin=None, vmax=None))
     w = trace.pick(trace.weights, b)
     if s.sinks is not None:
@@ -183,10 +186,11 @@ def panels(trace, block=None) -> list[dict]:
 
 def title(trace, block=None) -> str:
     """The figure's title: the formula, the block, and the masks used."""
+    from .explain.text import formula
     b = trace.blocks()[0] if block is None else block
     name = trace.block_name(b)
     masks = ", ".join(trace.masks) if trace.masks else "none"
-    return ("Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V" + (f"   [{name}]" if name else "")
+    return (formula(trace.spec) + (f"   [{name}]" if name else "")
             + f"\nmasks: {masks}")
 
 

@@ -26,11 +26,11 @@ STEP_TITLES = {
     "scores": "Step 1  scores = q kᵀ: how well each query matches each key",
     "scaled": "Step 2  scaled = scores · scale",
     "softcapped": "Step 2a softcapped = softcap · tanh(scaled / softcap)",
-    "biased": "Step 2b biased = scores + bias",
-    "alibi": "Step 2c alibi = scores − slope·|diag(i) − j|: ALiBi, farther keys score lower",
+    "biased": "Step 2b biased = scores so far + bias",
+    "alibi": "Step 2c alibi = scores so far − slope·|diag(i) − j|: ALiBi's distance penalty",
     "excluded": "Step 2d excluded keys (x): keep / drop / causal / window / lengths / packing",
     "masked": "Step 2e masked = scores with excluded keys set to -inf",
-    "weights": "Step 3  weights = softmax over keys: each row sums to 1",
+    "weights": "Step 3  weights = softmax over keys: each row sums to 1 (0 if it sees no key)",
     "lse": "        lse = log Σ e^score per query (-inf for a fully masked row)",
     "dropped": "Step 3a dropped = dropout(weights): kept ones ÷ (1 − p), the others 0",
     "out": "Step 4  out = weights v: each output is a blend of the values",
@@ -59,6 +59,13 @@ def step_title(trace, name) -> str:
     return STEP_TITLES[name]
 
 
+def formula(spec) -> str:
+    """The formula with the call's scale: 1/√d_k by default, else the number."""
+    if default_scale(spec):
+        return "Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V"
+    return f"Attention(Q, K, V) = softmax(Q Kᵀ · {num(spec.scale)}) V"
+
+
 def default_scale(spec) -> bool:
     return spec.scale == 1.0 / math.sqrt(spec.D)
 
@@ -73,7 +80,7 @@ def scale_text(spec) -> str:
 def render(trace, width: int = WIDTH, max_blocks: int = 2) -> str:
     """See :meth:`Trace.render`."""
     s = trace.spec
-    lines = ["Attention(Q, K, V) = softmax(Q Kᵀ / √d_k) V", ""]
+    lines = [formula(s), ""]
     lines += wrap([f"q {s.shapes['q']}", f"k {s.shapes['k']}", f"v {s.shapes['v']}",
                    f"scale {scale_text(s)}",
                    "masks: " + (", ".join(trace.masks) if trace.masks else "none")],
@@ -125,9 +132,9 @@ def notes(trace) -> list[str]:
                    "never sees another sequence's keys, so the excluded keys form blocks "
                    "along the diagonal.")
     if s.sinks is not None:
-        out.append("sinks: one extra logit per query row with value 0; it joins the softmax's "
-                   "total only, so each row's key weights sum to less than 1 and the rest goes "
-                   "to the sink: column 'sink' in Step 3.")
+        out.append("sinks: one extra logit per query row (the sink's score; its value vector is "
+                   "0); it joins the softmax's total only, so each row's key weights sum to less "
+                   "than 1 and the rest goes to the sink: column 'sink' in Step 3.")
     if s.dropout > 0:
         out.append(f"dropout: after the softmax each weight is kept with probability "
                    f"{1 - s.dropout:g} and divided by {1 - s.dropout:g}, or set to 0 (Step 3a). "

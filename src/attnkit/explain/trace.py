@@ -423,5 +423,6 @@ def _labels(name, labels, n, prefix):
         raise TypeError(f"{name}: expected a list of {n} names, got {labels!r}")
     labels = [str(x) for x in labels]
     if len(labels) != n:
-        raise ValueError(f"{name}: expected {n} labels, got {len(labels)} ({','.join(labels)})")
+        raise ValueError(f"{name}: expected {n} label{'s' if n != 1 else ''}, got {len(labels)} "
+                         f"({','.join(labels)})")
     return labels
