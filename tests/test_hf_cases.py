@@ -485,3 +485,9 @@ def test_which_configs_have_non_causal_layers():
     assert not see(flag(False)) and not see(flag("vision")) and not see(flag(None)) and not see(None)
     composite = types.SimpleNamespace(use_bidirectional_attention=None, get_text_config=lambda: flag(True))
     assert see(composite)                                                        # paligemma's text config
+
+
+def test_register_takes_a_non_empty_name():
+    for bad in (3, None, ""):
+        with pytest.raises(TypeError, match="^name: expected a non-empty str"):
+            attnkit.hf.register(bad)

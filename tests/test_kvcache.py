@@ -695,3 +695,40 @@ def test_writability_is_checked_only_for_an_append_and_only_where_slots_alias():
     with pytest.raises(ValueError, match="^k_cache: a broadcast"):
         attnkit.attention_kvcache(torch.ones(1, 2, 1, 2), two, torch.zeros(1, 2, 4, 2), torch.tensor([0]),
                                   k_new=torch.ones(1, 2, 1, 2), v_new=torch.ones(1, 2, 1, 2))
+
+
+def test_torch_arguments_on_another_device_or_without_data_are_named():
+    """New keys on another device than q are refused before anything is written (the
+    cache was written, then the call failed); a tensor whose values are read (lengths,
+    block tables) on the meta device has none: a named error, not torch's copy error."""
+    torch = pytest.importorskip("torch")
+    q, kc, vc = torch.randn(2, 2, 1, 4), torch.zeros(2, 2, 8, 4), torch.zeros(2, 2, 8, 4)
+    kn = torch.ones(2, 2, 1, 4)
+    for bad in ("k_new", "v_new"):
+        new = dict(k_new=kn, v_new=kn.clone())
+        new[bad] = new[bad].to("meta")
+        with pytest.raises(ValueError, match=rf"^{bad}: expected a tensor on q's device cpu, got meta"):
+            attnkit.attention_kvcache(q, kc, vc, 3, **new)
+        assert not kc.any() and not vc.any()
+    for name, kw in (("cache_lengths", dict(cache_lengths=torch.tensor([3, 3], device="meta"))),
+                     ("q_lengths", dict(cache_lengths=3, q_lengths=torch.tensor([1, 1], device="meta")))):
+        with pytest.raises(ValueError, match=rf"^{name}: its values are read to check them, and a tensor on the meta"):
+            attnkit.attention_kvcache(q, kc, vc, **kw)
+
+
+def test_paged_cache_arguments_get_named_errors():
+    torch = pytest.importorskip("torch")
+    for kw, err, name in ((dict(value_dim=0), ValueError, "value_dim"), (dict(value_dim=2.5), ValueError, "value_dim"),
+                          (dict(like=np.zeros(3)), TypeError, "like"),
+                          (dict(like=torch.zeros(3, dtype=torch.int64)), TypeError, "like")):
+        with pytest.raises(err, match=f"^{name}: expected"):
+            attnkit.PagedCache(num_pages=4, page_size=4, kv_heads=1, head_dim=2, **kw)
+    cache = attnkit.PagedCache(num_pages=4, page_size=4, kv_heads=1, head_dim=2, dtype="float64")
+    s = cache.add_sequence()
+    new = np.ones((1, 1, 1, 2))
+    out = cache.attend(np.ones((1, 1, 1, 2)), np.int64(s), k_new=new, v_new=new)      # NumPy ids are ids
+    assert out.shape == (1, 1, 1, 2) and cache.lengths(np.int64(s)).tolist() == [1]
+    assert cache.block_table([np.int64(s)]).tolist() == [[0]] and cache.lengths(s).tolist() == [1]
+    for bad in (0.0, None):
+        with pytest.raises(TypeError, match="^seqs: expected a sequence id"):
+            cache.attend(np.ones((1, 1, 1, 2)), bad)

@@ -516,6 +516,8 @@ def register(name: str = NAME) -> None:
     name : str
         The implementation's name (default "attnkit").
     """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name: expected a non-empty str (the attn_implementation to register), got {name!r}")
     _torch_required()
     try:
         from transformers import AttentionInterface, AttentionMaskInterface

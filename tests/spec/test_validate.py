@@ -165,6 +165,11 @@ def test_torch_specific_inputs_get_named_errors():
         attnkit.attention(tq, tk, tv, sinks=np.zeros(1))
     with pytest.raises(ValueError, match=r"^kv_lengths\b"):
         attnkit.attention(tq[None], tk[None], tv[None], kv_lengths=torch.tensor([4]))
+    with pytest.raises(TypeError, match=r"^q: expected a dense tensor, got a nested tensor"):
+        attnkit.attention(torch.nested.as_nested_tensor([tq, tq]), tk[None].expand(2, 3, 4), tv[None].expand(2, 3, 2))
+    with pytest.raises(ValueError, match=r"^q_lengths: its values are read to check them, and a tensor on the meta"):
+        meta = [x[None, None].to("meta") for x in (tq, tk, tv)]
+        attnkit.attention(*meta, q_lengths=torch.tensor([1], device="meta"))
 
 
 def test_backward_needs_the_forward_seed_for_dropout():

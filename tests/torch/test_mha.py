@@ -2,6 +2,7 @@
 layouts, state_dict names, named errors for the module's own arguments, and
 attention-weight dropout."""
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -118,9 +119,13 @@ def test_module_arguments_get_named_errors():
     for kw, name in ((dict(embed_dim=16, num_heads=4, num_kv_heads=0), "num_kv_heads"),
                      (dict(embed_dim=16, num_heads=4, num_kv_heads=3), "num_kv_heads"),
                      (dict(embed_dim=15, num_heads=4), "embed_dim"), (dict(embed_dim=16, num_heads=0), "num_heads"),
-                     (dict(embed_dim=16, num_heads=4, dropout=1.0), "dropout")):
+                     (dict(embed_dim=16, num_heads=4, dropout=1.0), "dropout"),
+                     (dict(embed_dim=16, num_heads=4, kdim=0), "kdim"), (dict(embed_dim=16, num_heads=4, vdim=2.5), "vdim")):
         with pytest.raises(ValueError, match=f"^{name}"):
             MultiheadAttention(**kw)
+    for kw, name in ((dict(batch_first="yes"), "batch_first"), (dict(dtype=torch.int64), "dtype")):
+        with pytest.raises(TypeError, match=f"^{name}"):
+            MultiheadAttention(16, 4, **kw)
     mha = MultiheadAttention(16, 4)
     q = torch.randn(2, 5, 16)
     for args, kw, err, name in (((torch.randn(2, 5, 12),), {}, ValueError, "query"),
@@ -130,7 +135,14 @@ def test_module_arguments_get_named_errors():
                                 ((q,), dict(key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)), ValueError,
                                  "key_padding_mask"),
                                 ((q,), dict(attn_mask=torch.zeros(3, 5, 5, dtype=torch.bool)), ValueError, "attn_mask"),
-                                ((q,), dict(attn_mask=torch.zeros(5, 4)), ValueError, "attn_mask")):
+                                ((q,), dict(attn_mask=torch.zeros(5, 4)), ValueError, "attn_mask"),
+                                ((q.double(),), {}, TypeError, "query: expected the module's dtype float32"),
+                                ((q.numpy(),), {}, TypeError, "query: expected a torch.Tensor"),
+                                ((q, q.to("meta"), q.to("meta")), {}, ValueError, "key: expected a tensor on the "
+                                 "module's device"),
+                                ((q,), dict(key_padding_mask=np.zeros((2, 5), bool)), TypeError, "key_padding_mask"),
+                                ((q,), dict(attn_mask=torch.zeros(5, 5, dtype=torch.bool, device="meta")), ValueError,
+                                 "attn_mask: expected a tensor on query's device")):
         with pytest.raises(err, match=f"^{name}"):
             mha(*args, **kw)
 

@@ -167,6 +167,8 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
                 raise ValueError(f"{name}: expected shape (B, Hkv, L_new, D) = {want}, got {tuple(x.shape)}")
             if dtype_name(x) != dtype_name(q):
                 raise TypeError(f"{name}: dtype {dtype_name(x)} differs from q's dtype {dtype_name(q)}")
+            if want_torch and x.device != q.device:           # (before anything is written)
+                raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {x.device}")
         if q_lengths is not None and L_new != L:
             raise ValueError(f"k_new: with q_lengths, sequence b appends the first q_lengths[b] of the new keys "
                              f"(one per query row): expected L_new = L = {L}, got shape {tuple(k_new.shape)}")

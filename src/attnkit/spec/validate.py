@@ -48,6 +48,10 @@ def as_array(name: str, x: Any, want_torch: bool, required: bool = False) -> Any
         if x.layout != torch.strided:
             raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}; "
                             "call .to_dense() first")
+        if x.is_nested:
+            raise TypeError(f"{name}: expected a dense tensor, got a nested tensor; pad it "
+                            "(.to_padded_tensor(0.0)) and pass the lengths (q_lengths, kv_lengths), or "
+                            "pack its sequences (cu_seqlens_q, cu_seqlens_k)")
         return x
     if is_torch(x):
         raise TypeError(f"{name}: got a torch.Tensor but q is not one; pass one array library")
@@ -88,6 +92,9 @@ def host_ints(name: str, x: Any) -> np.ndarray:
     device); a tensor inside ``torch.func.vmap`` has none to read: a TypeError naming it."""
     if not is_torch(x):
         return np.asarray(x)
+    if x.device.type == "meta":
+        raise ValueError(f"{name}: its values are read to check them, and a tensor on the meta device has "
+                         "none; pass it on a device with data")
     if sys.modules["torch"]._C._functorch.is_functorch_wrapped_tensor(x):
         raise TypeError(f"{name}: its values are read to check them, which torch.func transforms (vmap) do "
                         "not allow; pass it unbatched (in_dims=None) or call once per sample")
@@ -177,7 +184,8 @@ def _library(q: Any, k: Any, v: Any, need_v: bool) -> Any:
     lib: Any = np
     if kind is not np.ndarray:
         lib = sys.modules.get("torch")
-        if lib is None or kind is not lib.Tensor or lib.compiler.is_compiling():
+        if lib is None or kind is not lib.Tensor or lib.compiler.is_compiling() \
+                or q.is_nested or k.is_nested or (need_v and v.is_nested):    # (the full check refuses them)
             return None
     return lib if k.ndim >= 2 and (not need_v or v.ndim >= 2) else None
 
