@@ -123,7 +123,7 @@ def test_module_arguments_get_named_errors():
                      (dict(embed_dim=16, num_heads=4, kdim=0), "kdim"), (dict(embed_dim=16, num_heads=4, vdim=2.5), "vdim")):
         with pytest.raises(ValueError, match=f"^{name}"):
             MultiheadAttention(**kw)
-    for kw, name in ((dict(batch_first="yes"), "batch_first"), (dict(dtype=torch.int64), "dtype")):
+    for kw, name in ((dict(dtype=torch.int64), "dtype"),):
         with pytest.raises(TypeError, match=f"^{name}"):
             MultiheadAttention(16, 4, **kw)
     mha = MultiheadAttention(16, 4)
@@ -233,3 +233,14 @@ def test_nested_inputs_refuse_what_they_cannot_carry():
     for bad in (dict(need_weights=True), dict(need_weights=False, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))):
         with pytest.raises(ValueError, match="^query, key, value: nested tensors"):
             mha(x, x, x, **bad)
+
+
+def test_a_dynamically_quantized_out_proj_and_a_truthy_batch_first_still_work():
+    """The inputs are checked against the input projection they meet (a quantized
+    out_proj has no weight tensor); batch_first takes what torch's module takes."""
+    mha = MultiheadAttention(16, 4).eval()
+    quantized = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(mha), {torch.nn.Linear}, dtype=torch.qint8)
+    x = torch.randn(2, 5, 16)
+    assert quantized[0](x, x, x)[0].shape == (2, 5, 16)
+    ours = MultiheadAttention.from_torch(torch.nn.MultiheadAttention(16, 4, batch_first=1))
+    assert ours(x, x, x)[0].shape == (2, 5, 16)

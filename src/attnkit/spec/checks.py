@@ -154,15 +154,13 @@ def check_ring_shard(spec: Spec, keep: Any, drop: Any, layout: str) -> Any:
 
 # ---- attnkit.torch.MultiheadAttention ------------------------------------------------------
 def check_mha_config(embed_dim: Any, num_heads: Any, num_kv_heads: Any, dropout: Any, kdim: Any = None,
-                     vdim: Any = None, batch_first: Any = True, dtype: Any = None) -> None:
+                     vdim: Any = None, dtype: Any = None) -> None:
     """MultiheadAttention's constructor arguments."""
     for name, x in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
                     ("kdim", kdim), ("vdim", vdim)):
         if (x is not None or name not in ("kdim", "vdim")) and (isinstance(x, bool) or not isinstance(x, int)
                                                                or x < 1):
             raise ValueError(f"{name}: expected a positive int, got {x!r}")
-    if not isinstance(batch_first, bool):
-        raise TypeError(f"batch_first: expected True or False, got {batch_first!r}")
     if dtype is not None and not getattr(dtype, "is_floating_point", False):
         raise TypeError(f"dtype: expected a floating-point torch dtype for the parameters, got {dtype!r}")
     if embed_dim % num_heads:
@@ -176,12 +174,11 @@ def check_mha_config(embed_dim: Any, num_heads: Any, num_kv_heads: Any, dropout:
 def check_mha_inputs(query: Any, key: Any, value: Any, dims: tuple[int, int, int], num_heads: int,
                      key_padding_mask: Any, attn_mask: Any, params: Any) -> None:
     """MultiheadAttention.forward's inputs, batch-first (B, L, E) / (B, S, kdim) /
-    (B, S, vdim) after the layout change, of the dtype and device of the module's
-    parameter ``params``; errors name the module's own arguments."""
+    (B, S, vdim) after the layout change (torch tensors: the caller checks), of the
+    dtype and device of the input projection's weight ``params``; errors name the
+    module's own arguments."""
     for name, x, d, last in (("query", query, dims[0], "embed_dim"), ("key", key, dims[1], "kdim"),
                              ("value", value, dims[2], "vdim")):
-        if not is_torch(x):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
         if x.device != params.device:
             raise ValueError(f"{name}: expected a tensor on the module's device {params.device}, got {x.device}")
         if x.dtype != params.dtype and not sys.modules["torch"].is_autocast_enabled(x.device.type):
@@ -195,10 +192,8 @@ def check_mha_inputs(query: Any, key: Any, value: Any, dims: tuple[int, int, int
     if key.shape[0] != B:
         raise ValueError(f"key: expected batch size {B} like query, got {tuple(key.shape)}")
     for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
-        if m is not None and not is_torch(m):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(m).__name__}")
-        if m is not None and m.device != query.device:
-            raise ValueError(f"{name}: expected a tensor on query's device {query.device}, got {m.device}")
+        if m is not None:
+            _same_library(name, m, query, "query")
     if key_padding_mask is not None:
         kind = dtype_kind(key_padding_mask)
         if kind not in "bf":

@@ -92,7 +92,7 @@ class MultiheadAttention(nn.Module):
                  num_kv_heads: int | None = None) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        check_mha_config(embed_dim, num_heads, num_kv_heads, dropout, kdim, vdim, batch_first, dtype)
+        check_mha_config(embed_dim, num_heads, num_kv_heads, dropout, kdim, vdim, dtype)
         if add_bias_kv or add_zero_attn:
             raise ValueError("add_bias_kv and add_zero_attn are not supported by attnkit.torch.MultiheadAttention")
         kw = {"device": device, "dtype": dtype}
@@ -218,7 +218,8 @@ class MultiheadAttention(nn.Module):
                 is_causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward` on batch-first (B, L, E) inputs."""
         check_mha_inputs(query, key, value, (self.embed_dim, self.kdim, self.vdim), self.num_heads,
-                         key_padding_mask, attn_mask, self.out_proj.weight)
+                         key_padding_mask, attn_mask,
+                         self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight)
         B, L, _ = query.shape
         S = key.shape[1]
         (wq, wk, wv), (bq, bk, bv) = self._weights()
