@@ -24,8 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .spec import FLOAT_DTYPES
-from .spec.kvcache import KVCall, check_paged_attend
+from .spec.kvcache import KVCall, check_paged_attend, check_paged_config, sequence_ids
 from .spec.validate import host_ints
 
 
@@ -93,16 +92,6 @@ def gather(kv: KVCall) -> tuple[Any, Any]:
     return out[0], out[1]
 
 
-def _seq_list(seqs: Any) -> list[int]:
-    """Sequence ids as a list: one id (an int, NumPy's too) or an iterable of them."""
-    if isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool):
-        return [int(seqs)]
-    try:
-        return [int(s) if isinstance(s, np.integer) else s for s in seqs]
-    except TypeError:
-        raise TypeError(f"seqs: expected a sequence id (int) or a list of them, got {seqs!r}") from None
-
-
 class PagedCache:
     """A paged KV cache for one layer: ``num_pages`` pages of ``page_size`` keys, handed
     to sequences as they grow and returned when they are freed.
@@ -131,23 +120,7 @@ class PagedCache:
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
                  value_dim: int | None = None, dtype: Any = "float32", like: Any = None) -> None:
-        value_dim = head_dim if value_dim is None else value_dim
-        for name, x in (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads),
-                        ("head_dim", head_dim), ("value_dim", value_dim)):
-            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
-                raise ValueError(f"{name}: expected a positive int, got {x!r}")
-        if like is not None and (not hasattr(like, "new_zeros") or not like.is_floating_point()):
-            of = f" of dtype {like.dtype}" if hasattr(like, "dtype") else ""
-            raise TypeError(f"like: expected a floating-point torch tensor (its dtype and device make the "
-                            f"cache), got {type(like).__name__}{of}")
-        if like is None:
-            try:
-                dt = None if dtype is None else np.dtype(dtype)
-            except TypeError:
-                dt = None
-            if dt is None or str(dt) not in FLOAT_DTYPES:
-                raise TypeError(f"dtype: expected a NumPy float dtype {FLOAT_DTYPES} (torch caches: pass like= "
-                                f"a tensor), got {dtype!r}")
+        value_dim = check_paged_config(num_pages, page_size, kv_heads, head_dim, value_dim, dtype, like)
         shape_k = (num_pages, kv_heads, page_size, head_dim)
         shape_v = (num_pages, kv_heads, page_size, value_dim)
         if like is None:
@@ -197,7 +170,7 @@ class PagedCache:
         append through attention_kvcache past a sequence's pages (without :meth:`attend`
         or :meth:`reserve` taking them first) is refused with a ValueError, instead of
         landing in a page another sequence may hold."""
-        seqs = _seq_list(seqs)
+        seqs = sequence_ids(seqs)
         width = max((len(self._pages[self._check(s)]) for s in seqs), default=0)
         t = np.full((len(seqs), max(width, 1)), -1, dtype=np.int32)
         for i, s in enumerate(seqs):
@@ -209,7 +182,7 @@ class PagedCache:
 
     def lengths(self, seqs: list[int]) -> Any:
         """Keys held by each of the sequences ``seqs`` ((len(seqs),) int64)."""
-        n = np.array([self._lengths[self._check(s)] for s in _seq_list(seqs)], dtype=np.int64)
+        n = np.array([self._lengths[self._check(s)] for s in sequence_ids(seqs)], dtype=np.int64)
         if isinstance(self.k, np.ndarray):
             return n
         import torch
@@ -235,7 +208,7 @@ class PagedCache:
             (a batch of prefill chunks and single decoding steps).
         """
         from .api import attention_kvcache
-        seqs = _seq_list(seqs)
+        seqs = sequence_ids(seqs)
         check_paged_attend(q, seqs, self.k)
         n = 0 if k_new is None else int(k_new.shape[-2])
         grow = self._appended(kwargs.get("q_lengths"), n, len(seqs))
@@ -272,8 +245,6 @@ class PagedCache:
             return [0] * B
 
     def _check(self, seq: int) -> int:
-        if isinstance(seq, np.integer):
-            seq = int(seq)
         if seq not in self._pages:
             raise ValueError(f"seq: no sequence {seq!r} in this cache")
         return seq

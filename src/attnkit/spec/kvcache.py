@@ -49,6 +49,40 @@ class KVCall:
         return self.block_table is not None
 
 
+def check_paged_config(num_pages: Any, page_size: Any, kv_heads: Any, head_dim: Any, value_dim: Any, dtype: Any,
+                       like: Any) -> int:
+    """PagedCache's constructor arguments; its value_dim (head_dim when None)."""
+    value_dim = head_dim if value_dim is None else value_dim
+    for name, x in (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads),
+                    ("head_dim", head_dim), ("value_dim", value_dim)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise ValueError(f"{name}: expected a positive int, got {x!r}")
+    if like is not None and (not hasattr(like, "new_zeros") or not like.is_floating_point()):
+        of = f" of dtype {like.dtype}" if hasattr(like, "dtype") else ""
+        raise TypeError(f"like: expected a floating-point torch tensor (its dtype and device make the "
+                        f"cache), got {type(like).__name__}{of}")
+    if like is None:
+        try:
+            dt = None if dtype is None else np.dtype(dtype)
+        except TypeError:
+            dt = None
+        if dt is None or str(dt) not in FLOAT_DTYPES:
+            raise TypeError(f"dtype: expected a NumPy float dtype {FLOAT_DTYPES} (torch caches: pass like= "
+                            f"a tensor), got {dtype!r}")
+    return value_dim
+
+
+def sequence_ids(seqs: Any) -> list[Any]:
+    """PagedCache's sequence ids as a list: one id (an int, NumPy's too) or an iterable
+    of them."""
+    if isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool):
+        return [seqs]
+    try:
+        return list(seqs)
+    except TypeError:
+        raise TypeError(f"seqs: expected a sequence id (int) or a list of them, got {seqs!r}") from None
+
+
 def check_paged_attend(q: Any, seqs: list[Any], cache: Any) -> None:
     """PagedCache.attend's arguments in its own words (attention_kvcache would name
     k_cache, which the user never passed): q against the cache's dtype and head dim,
