@@ -354,18 +354,23 @@ def test_rows_that_see_no_key_past_the_last_one(kw):
 @pytest.mark.parametrize("kw", [{}, dict(causal=True), dict(kv_lengths=np.array([9, 4]))])
 def test_rows_whose_scores_are_all_far_below_zero(kw):
     """Every score near −400 (exp of it underflows unless shifted by the row's max): the
-    weights are the reference's — out within the budget, lse within float32's rounding
-    of its size."""
+    weights are the reference's — out within float32's rounding of such scores, lse
+    within float32's rounding of its size. (Not 2× the float32 reference's error: at
+    scores of hundreds that error is a score's rounding, ulp(400) ≈ 3e-5, and which of
+    two summation orders rounds worse is luck — over 60 inputs each one was the worse by
+    2× or more, in 15–20% of them, at either vector width.)"""
     q, k, v = (x.astype(np.float32) for x in make_qkv((2, 4, 2, 24), (2, 2, 9, 24), 20, seed=8))
     q, k = -np.abs(q), np.abs(k)
     spec = validate(q, k, v, scale=20.0, **kw)
     assert small.streams(spec, kernels.for_dtype(np.float32))
     oracle = validate(*(x.astype(np.float64) for x in (q, k, v)), scale=20.0, **kw)
     o1, l1, _ = small.rung_forward(spec)
-    o0, _, _ = reference.rung_forward(spec)
     oo, lo, _ = reference.rung_forward(oracle)
     assert np.isfinite(lo).all() and lo.max() < -100
-    assert max_error(o1, oo) <= error_budget(oo, o0)
+    # a score off by a few of its ulps moves a row's weights by as much, relatively:
+    # the output by that times the largest value (a shift or underflow wrong: by O(1))
+    ulp = np.spacing(np.float32(20.0 * np.abs(np.einsum("bhld,bhsd->bhls", q, np.repeat(k, 2, axis=1))).max()))
+    assert max_error(o1, oo) <= 8 * ulp * np.abs(v).max()
     np.testing.assert_allclose(l1, lo, rtol=4 * np.finfo(np.float32).eps)
 
 

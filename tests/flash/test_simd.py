@@ -3,6 +3,10 @@ stores touch only their lanes, sums put each vector's sum where it is said to); 
 the decoding products of numba_products against NumPy for every remainder of rows,
 keys and head dims."""
 
+import os
+import subprocess
+import sys
+
 import numba
 import numpy as np
 import pytest
@@ -11,23 +15,37 @@ from attnkit.flash import numba_products as P
 from attnkit.flash import numba_simd as V
 
 
+W = V.LANES
+
+
 @numba.njit
 def _round_trip(src, dst, n):
-    # dst[0:16] ← src[0:16]; dst[16:32] ← the first n lanes of src[16:32] (the rest 0);
-    # dst[32:48] ← src[32:48], only n lanes stored
+    # dst[0:W] ← src[0:W]; dst[W:2W] ← the first n lanes of src[W:2W] (the rest 0);
+    # dst[2W:3W] ← src[2W:3W], only n lanes stored
     V.store(V.address(dst, (0,)), V.load(V.address(src, (0,))))
-    V.store(V.address(dst, (16,)), V.load_part(V.address(src, (16,)), n))
-    V.store_part(V.address(dst, (32,)), V.load(V.address(src, (32,))), n)
+    V.store(V.address(dst, (W,)), V.load_part(V.address(src, (W,)), n))
+    V.store_part(V.address(dst, (2 * W,)), V.load(V.address(src, (2 * W,))), n)
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 15, 16])
+@pytest.mark.parametrize("n", [0, 1, W // 2 - 1, W - 1, W])
 def test_partial_loads_read_and_partial_stores_write_only_their_lanes(n):
-    src = np.arange(48, dtype=np.float32) + 1
-    dst = np.full(48, -5.0, dtype=np.float32)
+    src = np.arange(3 * W, dtype=np.float32) + 1
+    dst = np.full(3 * W, -5.0, dtype=np.float32)
     _round_trip(src, dst, n)
-    assert np.array_equal(dst[:16], src[:16])
-    assert np.array_equal(dst[16:32], np.where(np.arange(16) < n, src[16:32], 0))       # the rest zero
-    assert np.array_equal(dst[32:48], np.where(np.arange(16) < n, src[32:48], -5))      # the rest untouched
+    lanes = np.arange(W)
+    assert np.array_equal(dst[:W], src[:W])
+    assert np.array_equal(dst[W:2 * W], np.where(lanes < n, src[W:2 * W], 0))          # the rest zero
+    assert np.array_equal(dst[2 * W:], np.where(lanes < n, src[2 * W:], -5))           # the rest untouched
+
+
+def test_the_lanes_are_the_machines_widest():
+    """16 lanes where numba compiles for AVX-512F, else 8 (AVX2's registers: the
+    products' tiles sized for 32 registers of 16 spilled there)."""
+    import llvmlite.binding as ll
+    if os.environ.get("ATTNKIT_SIMD_LANES") or numba.config.CPU_NAME not in (None, "host"):
+        pytest.skip("the lane count is set by hand here")
+    assert V.LANES == (16 if ll.get_host_cpu_features().get("avx512f") else 8)
+    assert P.KEYS * 4 == V.LANES and P.VALUE_LANES == (64 if V.LANES == 16 else 16)
 
 
 @numba.njit
@@ -37,23 +55,22 @@ def _row(x, i):
 
 @numba.njit
 def _sums(x, out):
-    V.put_sums4x4(V.address(out, (0, 0)), out.strides[0], _row(x, 0), _row(x, 1), _row(x, 2), _row(x, 3), _row(x, 4),
-                  _row(x, 5), _row(x, 6), _row(x, 7), _row(x, 8), _row(x, 9), _row(x, 10), _row(x, 11), _row(x, 12),
-                  _row(x, 13), _row(x, 14), _row(x, 15))
+    V._probe_sums(V.address(out, (0, 0)), out.strides[0], x, _row(x, 0), _row(x, 1), _row(x, 2))
     return V.sum4(_row(x, 0), _row(x, 1), _row(x, 2), _row(x, 3)), V.hsum(V.fma(_row(x, 5), V.splat(2.0), _row(x, 6)))
 
 
 def test_lane_sums_land_where_they_are_said_to():
     """sum4 gives each vector's sum in argument order, hsum one vector's (of a·b + c),
-    and the 4×4 form row i's four sums (vectors 4i … 4i + 3) at row i — exact here
-    (integers)."""
-    x = np.random.default_rng(0).integers(-50, 50, (16, 16)).astype(np.float32)
-    out = np.full((4, 6), 7.0, dtype=np.float32)
+    and put_sums4 row i's c = LANES / 4 sums (vectors ci … ci + c − 1; here x's rows 0,
+    1, 2, 0, 4, …) at row i — exact here (integers)."""
+    x = np.random.default_rng(0).integers(-50, 50, (16, W)).astype(np.float32)
+    out = np.full((4, W // 4 + 2), 7.0, dtype=np.float32)
     s, h = _sums(x, out)
     assert s == tuple(x[:4].sum(axis=1))
     assert h == (2 * x[5] + x[6]).sum()
-    assert np.array_equal(out[:, :4], x.sum(axis=1).reshape(4, 4))
-    assert np.all(out[:, 4:] == 7)                       # nothing past each row's four
+    rows = np.concatenate([x[[0, 1, 2, 0]], x[4:W]])
+    assert np.array_equal(out[:, :W // 4], rows.sum(axis=1).reshape(4, W // 4))
+    assert np.all(out[:, W // 4:] == 7)                  # nothing past each row's sums
 
 
 @numba.njit
@@ -145,9 +162,9 @@ def test_the_probe_accepts_these_intrinsics_and_refuses_wrong_ones(monkeypatch, 
         elif wrong == "hsum":
             h += 1
         elif wrong == "exp2":
-            out[7, 2] *= 1.0000001
+            out[7, 1] *= 1.0000001
         elif wrong == "fill":
-            out[7, 12] += 1
+            out[7, W - 2] += 1
         elif wrong == "hmax":
             top = 3.0
         elif wrong == "neginf":
@@ -160,7 +177,7 @@ def test_the_probe_accepts_these_intrinsics_and_refuses_wrong_ones(monkeypatch, 
 
 @numba.njit
 def _exp2v(t, out):
-    for i in range(0, t.shape[0], 16):
+    for i in range(0, t.shape[0], W):
         V.store(V.address(out, (i,)), V.exp2v(V.load(V.address(t, (i,)))))
 
 
@@ -172,7 +189,7 @@ def test_the_vector_exp_is_the_scalar_one_bit_for_bit():
     rng = np.random.default_rng(5)
     t = np.concatenate([-rng.exponential(8.0, 4000), np.linspace(-126, -124, 200), np.arange(-130, 1),
                         [0.0, -0.5, -1.5, -np.inf, np.nan, -1e-8, -125.0, -124.99999]]).astype(np.float32)
-    t = np.concatenate([t, np.zeros(-len(t) % 16, np.float32)])
+    t = np.concatenate([t, np.zeros(-len(t) % W, np.float32)])
     out = np.empty_like(t)
     _exp2v(t, out)
     want = np.array([exp2_f32(x) for x in t], dtype=np.float32)
@@ -217,3 +234,15 @@ def test_row_passes_scale_find_the_max_and_exponentiate_only_their_lanes(n, case
     np.testing.assert_allclose(x[:n], e, rtol=3e-7)
     assert np.isnan(total) if case == "nan" and n else np.isclose(total, e.sum(), rtol=1e-6)
     assert np.array_equal(x[n:], buf[n:])
+
+
+@pytest.mark.skipif(bool(os.environ.get("ATTNKIT_SIMD_LANES")), reason="this is the run at the other width")
+def test_the_other_lane_count_passes_these_tests_too(tmp_path):
+    """This file at the lane count this machine does not use (16 lanes run, split by
+    LLVM, where AVX-512 is missing; 8 lanes on any x86-64): both tiles' code is tested
+    on every host. Its own numba cache: the disk cache does not know LANES."""
+    env = dict(os.environ, ATTNKIT_SIMD_LANES=str(24 - W), NUMBA_CACHE_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                          __file__], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout

@@ -348,12 +348,12 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
 
     Keys go in chunks of CHUNK (CHUNK_LONG where a page holds at least that many), in
     three passes: the scores (:func:`.numba_products.scores`: four rows by four keys per
-    pass over their 16 vector accumulators — a GQA group's heads share each key read —
+    pass over their vector accumulators — a GQA group's heads share each key read —
     while the same keys' value rows are prefetched); the softmax of the chunk row by
     row (caps, ALiBi and bounds over whole rows: vectorised, and no call of tanh inside
     the score loop, whose registers it would spill); the values
-    (:func:`.numba_products.weighted_values`: four output rows by 64 lanes in registers
-    across the keys) — where some row's bounds cut the chunk, or a score inside them is
+    (:func:`.numba_products.weighted_values`: four output rows by as many lanes as the
+    machine's registers hold, across the keys) — where some row's bounds cut the chunk, or a score inside them is
     −inf (an infinite q or k entry), key by key and only the keys each row sees (an
     excluded key's value is never read). Each kv head takes the three passes in turn
     (what a pass prefetches then stays in L2). On pages of fewer keys than a chunk the

@@ -6,11 +6,14 @@ where LLVM's own vector loops never ran).
 LLVM vectorises a plain loop over the head dim with one accumulator per row and key,
 summed across its lanes after every key: four rows against one key cost 4 horizontal
 sums, and chains of dependent multiply-adds (57 cycles a key where 32 multiply-adds
-take 16). Here the code says what the vectors hold: four rows by four keys of scores
-from one pass over their 16 accumulators, summed across lanes together (15 shuffle
-steps for 16 sums); the value pass keeps four output rows by 64 lanes in registers
-across its keys (by 32 lanes where no more are left: a head dim of 32 does no work on
-empty lanes). Decoding from memory then waits less on arithmetic (docs/decisions.md).
+take 16). Here the code says what the vectors hold: four rows by :data:`KEYS` keys of
+scores from one pass over their accumulators, summed across lanes together (4·KEYS − 1
+shuffle steps for 4·KEYS sums); the value pass keeps four output rows by :data:`VALUE_LANES` lanes
+in registers across its keys (by two vectors where no more are left: a head dim of 32
+does no work on empty lanes). Both tiles are sized to the machine's vector registers
+(:data:`.numba_simd.LANES`): AVX-512's 32 hold four rows by four keys (16 accumulators
+and 8 loads) and by four vectors; AVX2's 16 hold four rows by two keys (8 and 6) and by
+two vectors. Decoding from memory then waits less on arithmetic (docs/decisions.md).
 
 Operands are addresses (``address(arr, idx)``) with byte strides between rows; rows
 are float32 with unit stride. Every sum runs in an order fixed when the kernels
@@ -41,7 +44,7 @@ from .numba_simd import (
     load_part,
     prefetch_bytes,
     put,
-    put_sums4x4,
+    put_sums4,
     splat,
     store,
     store_part,
@@ -68,6 +71,12 @@ def _st(p, x, n, full):
         store_part(p, x, n)
 
 
+# the register tiles (see the module's note): keys a pass of the scores' four rows
+# takes, and lanes a pass of the value rows' four output rows keeps
+KEYS = LANES // 4
+VALUE_LANES = 4 * LANES if LANES == 16 else 2 * LANES
+
+
 @numba.njit(**REDUCE, inline="always")
 def _dot4x4(q0, qst, k0, kst, D, s0, sst):
     # at s0 + i·sst, four floats: Σ_d q_i[d]·k_j[d] for rows q_i at q0 + i·qst, keys k_j at k0 + j·kst
@@ -84,7 +93,30 @@ def _dot4x4(q0, qst, k0, kst, D, s0, sst):
         x10, x11, x12, x13 = fma(a1, b0, x10), fma(a1, b1, x11), fma(a1, b2, x12), fma(a1, b3, x13)
         x20, x21, x22, x23 = fma(a2, b0, x20), fma(a2, b1, x21), fma(a2, b2, x22), fma(a2, b3, x23)
         x30, x31, x32, x33 = fma(a3, b0, x30), fma(a3, b1, x31), fma(a3, b2, x32), fma(a3, b3, x33)
-    put_sums4x4(s0, sst, x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33)
+    put_sums4(s0, sst, x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33)
+
+
+@numba.njit(**REDUCE, inline="always")
+def _dot4x2(q0, qst, k0, kst, D, s0, sst):
+    # as _dot4x4 for two keys (AVX2's registers)
+    q1, q2, q3, k1 = q0 + qst, q0 + 2 * qst, q0 + 3 * qst, k0 + kst
+    x00 = x01 = x10 = x11 = x20 = x21 = x30 = x31 = splat(0.0)
+    for d in range(0, D, LANES):
+        o, t = 4 * d, D - d
+        full = t >= LANES
+        b0, b1 = _ld(k0 + o, t, full), _ld(k1 + o, t, full)
+        a = _ld(q0 + o, t, full)
+        x00, x01 = fma(a, b0, x00), fma(a, b1, x01)
+        a = _ld(q1 + o, t, full)
+        x10, x11 = fma(a, b0, x10), fma(a, b1, x11)
+        a = _ld(q2 + o, t, full)
+        x20, x21 = fma(a, b0, x20), fma(a, b1, x21)
+        a = _ld(q3 + o, t, full)
+        x30, x31 = fma(a, b0, x30), fma(a, b1, x31)
+    put_sums4(s0, sst, x00, x01, x10, x11, x20, x21, x30, x31)
+
+
+_tile = _dot4x4 if KEYS == 4 else _dot4x2
 
 
 @numba.njit(**REDUCE, inline="always")
@@ -113,8 +145,9 @@ def _dot1(p, y, D):
 @numba.njit(**REDUCE, inline="always")
 def scores(q0, qst, R, D, k0, kst, j0, j1, s0, sst, v0, vst, pf):
     """s[r, j] (at s0 + r·sst + 4j) = q_r · k_j for rows r < R (at q0 + r·qst) and keys
-    j in [j0, j1) (at k0 + j·kst), four rows by four keys per pass; the first pf bytes
-    of each key's value row (at v0 + j·vst) prefetched on the way."""
+    j in [j0, j1) (at k0 + j·kst), four keys at a time: four rows by KEYS keys per pass,
+    the rows past a multiple of four one by four keys; the first pf bytes of each key's
+    value row (at v0 + j·vst) prefetched on the way."""
     R4, j4 = R - R % 4, j0 + (j1 - j0) // 4 * 4
     for jb in range(j0, j1, 4):
         for jj in range(jb, min(jb + 4, j1)):
@@ -122,7 +155,8 @@ def scores(q0, qst, R, D, k0, kst, j0, j1, s0, sst, v0, vst, pf):
         pk = k0 + jb * kst
         if jb < j4:
             for r in range(0, R4, 4):
-                _dot4x4(q0 + r * qst, qst, pk, kst, D, s0 + r * sst + 4 * jb, sst)
+                for t in range(0, 4, KEYS):
+                    _tile(q0 + r * qst, qst, pk + t * kst, kst, D, s0 + r * sst + 4 * (jb + t), sst)
             for r in range(R4, R):
                 x0, x1, x2, x3 = _dot4(pk, kst, q0 + r * qst, D)
                 ps = s0 + r * sst + 4 * jb
@@ -140,16 +174,17 @@ def scores(q0, qst, R, D, k0, kst, j0, j1, s0, sst, v0, vst, pf):
 
 @numba.njit(**REDUCE, inline="always")
 def _values4x2(s0, sst, j0, j1, v0, vst, p0, ast, n):
-    # as _values4 for n ≤ 32 lanes: four rows by two vectors, the same sums in the same
-    # order (no multiply-adds on lanes that hold nothing)
+    # as _values4 for n ≤ 2·LANES lanes (or more, of which 2·LANES are taken): four rows
+    # by two vectors, the same sums in the same order (no multiply-adds on lanes that
+    # hold nothing)
     p1, p2, p3 = p0 + ast, p0 + 2 * ast, p0 + 3 * ast
     s1, s2, s3 = s0 + sst, s0 + 2 * sst, s0 + 3 * sst
-    m, full = n - 16, n == 32
-    t00, t01, t10, t11 = _ld(p0, n, full), _ld(p0 + 64, m, full), _ld(p1, n, full), _ld(p1 + 64, m, full)
-    t20, t21, t30, t31 = _ld(p2, n, full), _ld(p2 + 64, m, full), _ld(p3, n, full), _ld(p3 + 64, m, full)
+    m, full, h = n - LANES, n >= 2 * LANES, 4 * LANES
+    t00, t01, t10, t11 = _ld(p0, n, full), _ld(p0 + h, m, full), _ld(p1, n, full), _ld(p1 + h, m, full)
+    t20, t21, t30, t31 = _ld(p2, n, full), _ld(p2 + h, m, full), _ld(p3, n, full), _ld(p3 + h, m, full)
     for j in range(j0, j1):
         pv = v0 + j * vst
-        y0, y1 = _ld(pv, n, full), _ld(pv + 64, m, full)
+        y0, y1 = _ld(pv, n, full), _ld(pv + h, m, full)
         w = splat(get(s0 + 4 * j))
         t00, t01 = fma(w, y0, t00), fma(w, y1, t01)
         w = splat(get(s1 + 4 * j))
@@ -158,35 +193,37 @@ def _values4x2(s0, sst, j0, j1, v0, vst, p0, ast, n):
         t20, t21 = fma(w, y0, t20), fma(w, y1, t21)
         w = splat(get(s3 + 4 * j))
         t30, t31 = fma(w, y0, t30), fma(w, y1, t31)
-    _st(p0, t00, n, full), _st(p0 + 64, t01, m, full), _st(p1, t10, n, full), _st(p1 + 64, t11, m, full)
-    _st(p2, t20, n, full), _st(p2 + 64, t21, m, full), _st(p3, t30, n, full), _st(p3 + 64, t31, m, full)
+    _st(p0, t00, n, full), _st(p0 + h, t01, m, full), _st(p1, t10, n, full), _st(p1 + h, t11, m, full)
+    _st(p2, t20, n, full), _st(p2 + h, t21, m, full), _st(p3, t30, n, full), _st(p3 + h, t31, m, full)
 
 
 @numba.njit(**REDUCE, inline="always")
 def _values4(s0, sst, j0, j1, v0, vst, p0, ast, Dv):
-    # rows p_i (at p0 + i·ast, i < 4) += Σ_j s_i[j]·v_j: four rows by four vectors (64
-    # lanes) in registers across the keys, by two (:func:`_values4x2`) for the last 32
-    # or fewer; past Dv no lane is read or written
+    # rows p_i (at p0 + i·ast, i < 4) += Σ_j s_i[j]·v_j: four rows by VALUE_LANES in
+    # registers across the keys (four vectors; AVX2: two, :func:`_values4x2`), by two
+    # vectors for the last 2·LANES or fewer; past Dv no lane is read or written
     p1, p2, p3 = p0 + ast, p0 + 2 * ast, p0 + 3 * ast
     s1, s2, s3 = s0 + sst, s0 + 2 * sst, s0 + 3 * sst
-    for d in range(0, Dv, 64):
+    h = 4 * LANES                                        # a vector's bytes
+    for d in range(0, Dv, VALUE_LANES):
         o = 4 * d
-        n0, n1, n2, n3 = Dv - d, Dv - d - 16, Dv - d - 32, Dv - d - 48   # lanes: min(16, n), none below 1
-        if n2 <= 0:
+        n0, n1, n2, n3 = Dv - d, Dv - d - LANES, Dv - d - 2 * LANES, Dv - d - 3 * LANES   # lanes: min(L, n)
+        if VALUE_LANES == 2 * LANES or n2 <= 0:
             _values4x2(s0, sst, j0, j1, v0 + o, vst, p0 + o, ast, n0)
             continue
-        full = d + 64 <= Dv
-        t00, t01, t02, t03 = _ld(p0 + o, n0, full), _ld(p0 + o + 64, n1, full), _ld(p0 + o + 128, n2, full), \
-            _ld(p0 + o + 192, n3, full)
-        t10, t11, t12, t13 = _ld(p1 + o, n0, full), _ld(p1 + o + 64, n1, full), _ld(p1 + o + 128, n2, full), \
-            _ld(p1 + o + 192, n3, full)
-        t20, t21, t22, t23 = _ld(p2 + o, n0, full), _ld(p2 + o + 64, n1, full), _ld(p2 + o + 128, n2, full), \
-            _ld(p2 + o + 192, n3, full)
-        t30, t31, t32, t33 = _ld(p3 + o, n0, full), _ld(p3 + o + 64, n1, full), _ld(p3 + o + 128, n2, full), \
-            _ld(p3 + o + 192, n3, full)
+        full = d + 4 * LANES <= Dv
+        t00, t01, t02, t03 = _ld(p0 + o, n0, full), _ld(p0 + o + h, n1, full), _ld(p0 + o + 2 * h, n2, full), \
+            _ld(p0 + o + 3 * h, n3, full)
+        t10, t11, t12, t13 = _ld(p1 + o, n0, full), _ld(p1 + o + h, n1, full), _ld(p1 + o + 2 * h, n2, full), \
+            _ld(p1 + o + 3 * h, n3, full)
+        t20, t21, t22, t23 = _ld(p2 + o, n0, full), _ld(p2 + o + h, n1, full), _ld(p2 + o + 2 * h, n2, full), \
+            _ld(p2 + o + 3 * h, n3, full)
+        t30, t31, t32, t33 = _ld(p3 + o, n0, full), _ld(p3 + o + h, n1, full), _ld(p3 + o + 2 * h, n2, full), \
+            _ld(p3 + o + 3 * h, n3, full)
         for j in range(j0, j1):
             pv = v0 + j * vst + o
-            y0, y1, y2, y3 = _ld(pv, n0, full), _ld(pv + 64, n1, full), _ld(pv + 128, n2, full), _ld(pv + 192, n3, full)
+            y0, y1 = _ld(pv, n0, full), _ld(pv + h, n1, full)
+            y2, y3 = _ld(pv + 2 * h, n2, full), _ld(pv + 3 * h, n3, full)
             w = splat(get(s0 + 4 * j))
             t00, t01, t02, t03 = fma(w, y0, t00), fma(w, y1, t01), fma(w, y2, t02), fma(w, y3, t03)
             w = splat(get(s1 + 4 * j))
@@ -195,38 +232,39 @@ def _values4(s0, sst, j0, j1, v0, vst, p0, ast, Dv):
             t20, t21, t22, t23 = fma(w, y0, t20), fma(w, y1, t21), fma(w, y2, t22), fma(w, y3, t23)
             w = splat(get(s3 + 4 * j))
             t30, t31, t32, t33 = fma(w, y0, t30), fma(w, y1, t31), fma(w, y2, t32), fma(w, y3, t33)
-        _st(p0 + o, t00, n0, full), _st(p0 + o + 64, t01, n1, full), _st(p0 + o + 128, t02, n2, full)
-        _st(p0 + o + 192, t03, n3, full), _st(p1 + o, t10, n0, full), _st(p1 + o + 64, t11, n1, full)
-        _st(p1 + o + 128, t12, n2, full), _st(p1 + o + 192, t13, n3, full), _st(p2 + o, t20, n0, full)
-        _st(p2 + o + 64, t21, n1, full), _st(p2 + o + 128, t22, n2, full), _st(p2 + o + 192, t23, n3, full)
-        _st(p3 + o, t30, n0, full), _st(p3 + o + 64, t31, n1, full), _st(p3 + o + 128, t32, n2, full)
-        _st(p3 + o + 192, t33, n3, full)
+        _st(p0 + o, t00, n0, full), _st(p0 + o + h, t01, n1, full), _st(p0 + o + 2 * h, t02, n2, full)
+        _st(p0 + o + 3 * h, t03, n3, full), _st(p1 + o, t10, n0, full), _st(p1 + o + h, t11, n1, full)
+        _st(p1 + o + 2 * h, t12, n2, full), _st(p1 + o + 3 * h, t13, n3, full), _st(p2 + o, t20, n0, full)
+        _st(p2 + o + h, t21, n1, full), _st(p2 + o + 2 * h, t22, n2, full), _st(p2 + o + 3 * h, t23, n3, full)
+        _st(p3 + o, t30, n0, full), _st(p3 + o + h, t31, n1, full), _st(p3 + o + 2 * h, t32, n2, full)
+        _st(p3 + o + 3 * h, t33, n3, full)
 
 
 @numba.njit(**REDUCE, inline="always")
 def _values1(s0, j0, j1, v0, vst, p, Dv):
-    # row p += Σ_j s[j]·v_j, four vectors in registers, two for the last 32 lanes or
+    # row p += Σ_j s[j]·v_j, four vectors in registers, two for the last 2·LANES lanes or
     # fewer (as _values4, one row)
-    for d in range(0, Dv, 64):
+    h = 4 * LANES
+    for d in range(0, Dv, 4 * LANES):
         o = 4 * d
-        n0, n1, n2, n3 = Dv - d, Dv - d - 16, Dv - d - 32, Dv - d - 48
+        n0, n1, n2, n3 = Dv - d, Dv - d - LANES, Dv - d - 2 * LANES, Dv - d - 3 * LANES
         if n2 <= 0:
-            full = n0 == 32
-            t0, t1 = _ld(p + o, n0, full), _ld(p + o + 64, n1, full)
+            full = n0 == 2 * LANES
+            t0, t1 = _ld(p + o, n0, full), _ld(p + o + h, n1, full)
             for j in range(j0, j1):
                 pv, w = v0 + j * vst + o, splat(get(s0 + 4 * j))
-                t0, t1 = fma(w, _ld(pv, n0, full), t0), fma(w, _ld(pv + 64, n1, full), t1)
-            _st(p + o, t0, n0, full), _st(p + o + 64, t1, n1, full)
+                t0, t1 = fma(w, _ld(pv, n0, full), t0), fma(w, _ld(pv + h, n1, full), t1)
+            _st(p + o, t0, n0, full), _st(p + o + h, t1, n1, full)
             continue
-        full = d + 64 <= Dv
-        t0, t1, t2, t3 = _ld(p + o, n0, full), _ld(p + o + 64, n1, full), _ld(p + o + 128, n2, full), \
-            _ld(p + o + 192, n3, full)
+        full = d + 4 * LANES <= Dv
+        t0, t1, t2, t3 = _ld(p + o, n0, full), _ld(p + o + h, n1, full), _ld(p + o + 2 * h, n2, full), \
+            _ld(p + o + 3 * h, n3, full)
         for j in range(j0, j1):
             pv, w = v0 + j * vst + o, splat(get(s0 + 4 * j))
-            t0, t1 = fma(w, _ld(pv, n0, full), t0), fma(w, _ld(pv + 64, n1, full), t1)
-            t2, t3 = fma(w, _ld(pv + 128, n2, full), t2), fma(w, _ld(pv + 192, n3, full), t3)
-        _st(p + o, t0, n0, full), _st(p + o + 64, t1, n1, full), _st(p + o + 128, t2, n2, full)
-        _st(p + o + 192, t3, n3, full)
+            t0, t1 = fma(w, _ld(pv, n0, full), t0), fma(w, _ld(pv + h, n1, full), t1)
+            t2, t3 = fma(w, _ld(pv + 2 * h, n2, full), t2), fma(w, _ld(pv + 3 * h, n3, full), t3)
+        _st(p + o, t0, n0, full), _st(p + o + h, t1, n1, full), _st(p + o + 2 * h, t2, n2, full)
+        _st(p + o + 3 * h, t3, n3, full)
 
 
 @numba.njit(**REDUCE, inline="always")

@@ -1,23 +1,32 @@
-"""Explicit 16-lane float32 vectors in numba code: the vector type, loads and stores
-(whole or the first n lanes), lane arithmetic, lane sums and a vector exp
-(:func:`exp2v`, the scalar exp's rule: :data:`EXP2_POLY`). The decoding kernels'
-products and row passes are written with them in :mod:`.numba_products`.
+"""Explicit float32 vectors in numba code: the vector type, loads and stores (whole or
+the first n lanes), lane arithmetic, lane sums and a vector exp (:func:`exp2v`, the
+scalar exp's rule: :data:`EXP2_POLY`). The decoding kernels' products and row passes
+are written with them in :mod:`.numba_products`.
+
+A vector (``f32v``) has :data:`LANES` lanes: the machine's widest, 16 where numba
+compiles for AVX-512 (32 registers of 16 floats), else 8 (AVX2's 16 registers of 8).
+16-lane vectors on a machine without AVX-512 are split by LLVM into pairs, which the
+products' register tiles, sized for 32 registers, then spill to memory (on a Zen 3
+host the small kernels ran at a quarter of the FMA units' rate: docs/decisions.md).
 
 Operands are addresses (``address(arr, idx)``) with byte strides between rows; rows
-are float32 with unit stride. A vector is ``f32x16``; ``load_part``/``store_part``
-touch only the first n lanes (a head dim that is not a multiple of 16). Every sum runs
-in an order fixed when the kernels compile (``fma`` is a multiply-add, fused where the
-machine has FMA; compiled with reassociation, LLVM may regroup them, once), so results
-are the same whatever the thread count. On machines without 512-bit vectors
-LLVM splits each vector into narrower ones: the same values, more instructions.
-Vectors live in local variables (registers), never in lists, arrays or tuples kept in
-memory: numba does not align such storage for them.
+are float32 with unit stride. ``load_part``/``store_part`` touch only the first n lanes
+(a head dim that is not a multiple of LANES). Every sum runs in an order fixed when the
+kernels compile (``fma`` is a multiply-add, fused where the machine has FMA; compiled
+with reassociation, LLVM may regroup them, once), so results are the same whatever the
+thread count (on one machine: the lane count fixes the order too). Vectors live in
+local variables (registers), never in lists, arrays or tuples kept in memory: numba
+does not align such storage for them.
 
 Developers: numba's disk cache follows a function's own file: after editing this one,
-delete ``__pycache__/numba_*.nb*`` (the kernels inline it).
+delete ``__pycache__/numba_*.nb*`` (the kernels inline it). The cache does not know
+LANES: ``ATTNKIT_SIMD_LANES`` (8 or 16) overrides the machine's choice only with a
+``NUMBA_CACHE_DIR`` of its own (tests/flash/test_simd.py runs the other width so).
 """
 
 from __future__ import annotations
+
+import os
 
 import numba
 import numpy as np
@@ -26,13 +35,26 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-LANES = 16
+
+def _lanes() -> int:
+    """16 where numba compiles for a CPU with AVX-512F, else 8 (``ATTNKIT_SIMD_LANES``
+    overrides; see the module's note on the cache)."""
+    forced = os.environ.get("ATTNKIT_SIMD_LANES", "")
+    if forced in ("8", "16"):
+        return int(forced)
+    if numba.config.CPU_NAME not in (None, "host"):      # a named target (NUMBA_CPU_NAME): its features
+        return 16 if "+avx512f" in (numba.config.CPU_FEATURES or "").split(",") else 8
+    return 16 if binding.get_host_cpu_features().get("avx512f") else 8
+
+
+LANES = _lanes()
 _F, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 _V = ir.VectorType(_F, LANES)
 _MASK = ir.VectorType(ir.IntType(1), LANES)
+_VN = f"v{LANES}f32"                                    # the vector type in intrinsics' names
 # llvm.masked.* are named by their pointer type: "p0" where LLVM has only opaque pointers
 # (17 on), "p0v16f32" before (LLVM renames either on parsing, where it can)
-_MASKED = ".v16f32.p0" if binding.llvm_version_info[0] >= 17 else ".v16f32.p0v16f32"
+_MASKED = f".{_VN}.p0" if binding.llvm_version_info[0] >= 17 else f".{_VN}.p0{_VN}"
 # the compiled kernels' flags (here and in .numba_kernels). No "arcp" in either: a
 # division stays a division (finishing, inlined into the tile loop, divides by each
 # row's sum; with arcp it became a reciprocal times x, 1 ulp off)
@@ -47,17 +69,17 @@ EXP2_MIN = -125.0
 LOG2E = 1.44269504088896341
 
 
-class F32x16(types.Type):
-    """numba's type of a 16-lane float32 vector (an LLVM <16 x float> value)."""
+class F32Vec(types.Type):
+    """numba's type of a LANES-lane float32 vector (an LLVM <LANES x float> value)."""
 
     def __init__(self) -> None:
-        super().__init__(name="f32x16")
+        super().__init__(name=f"f32x{LANES}")
 
 
-f32x16 = F32x16()
+f32v = F32Vec()
 
 
-@register_model(F32x16)
+@register_model(F32Vec)
 class _VectorModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
         super().__init__(dmm, fe_type, _V)
@@ -136,31 +158,31 @@ def put(typingctx, addr, x):
 
 @intrinsic
 def load(typingctx, addr):
-    """16 float32 from addr."""
+    """LANES float32 from addr."""
     def codegen(context, builder, sig, args):
         return builder.load(_at(builder, args[0]), align=4)
-    return f32x16(types.intp), codegen
+    return f32v(types.intp), codegen
 
 
 @intrinsic
 def load_part(typingctx, addr, n):
-    """Lanes [0, n) from addr (all 16 for n ≥ 16, none for n ≤ 0), the others 0;
+    """Lanes [0, n) from addr (all for n ≥ LANES, none for n ≤ 0), the others 0;
     nothing past lane n − 1 is read."""
     def codegen(context, builder, sig, args):
         fn = _function(builder, "llvm.masked.load" + _MASKED, _V, [_V.as_pointer(), _I32, _MASK, _V])
         n = context.cast(builder, args[1], sig.args[1], types.int64)
         zero = ir.Constant(_V, [0.0] * LANES)
         return builder.call(fn, [_at(builder, args[0]), _I32(4), _lanes_below(builder, n), zero])
-    return f32x16(types.intp, n), codegen
+    return f32v(types.intp, n), codegen
 
 
 @intrinsic
 def store(typingctx, addr, x):
-    """Store the 16 lanes of x at addr."""
+    """Store the LANES lanes of x at addr."""
     def codegen(context, builder, sig, args):
         builder.store(args[1], _at(builder, args[0]), align=4)
         return context.get_dummy_value()
-    return types.none(types.intp, f32x16), codegen
+    return types.none(types.intp, f32v), codegen
 
 
 @intrinsic
@@ -172,7 +194,7 @@ def store_part(typingctx, addr, x, n):
         n = context.cast(builder, args[2], sig.args[2], types.int64)
         builder.call(fn, [args[1], _at(builder, args[0]), _I32(4), _lanes_below(builder, n)])
         return context.get_dummy_value()
-    return types.none(types.intp, f32x16, n), codegen
+    return types.none(types.intp, f32v, n), codegen
 
 
 @intrinsic
@@ -182,25 +204,25 @@ def splat(typingctx, x):
         x = context.cast(builder, args[0], sig.args[0], types.float32)
         v = builder.insert_element(ir.Constant(_V, ir.Undefined), x, _I32(0))
         return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
-    return f32x16(x), codegen
+    return f32v(x), codegen
 
 
 @intrinsic
 def fma(typingctx, a, b, c):
     """a · b + c lane by lane (llvm.fmuladd: fused where the machine has FMA)."""
     def codegen(context, builder, sig, args):
-        return builder.call(_function(builder, "llvm.fmuladd.v16f32", _V, [_V, _V, _V]), args)
-    return f32x16(f32x16, f32x16, f32x16), codegen
+        return builder.call(_function(builder, f"llvm.fmuladd.{_VN}", _V, [_V, _V, _V]), args)
+    return f32v(f32v, f32v, f32v), codegen
 
 
 def _binary(op):
-    """An intrinsic f(a, b) → f32x16: the IR builder's float op ``op`` lane by lane
+    """An intrinsic f(a, b) → f32v: the IR builder's float op ``op`` lane by lane
     (no fast-math flags: each lane rounds as written)."""
     @intrinsic
     def f(typingctx, a, b):
         def codegen(context, builder, sig, args):
             return getattr(builder, op)(args[0], args[1])
-        return f32x16(f32x16, f32x16), codegen
+        return f32v(f32v, f32v), codegen
     return f
 
 
@@ -209,7 +231,7 @@ vadd, vsub, vmul = _binary("fadd"), _binary("fsub"), _binary("fmul")
 
 def _maxnum(builder, a, b, fastmath=("nnan", "nsz")):
     # llvm.maxnum, with nnan (vmaxps) as numba_kernels._fmax: a NaN lane may be skipped
-    return builder.call(_function(builder, "llvm.maxnum.v16f32", _V, [_V, _V]), [a, b], fastmath=fastmath)
+    return builder.call(_function(builder, f"llvm.maxnum.{_VN}", _V, [_V, _V]), [a, b], fastmath=fastmath)
 
 
 @intrinsic
@@ -217,7 +239,7 @@ def vmax(typingctx, a, b):
     """max(a, b) lane by lane (a NaN lane may be skipped, as the scalar row max does)."""
     def codegen(context, builder, sig, args):
         return _maxnum(builder, args[0], args[1])
-    return f32x16(f32x16, f32x16), codegen
+    return f32v(f32v, f32v), codegen
 
 
 @intrinsic
@@ -230,19 +252,19 @@ def hmax(typingctx, a):
             x = _maxnum(builder, x, builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, LANES), lanes)))
             size //= 2
         return builder.extract_element(x, _I32(0))
-    return types.float32(f32x16), codegen
+    return types.float32(f32v), codegen
 
 
 @intrinsic
 def fill_from(typingctx, x, n, value):
-    """x with its lanes from n on (none for n ≥ 16, all for n ≤ 0) set to value."""
+    """x with its lanes from n on (none for n ≥ LANES, all for n ≤ 0) set to value."""
     def codegen(context, builder, sig, args):
         n = context.cast(builder, args[1], sig.args[1], types.int64)
         y = context.cast(builder, args[2], sig.args[2], types.float32)
         v = builder.insert_element(ir.Constant(_V, ir.Undefined), y, _I32(0))
         v = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
         return builder.select(_lanes_below(builder, n), args[0], v)
-    return f32x16(f32x16, n, value), codegen
+    return f32v(f32v, n, value), codegen
 
 
 @intrinsic
@@ -251,7 +273,7 @@ def is_neginf(typingctx, x):
     def codegen(context, builder, sig, args):
         hit = builder.fcmp_ordered("==", args[0], ir.Constant(_V, [float("-inf")] * LANES))
         return builder.uitofp(hit, _V)
-    return f32x16(f32x16), codegen
+    return f32v(f32v), codegen
 
 
 @intrinsic
@@ -262,8 +284,8 @@ def exp2v(typingctx, t):
     def codegen(context, builder, sig, args):
         t = args[0]
         const = lambda c: ir.Constant(_V, [c] * LANES)
-        floor = _function(builder, "llvm.floor.v16f32", _V, [_V])
-        fmuladd = _function(builder, "llvm.fmuladd.v16f32", _V, [_V, _V, _V])
+        floor = _function(builder, f"llvm.floor.{_VN}", _V, [_V])
+        fmuladd = _function(builder, f"llvm.fmuladd.{_VN}", _V, [_V, _V, _V])
         n = builder.call(floor, [builder.fadd(t, const(0.5))])
         r = builder.fsub(t, n)
         p = const(EXP2_POLY[0])
@@ -271,14 +293,14 @@ def exp2v(typingctx, t):
             p = builder.call(fmuladd, [p, r, const(c)])
         # 2^n from its exponent bits; n held in [−127, 127] first (no conversion of an
         # infinite or NaN n: those lanes are 0 or NaN by the select or by r)
-        n = builder.call(_function(builder, "llvm.minnum.v16f32", _V, [_V, _V]),
+        n = builder.call(_function(builder, f"llvm.minnum.{_VN}", _V, [_V, _V]),
                          [_maxnum(builder, n, const(-127.0), ()), const(127.0)])
         iv = ir.VectorType(_I32, LANES)
         bits = builder.shl(builder.add(builder.fptosi(n, iv), ir.Constant(iv, [127] * LANES)),
                            ir.Constant(iv, [23] * LANES))
         y = builder.fmul(p, builder.bitcast(bits, _V))
         return builder.select(builder.fcmp_ordered("<", t, const(EXP2_MIN)), const(0.0), y)
-    return f32x16(f32x16), codegen
+    return f32v(f32v), codegen
 
 
 def _pairs(builder, a, b, size):
@@ -293,7 +315,7 @@ def _pairs(builder, a, b, size):
 
 
 def _sums(builder, xs):
-    # the lane sums of len(xs) ∈ {1, 2, 4, 8, 16} vectors, in one vector's first lanes (in order)
+    # the lane sums of len(xs) ∈ {1, 2, 4, …, LANES} vectors, in one vector's first lanes (in order)
     size = LANES // 2
     while len(xs) > 1:
         xs = [_pairs(builder, xs[i], xs[i + 1], size) for i in range(0, len(xs), 2)]
@@ -311,7 +333,7 @@ def sum4(typingctx, a, b, c, d):
     def codegen(context, builder, sig, args):
         x = _sums(builder, list(args))
         return context.make_tuple(builder, sig.return_type, [builder.extract_element(x, _I32(i)) for i in range(4)])
-    return types.UniTuple(types.float32, 4)(f32x16, f32x16, f32x16, f32x16), codegen
+    return types.UniTuple(types.float32, 4)(f32v, f32v, f32v, f32v), codegen
 
 
 @intrinsic
@@ -319,57 +341,74 @@ def hsum(typingctx, a):
     """Σ a over lanes, in a fixed order."""
     def codegen(context, builder, sig, args):
         return builder.extract_element(_sums(builder, [args[0]]), _I32(0))
-    return types.float32(f32x16), codegen
+    return types.float32(f32v), codegen
 
 
 @intrinsic
-def put_sums4x4(typingctx, p, st, *xs):
-    """Row i's four sums Σ x[4i + j] (j < 4) over lanes stored at p + i·st (bytes), for
-    16 vectors x: 15 pairwise steps instead of 16 separate sums."""
+def put_sums4(typingctx, p, st, *xs):
+    """Row i's c sums Σ x[c·i + j] (j < c) over lanes stored at p + i·st (bytes), for
+    4·c vectors x, c = LANES / 4 (four rows by c keys of scores): 4c − 1 pairwise
+    steps instead of 4c separate sums."""
+    if len(xs) != LANES or any(t != f32v for t in xs):
+        return None
+    c = LANES // 4
+
     def codegen(context, builder, sig, args):
         p, st = args[0], args[1]
         x = _sums(builder, cgutils.unpack_tuple(builder, args[2]))
-        q4 = ir.VectorType(_F, 4)
+        row = ir.VectorType(_F, c)
         for i in range(4):
-            part = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, 4), [4 * i + j for j in range(4)]))
-            builder.store(part, _at(builder, builder.add(p, builder.mul(st, _I64(i))), q4), align=4)
+            part = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, c), [c * i + j for j in range(c)]))
+            builder.store(part, _at(builder, builder.add(p, builder.mul(st, _I64(i))), row), align=4)
         return context.get_dummy_value()
-    return types.none(types.intp, types.intp, types.StarArgTuple([f32x16] * 16)), codegen
+    return types.none(types.intp, types.intp, types.StarArgTuple([f32v] * LANES)), codegen
+
+
+if LANES == 16:
+    @numba.njit(**REDUCE, inline="always")
+    def _probe_sums(p, st, x, a, b, c):
+        # put_sums4 of a, b, c, a and x's rows 4 … LANES − 1
+        put_sums4(p, st, a, b, c, a, load(address(x, (4, 0))), load(address(x, (5, 0))), load(address(x, (6, 0))),
+                  load(address(x, (7, 0))), load(address(x, (8, 0))), load(address(x, (9, 0))),
+                  load(address(x, (10, 0))), load(address(x, (11, 0))), load(address(x, (12, 0))),
+                  load(address(x, (13, 0))), load(address(x, (14, 0))), load(address(x, (15, 0))))
+else:
+    @numba.njit(**REDUCE, inline="always")
+    def _probe_sums(p, st, x, a, b, c):
+        put_sums4(p, st, a, b, c, a, load(address(x, (4, 0))), load(address(x, (5, 0))), load(address(x, (6, 0))),
+                  load(address(x, (7, 0))))
 
 
 @numba.njit(**REDUCE)
 def _probe(x, out):
-    # every intrinsic once, on x (16, 16) into out (8, 16): see works()
+    # every intrinsic once, on x (16, LANES) into out (8, LANES): see works()
     a, b = load(address(x, (0, 0))), load_part(address(x, (1, 0)), 5)
     c = fma(a, splat(2.0), b)
     store_part(address(out, (0, 0)), c, 7)
     store(address(out, (1, 0)), c)
-    put_sums4x4(address(out, (2, 0)), out.strides[0], a, b, c, a, load(address(x, (4, 0))), load(address(x, (5, 0))),
-                load(address(x, (6, 0))), load(address(x, (7, 0))), load(address(x, (8, 0))),
-                load(address(x, (9, 0))), load(address(x, (10, 0))), load(address(x, (11, 0))),
-                load(address(x, (12, 0))), load(address(x, (13, 0))), load(address(x, (14, 0))),
-                load(address(x, (15, 0))))
+    _probe_sums(address(out, (2, 0)), out.strides[0], x, a, b, c)
     prefetch(address(x, (3, 0)))
     put(address(out, (6, 0)), get(address(x, (2, 3))))
-    store(address(out, (7, 0)), vadd(exp2v(b), vmul(vsub(a, c), fill_from(a, 9, -1.0))))
-    return sum4(a, b, c, a), hsum(c), hmax(vmax(a, fill_from(c, 15, 100.0))), hsum(is_neginf(fill_from(a, 6, -np.inf)))
+    store(address(out, (7, 0)), vadd(exp2v(b), vmul(vsub(a, c), fill_from(a, LANES // 2 + 1, -1.0))))
+    return sum4(a, b, c, a), hsum(c), hmax(vmax(a, fill_from(c, LANES - 1, 100.0))), \
+        hsum(is_neginf(fill_from(a, 6, -np.inf)))
 
 
 def works() -> bool:
     """Whether this numba and LLVM compile the intrinsics and get them right (else the
     callers keep their other paths: :func:`.kernels._probed`)."""
-    x = (np.arange(256, dtype=np.float32).reshape(16, 16) % 7 - 3).astype(np.float32)   # integers: exact sums
-    out = np.full((8, 16), -1.0, dtype=np.float32)
+    x = (np.arange(16 * LANES, dtype=np.float32).reshape(16, LANES) % 7 - 3).astype(np.float32)   # exact sums
+    out = np.full((8, LANES), -1.0, dtype=np.float32)
     try:
         s4, h, top, neginf = _probe(x, out)
     except Exception:                       # noqa: BLE001 — any compile error: not here
         return False
-    lanes = np.arange(16)
+    lanes, c4 = np.arange(LANES), LANES // 4
     b = np.where(lanes < 5, x[1], 0)
     c = 2 * x[0] + b
-    rows = np.stack([x[0], c - 2 * x[0], c, x[0]] + list(x[4:]))
-    last = 2.0 ** b + (x[0] - c) * np.where(lanes < 9, x[0], -1)          # powers of 2, integers: exact
+    rows = np.stack([x[0], c - 2 * x[0], c, x[0]] + list(x[4:LANES]))
+    last = 2.0 ** b + (x[0] - c) * np.where(lanes < LANES // 2 + 1, x[0], -1)    # powers of 2, integers: exact
     return bool(np.array_equal(out[0], np.where(lanes < 7, c, -1)) and np.array_equal(out[1], c)
-                and np.array_equal(out[2:6, :4], rows.sum(axis=1).reshape(4, 4)) and np.all(out[2:6, 4:] == -1)
+                and np.array_equal(out[2:6, :c4], rows.sum(axis=1).reshape(4, c4)) and np.all(out[2:6, c4:] == -1)
                 and out[6, 0] == x[2, 3] and np.array_equal(out[7], last) and s4 == tuple(rows[:4].sum(axis=1))
-                and h == c.sum() and top == 100 and neginf == 10)
+                and h == c.sum() and top == 100 and neginf == LANES - 6)
