@@ -101,8 +101,8 @@ def peak_bytes(fn):
 
 
 def _avx512() -> bool:
-    import llvmlite.binding as ll
-    return bool(ll.get_host_cpu_features().get("avx512f"))
+    from numba.core.codegen import get_host_cpu_features
+    return "+avx512f" in get_host_cpu_features().split(",")
 
 
 # Two properties of the compiled tile loops that hold where numba compiles for AVX-512

@@ -347,8 +347,8 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     Updates the online softmax state m_i, l_i (A·R,) and acc (A, R, Dv) in place.
 
     Keys go in chunks of CHUNK (CHUNK_LONG where a page holds at least that many), in
-    three passes: the scores (:func:`.numba_products.scores`: four rows by four keys per
-    pass over their vector accumulators — a GQA group's heads share each key read —
+    three passes: the scores (:func:`.numba_products.scores`: four rows by four keys —
+    two at a time on AVX2 — per pass over their vector accumulators — a GQA group's heads share each key read —
     while the same keys' value rows are prefetched); the softmax of the chunk row by
     row (caps, ALiBi and bounds over whole rows: vectorised, and no call of tanh inside
     the score loop, whose registers it would spill); the values

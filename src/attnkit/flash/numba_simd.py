@@ -37,14 +37,18 @@ from numba.extending import intrinsic, models, register_model
 
 
 def _lanes() -> int:
-    """16 where numba compiles for a CPU with AVX-512F, else 8 (``ATTNKIT_SIMD_LANES``
-    overrides; see the module's note on the cache)."""
+    """16 where numba compiles with AVX-512F, else 8 (``ATTNKIT_SIMD_LANES`` overrides;
+    see the module's note on the cache). numba compiles with NUMBA_CPU_FEATURES where
+    set, else with the host's (its own reading, which gives none where LLVM cannot read
+    them): the features its cache keys compiled code by."""
     forced = os.environ.get("ATTNKIT_SIMD_LANES", "")
     if forced in ("8", "16"):
         return int(forced)
-    if numba.config.CPU_NAME not in (None, "host"):      # a named target (NUMBA_CPU_NAME): its features
-        return 16 if "+avx512f" in (numba.config.CPU_FEATURES or "").split(",") else 8
-    return 16 if binding.get_host_cpu_features().get("avx512f") else 8
+    features = numba.config.CPU_FEATURES
+    if features is None:
+        from numba.core.codegen import get_host_cpu_features
+        features = get_host_cpu_features()
+    return 16 if "+avx512f" in features.split(",") else 8
 
 
 LANES = _lanes()
@@ -53,7 +57,7 @@ _V = ir.VectorType(_F, LANES)
 _MASK = ir.VectorType(ir.IntType(1), LANES)
 _VN = f"v{LANES}f32"                                    # the vector type in intrinsics' names
 # llvm.masked.* are named by their pointer type: "p0" where LLVM has only opaque pointers
-# (17 on), "p0v16f32" before (LLVM renames either on parsing, where it can)
+# (17 on), "p0v16f32" (16 lanes) before (LLVM renames either on parsing, where it can)
 _MASKED = f".{_VN}.p0" if binding.llvm_version_info[0] >= 17 else f".{_VN}.p0{_VN}"
 # the compiled kernels' flags (here and in .numba_kernels). No "arcp" in either: a
 # division stays a division (finishing, inlined into the tile loop, divides by each

@@ -42,7 +42,7 @@ def small_rows(q, k, v, scale, softcap, lo, hi, m_i, l_i, out, lse, counter):
     The (n, a) units are claimed in turn from ``counter`` (int64: the next unit, then the
     units finished), which threads running the call together share (:func:`small_units`).
 
-    Per head: the scores (:func:`.numba_products.scores`, four rows by four keys per pass:
+    Per head: the scores (:func:`.numba_products.scores`, four rows by four keys a pass:
     the rows of a GQA group share each key read; under bounds each four rows' over the
     keys one of them sees: a causal prefill computes half), the row softmax by the vector row
     passes (:func:`.numba_products.scale_row`, ``row_max``, ``exp_row``; a row with a −inf
