@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from attnkit import reference
+from attnkit.flash.numba_simd import compiles_avx512
 from attnkit.testing import make_qkv
 
 
@@ -100,20 +101,15 @@ def peak_bytes(fn):
         tracemalloc.stop()
 
 
-def _avx512() -> bool:
-    from numba.core.codegen import get_host_cpu_features
-    return "+avx512f" in get_host_cpu_features().split(",")
-
-
 # Two properties of the compiled tile loops that hold where numba compiles for AVX-512
 # (the Intel Xeon and Zen 5 hosts they were written on) and not on a Zen 3 (AVX2) host
 # (twenty-third session; docs/decisions.md "Found on an AVX2 host"): known gaps, not
 # hidden ones — strict where AVX-512 is, expected to fail elsewhere.
 AVX2_LAYOUT_BITS = pytest.mark.xfail(
-    not _avx512(), strict=False,
+    not compiles_avx512(), strict=False,
     reason="AVX2 host: the compiled loop's products of q (B, S, H, D) views (a query head's rows a block) "
            "and of C-ordered q (a kv head's group of rows a block) round differently (≤ 3e-7)")
 AVX2_PEAKED_BACKWARD = pytest.mark.xfail(
-    not _avx512(), strict=False,
+    not compiles_avx512(), strict=False,
     reason="AVX2 host: with peaked scores the compiled backward's dv (and at D = 128 dq, dk) is 2.2–4.8× "
            "the float32 reference's error (exp(s − lse) with lse rounded to float32), past DESIGN's 2×")

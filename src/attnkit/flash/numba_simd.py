@@ -36,19 +36,24 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 
-def _lanes() -> int:
-    """16 where numba compiles with AVX-512F, else 8 (``ATTNKIT_SIMD_LANES`` overrides;
-    see the module's note on the cache). numba compiles with NUMBA_CPU_FEATURES where
-    set, else with the host's (its own reading, which gives none where LLVM cannot read
-    them): the features its cache keys compiled code by."""
-    forced = os.environ.get("ATTNKIT_SIMD_LANES", "")
-    if forced in ("8", "16"):
-        return int(forced)
+def compiles_avx512() -> bool:
+    """Whether numba compiles with AVX-512F: NUMBA_CPU_FEATURES where set, else the
+    host's features (numba's own reading, which gives none where LLVM cannot read
+    them) — the features its cache keys compiled code by."""
     features = numba.config.CPU_FEATURES
     if features is None:
         from numba.core.codegen import get_host_cpu_features
         features = get_host_cpu_features()
-    return 16 if "+avx512f" in features.split(",") else 8
+    return "+avx512f" in features.split(",")
+
+
+def _lanes() -> int:
+    """16 where numba compiles with AVX-512F, else 8 (``ATTNKIT_SIMD_LANES`` overrides;
+    see the module's note on the cache)."""
+    forced = os.environ.get("ATTNKIT_SIMD_LANES", "")
+    if forced in ("8", "16"):
+        return int(forced)
+    return 16 if compiles_avx512() else 8
 
 
 LANES = _lanes()
