@@ -138,6 +138,33 @@ def test_auto_runs_the_small_rung_up_to_both_limits_exactly():
     assert backends.select(_zeros_spec(1, 4, 2, 1, S + 1, 48, 16)) is flash
 
 
+def test_a_paged_cache_goes_to_the_small_rung_only_up_to_its_own_limit(monkeypatch):
+    """The small rung gathers a paged cache into contiguous arrays first (the flash
+    rung reads its pages in place): "auto" gives it a paged cache only up to
+    SMALL_KV_PAGED key and value elements, a contiguous one up to SMALL_KV."""
+    from attnkit import flash, small
+    S = backends.SMALL_KV_PAGED // (2 * (48 + 16))       # Hkv=2, D + Dv = 64
+    assert 2 * 64 * S == backends.SMALL_KV_PAGED and 2 * 64 * (S + 1) <= backends.SMALL_KV
+    assert backends.select(_zeros_spec(1, 4, 2, 1, S, 48, 16), need="paged") is small
+    assert backends.select(_zeros_spec(1, 4, 2, 1, S + 1, 48, 16), need="paged") is flash
+    assert backends.select(_zeros_spec(1, 4, 2, 1, S + 1, 48, 16), need="kvcache") is small
+    ran = []
+    for mod in (flash, small):
+        monkeypatch.setattr(mod, "rung_kvcache", lambda kv, mod=mod, f=mod.rung_kvcache: ran.append(mod) or f(kv))
+    rng = np.random.default_rng(0)
+    P = 16                                               # the size rule counts the table's capacity
+    q = rng.standard_normal((1, 4, 1, 48), dtype=np.float32)
+    kc = rng.standard_normal((S // P + 1, 2, P, 48), dtype=np.float32)
+    vc = rng.standard_normal((S // P + 1, 2, P, 16), dtype=np.float32)
+    for pages, rung in ((S // P, small), (S // P + 1, flash)):
+        n = pages * P - 3
+        table = rng.permutation(S // P + 1)[:pages][None]
+        out = attnkit.attention_kvcache(q, kc, vc, np.array([n]), block_table=table)
+        assert ran.pop() is rung and not ran
+        k, v = (c[table[0]].transpose(1, 0, 2, 3).reshape(1, 2, -1, c.shape[-1])[:, :, :n] for c in (kc, vc))
+        assert np.abs(out - attnkit.attention(q, k, v, backend="reference")).max() <= 1e-5
+
+
 def test_own_rungs_load_by_import_statements(monkeypatch):
     """backends.load imports attnkit's own rungs (and the torch bridge) by import
     statements, never through importlib: torch.compile traces an import statement but

@@ -88,6 +88,20 @@ def test_settle_times_the_second_of_two_back_to_back_calls():
     assert len(calls) == 6 and len(times["f"]) == 3 and max(times["f"]) < 0.25
 
 
+def test_prepare_runs_untimed_before_each_run_of_its_key():
+    calls = []
+
+    def switch():
+        calls.append("switch")
+        time.sleep(0.5)                                  # slow, and not timed
+
+    runs = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    times = bench.interleaved(runs, 4, gap_s=0, prepare={"a": switch})
+    assert calls.count("switch") == 5 and all(calls[i + 1] == "a" for i, c in enumerate(calls) if c == "switch")
+    assert all(calls[i - 1] == "switch" for i, c in enumerate(calls) if c == "a")
+    assert max(times["a"]) < 0.25
+
+
 def test_command_line_json_and_errors(capsys):
     rc = main(["bench", "--shape", "1", "2", "32", "8", "--repeats", "1", "--no-peers", "--json"])
     out, _ = capsys.readouterr()

@@ -487,6 +487,26 @@ def test_which_configs_have_non_causal_layers():
     assert see(composite)                                                        # paligemma's text config
 
 
+def test_a_configs_causality_is_read_for_that_config_only():
+    """Read once per config object: another config (a freed one's id reused included)
+    gets its own answer."""
+    class Config:
+        def __init__(self, flag):
+            self.use_bidirectional_attention = flag
+
+    see = attnkit.hf._layers_not_causal
+    reused = 0
+    for i in range(50):
+        first = Config(i % 2 == 0)
+        assert see(first) is (i % 2 == 0) and see(first) is (i % 2 == 0)
+        old = id(first)
+        del first
+        second = Config(i % 2 == 1)
+        reused += id(second) == old
+        assert see(second) is (i % 2 == 1)
+    assert reused                                      # the stale entry was there to be found
+
+
 def test_register_takes_a_non_empty_name():
     for bad in (3, None, ""):
         with pytest.raises(TypeError, match="^name: expected a non-empty str"):

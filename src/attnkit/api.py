@@ -366,7 +366,7 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
         return (out, lse) if return_lse else out
     kv = validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
                           v_new=v_new, backend=backend, **masking)
-    rung = cast(backends.CacheRung, backends.select(kv.spec, backend, need="kvcache"))
+    rung = cast(backends.CacheRung, backends.select(kv.spec, backend, need="paged" if kv.paged else "kvcache"))
     kvcache.append(kv)
     out, lse = rung.rung_kvcache(kv)
     return (out, lse) if return_lse else out

@@ -40,7 +40,7 @@ CHECK_L, CHECK_S = 97, 113          # the validation problem's lengths (capped b
 
 
 def interleaved(runs: dict, repeats: int, gap_s: float = 0.5, seed: int = 0, progress=None,
-                warmup=None, settle: bool = False) -> dict:
+                warmup=None, settle: bool = False, prepare=None) -> dict:
     """{key: [seconds per round]} for every fn in ``runs`` ({key: fn}): each warmed up
     once (only the keys in ``warmup`` when given), then ``repeats`` rounds in a shuffled
     order (no run always follows the same one), with ``gap_s`` of idle time before each
@@ -49,9 +49,14 @@ def interleaved(runs: dict, repeats: int, gap_s: float = 0.5, seed: int = 0, pro
     a call of a few milliseconds is timed as a model makes it (layer after layer), not
     after an idle gap: on the shared virtual machines here an idle second core takes
     milliseconds to come back, which would be timed instead of the call.
+    ``prepare`` ({key: fn}, optional): called, untimed, before each run of its key (and
+    its warm-up), e.g. to switch one model to the key's implementation.
     ``progress(i, n)`` is called after each round."""
+    prepare = prepare or {}
     for key, fn in runs.items():                 # compiles, thread pools, caches
         if warmup is None or key in warmup:
+            if key in prepare:
+                prepare[key]()
             fn()
     keys = list(runs)
     times: dict = {key: [] for key in keys}
@@ -59,6 +64,8 @@ def interleaved(runs: dict, repeats: int, gap_s: float = 0.5, seed: int = 0, pro
     for r in range(repeats):
         for i in order.permutation(len(keys)):
             time.sleep(gap_s)
+            if keys[i] in prepare:
+                prepare[keys[i]]()
             if settle:
                 runs[keys[i]]()
             t0 = time.perf_counter()

@@ -234,17 +234,36 @@ def _model_classes(config_class: type) -> list[Any]:
     return [c for c in models if getattr(c, "config_class", None) is config_class] or models
 
 
+# configs read by _layers_not_causal: id → (weak reference, answer)
+_NOT_CAUSAL: dict[int, tuple[Any, bool]] = {}
+
+
 def _layers_not_causal(config: Any) -> bool:
     """Whether a config makes its attention layers non-causal (``is_causal`` False:
     Gemma's, Gemma 2's and pi0.5's ``use_bidirectional_attention`` True, or "all")
     while a model of it may still build a causal mask (PaliGemma without
     ``token_type_ids``): eager then attends causally, and the short masks, which leave
-    causality to the layer, would not."""
+    causality to the layer, would not. Read once per config object, as its layers read
+    it once when they are made (transformers' config attributes cost ~20 µs a forward
+    to read)."""
     if config is None:
         return False
+    compiling = _compiling()
+    hit = None if compiling else _NOT_CAUSAL.get(id(config))
+    if hit is not None and hit[0]() is config:
+        return hit[1]
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     flag = getattr(text, "use_bidirectional_attention", None)
-    return flag is True or flag == "all"
+    res = flag is True or flag == "all"
+    if not compiling:
+        try:
+            ref = weakref.ref(config)
+        except TypeError:                     # an object without weak references: read each time
+            return res
+        if len(_NOT_CAUSAL) >= _LAYERS_MAX:
+            _NOT_CAUSAL.clear()
+        _NOT_CAUSAL[id(config)] = (ref, res)
+    return res
 
 
 def _no_mask(causal: bool, L: int) -> dict[str, Any]:
@@ -438,6 +457,13 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     return out.transpose(1, 2).contiguous(), weights
 
 
+def _masking_utils() -> Any:
+    mu = sys.modules.get("transformers.masking_utils")
+    if mu is None:
+        from transformers import masking_utils as mu
+    return mu
+
+
 def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                    mask_function: Any = None, attention_mask: Any = None, allow_is_causal_skip: bool = True,
                    allow_is_bidirectional_skip: bool = False, local_size: int | None = None,
@@ -465,7 +491,7 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     **kwargs
         Passed to ``transformers.masking_utils.sdpa_mask`` (or ``eager_mask``).
     """
-    from transformers import masking_utils as mu
+    mu = _masking_utils()
     plain = ((mask_function is mu.causal_mask_function and allow_is_causal_skip and local_size is None)
              or (mask_function is mu.bidirectional_mask_function and allow_is_bidirectional_skip))
     if not _trusts_layers(kwargs.get("config")):

@@ -5,7 +5,8 @@ prefill holds a few thousand scores: there the flash rung's planning and thread
 hand-offs, and the reference's NumPy reductions over short rows, cost many times the
 arithmetic. ``backend="auto"`` runs this rung when all score matrices together hold
 at most ``backends.SMALL_TOTAL`` elements and the keys and values at most
-``backends.SMALL_KV``::
+``backends.SMALL_KV`` (a paged cache, which this rung gathers first,
+``backends.SMALL_KV_PAGED``)::
 
     s = q kᵀ · scale         one product for all heads: a GQA group's query heads are
                              stacked on their key-value head (no copy of k or v)
