@@ -171,12 +171,21 @@ def generate(rounds: int) -> list[str]:
 
     def switch(name):
         model.set_attn_implementation(impls[name])
-        assert model.model.layers[0].self_attn.config._attn_implementation == impls[name]
 
     def run(name):
         with torch.no_grad():
             tokens[name] = model.generate(input_ids=ids, max_new_tokens=20, min_new_tokens=20,
                                           do_sample=False, pad_token_id=0)
+
+    calls = []                                           # the switch works: attnkit's function runs
+    transformers.AttentionInterface.register(
+        "attnkit", lambda *a, **kw: calls.append(1) or attnkit.hf.attention_forward(*a, **kw))
+    switch("attnkit")
+    run("attnkit")
+    attnkit.hf.register()                                # (its own function again, for the timing)
+    switch("sdpa")
+    run("sdpa")
+    assert len(calls) == 4 * 20, f"attnkit's attention ran {len(calls)} times in a generate, not 80"
 
     times = interleaved({n: (lambda n=n: run(n)) for n in impls}, rounds, gap_s=0.3,
                         prepare={n: (lambda n=n: switch(n)) for n in impls})

@@ -205,15 +205,16 @@ def fake_rungs(monkeypatch):
 
 
 def test_a_rung_without_kvcache_decoding_is_refused_only_for_the_cache(fake_rungs):
-    """need="kvcache" refuses a rung that has no rung_kvcache, saying so; every other call
-    may run on it."""
+    """need="kvcache" (and "paged": a paged cache) refuses a rung that has no
+    rung_kvcache, saying so; every other call may run on it."""
     spec = spec_validate(*make_qkv((2, 3, 4), (2, 5, 4), seed=1))
     assert backends.reasons("bare", spec) == []
     assert backends.select(spec, "bare") is fake_rungs
-    assert backends.reasons("bare", spec, "kvcache") == ["has no KV-cache decoding"]
-    with pytest.raises(ValueError, match="  bare: has no KV-cache decoding\n"):
-        backends.select(spec, "bare", need="kvcache")
-    assert backends.reasons("flash", spec, "kvcache") == []
+    for need in ("kvcache", "paged"):
+        assert backends.reasons("bare", spec, need) == ["has no KV-cache decoding"]
+        with pytest.raises(ValueError, match="  bare: has no KV-cache decoding\n"):
+            backends.select(spec, "bare", need=need)
+        assert backends.reasons("flash", spec, need) == []
 
 
 def test_a_rung_that_cannot_be_imported_says_why(fake_rungs):

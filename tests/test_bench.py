@@ -100,6 +100,11 @@ def test_prepare_runs_untimed_before_each_run_of_its_key():
     assert calls.count("switch") == 5 and all(calls[i + 1] == "a" for i, c in enumerate(calls) if c == "switch")
     assert all(calls[i - 1] == "switch" for i, c in enumerate(calls) if c == "a")
     assert max(times["a"]) < 0.25
+    calls.clear()                                        # with settle: switch, the untimed run, the timed one
+    bench.interleaved(runs, 2, gap_s=0, warmup=[], settle=True, prepare={"a": switch})
+    assert "".join(c[0] for c in calls).replace("bb", "") == "saa" * 2
+    with pytest.raises(ValueError, match=r"^prepare: \['c'\] are not among the runs \['a', 'b'\]$"):
+        bench.interleaved(runs, 1, gap_s=0, prepare={"c": switch})
 
 
 def test_command_line_json_and_errors(capsys):

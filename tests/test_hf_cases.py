@@ -487,24 +487,77 @@ def test_which_configs_have_non_causal_layers():
     assert see(composite)                                                        # paligemma's text config
 
 
+class _Config:
+    """A config as _layers_not_causal reads it, counting get_text_config's calls."""
+    def __init__(self, flag=None, text=None):
+        self.use_bidirectional_attention, self.reads = flag, 0
+        if text is not None:
+            self.text_config = text
+
+    def get_text_config(self):
+        self.reads += 1
+        return getattr(self, "text_config", self)
+
+
 def test_a_configs_causality_is_read_for_that_config_only():
     """Read once per config object: another config (a freed one's id reused included)
     gets its own answer."""
-    class Config:
-        def __init__(self, flag):
-            self.use_bidirectional_attention = flag
-
     see = attnkit.hf._layers_not_causal
     reused = 0
     for i in range(50):
-        first = Config(i % 2 == 0)
+        first = _Config(i % 2 == 0)
         assert see(first) is (i % 2 == 0) and see(first) is (i % 2 == 0)
         old = id(first)
         del first
-        second = Config(i % 2 == 1)
+        second = _Config(i % 2 == 1)
         reused += id(second) == old
         assert see(second) is (i % 2 == 1)
     assert reused                                      # the stale entry was there to be found
+
+
+def test_a_kept_causality_follows_what_it_rests_on(monkeypatch):
+    """The answer kept for a config is used (get_text_config read once) while the
+    attributes it rests on are the same objects: a flag set on the config or on its
+    text config, or a text config replaced, is read again; nothing is kept while
+    torch.compile traces."""
+    see = attnkit.hf._layers_not_causal
+    cfg = _Config(False)
+    assert not see(cfg) and not see(cfg) and cfg.reads == 1
+    cfg.use_bidirectional_attention = True
+    assert see(cfg) and see(cfg) and cfg.reads == 2
+    text = _Config("all")
+    composite = _Config(None, text)
+    assert see(composite) and see(composite) and composite.reads == 1
+    text.use_bidirectional_attention = False
+    assert not see(composite) and composite.reads == 2
+    composite.text_config = _Config(True)
+    assert see(composite) and composite.reads == 3
+    monkeypatch.setattr(attnkit.hf, "_compiling", lambda: True)
+    fresh = _Config(True)
+    assert see(fresh) and see(fresh) and fresh.reads == 2 and id(fresh) not in attnkit.hf._NOT_CAUSAL
+
+
+def test_a_model_made_after_its_config_changed_attends_as_eager():
+    """One config object, a model run, its use_bidirectional_attention then set and a
+    second model made of it (non-causal layers under a causal mask): the second model
+    attends as eager."""
+    cfg = transformers.GemmaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=1, head_dim=8, intermediate_size=64)
+    ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    first = transformers.GemmaModel(cfg).double().eval()
+    first.set_attn_implementation("attnkit")
+    with torch.no_grad():
+        first(input_ids=ids)
+    cfg.use_bidirectional_attention = True
+    second = transformers.GemmaModel(cfg).double().eval()
+    assert second.config is cfg and not second.layers[0].self_attn.is_causal
+    out = {}
+    for impl in ("eager", "attnkit"):
+        second.set_attn_implementation(impl)
+        with torch.no_grad():
+            out[impl] = second(input_ids=ids).last_hidden_state
+    assert (out["eager"] - out["attnkit"]).abs().max() <= 1e-6
 
 
 def test_register_takes_a_non_empty_name():

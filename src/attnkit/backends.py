@@ -93,7 +93,7 @@ SMALL_KV = 1 << 21
 # the pages in place). Measured (float32, 2 cores, pages of 16, a Zen 3 host): the
 # small rung won up to ~100k key and value elements (0.24 ms against 0.41 at 25k),
 # lost from 130k–250k on (by the batch: 0.53 ms against 0.25 at 262k, one sequence),
-# and at 2M (GQA 32/8, D = 128, 512 keys) took 4.5 ms against the flash rung's 0.45.
+# and at 1M (4 MB: GQA 32/8, D = 128, 512 keys) took 4.5 ms against the flash rung's 0.45.
 SMALL_KV_PAGED = 1 << 17
 
 

@@ -53,6 +53,8 @@ def interleaved(runs: dict, repeats: int, gap_s: float = 0.5, seed: int = 0, pro
     its warm-up), e.g. to switch one model to the key's implementation.
     ``progress(i, n)`` is called after each round."""
     prepare = prepare or {}
+    if not prepare.keys() <= runs.keys():
+        raise ValueError(f"prepare: {sorted(prepare.keys() - runs.keys())} are not among the runs {list(runs)}")
     for key, fn in runs.items():                 # compiles, thread pools, caches
         if warmup is None or key in warmup:
             if key in prepare:

@@ -234,8 +234,21 @@ def _model_classes(config_class: type) -> list[Any]:
     return [c for c in models if getattr(c, "config_class", None) is config_class] or models
 
 
-# configs read by _layers_not_causal: id → (weak reference, answer)
-_NOT_CAUSAL: dict[int, tuple[Any, bool]] = {}
+# configs read by _layers_not_causal: id → (weak references to the config and its text
+# config (None: itself), the attributes get_text_config reads, the flag, the answer)
+_NOT_CAUSAL: dict[int, tuple[Any, Any, tuple[Any, ...], Any, bool]] = {}
+_TEXT_NAMES = ("text_encoder", "decoder", "generator", "text_config")   # where get_text_config looks
+_FLAG = "use_bidirectional_attention"
+_MISSING = object()
+
+
+def _own(obj: Any) -> dict[str, Any]:
+    """obj's own attribute dict, read past transformers' config ``__getattribute__``
+    ({} for an object without one)."""
+    try:
+        return object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return {}
 
 
 def _layers_not_causal(config: Any) -> bool:
@@ -243,26 +256,34 @@ def _layers_not_causal(config: Any) -> bool:
     Gemma's, Gemma 2's and pi0.5's ``use_bidirectional_attention`` True, or "all")
     while a model of it may still build a causal mask (PaliGemma without
     ``token_type_ids``): eager then attends causally, and the short masks, which leave
-    causality to the layer, would not. Read once per config object, as its layers read
-    it once when they are made (transformers' config attributes cost ~20 µs a forward
-    to read)."""
+    causality to the layer, would not. Kept per config object while what it rests on
+    is the same objects — the attributes ``get_text_config`` reads, and the text
+    config's flag —, read from the objects' own dicts (through transformers'
+    ``__getattribute__`` the answer cost ~17 µs a forward)."""
     if config is None:
         return False
     compiling = _compiling()
     hit = None if compiling else _NOT_CAUSAL.get(id(config))
     if hit is not None and hit[0]() is config:
-        return hit[1]
+        _, text_ref, subs, flag, res = hit
+        text = config if text_ref is None else text_ref()
+        own = _own(config)
+        if text is not None and _own(text).get(_FLAG, _MISSING) is flag \
+                and all(own.get(n, _MISSING) is s for n, s in zip(_TEXT_NAMES, subs)):
+            return res
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    flag = getattr(text, "use_bidirectional_attention", None)
+    flag = getattr(text, _FLAG, None)
     res = flag is True or flag == "all"
     if not compiling:
         try:
-            ref = weakref.ref(config)
+            refs = weakref.ref(config), None if text is config else weakref.ref(text)
         except TypeError:                     # an object without weak references: read each time
             return res
         if len(_NOT_CAUSAL) >= _LAYERS_MAX:
             _NOT_CAUSAL.clear()
-        _NOT_CAUSAL[id(config)] = (ref, res)
+        own = _own(config)
+        _NOT_CAUSAL[id(config)] = (*refs, tuple(own.get(n, _MISSING) for n in _TEXT_NAMES),
+                                   _own(text).get(_FLAG, _MISSING), res)
     return res
 
 
@@ -458,6 +479,8 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
 
 
 def _masking_utils() -> Any:
+    # from sys.modules (an import statement costs a forward ~1 µs): the mask builder is
+    # called by masking_utils' own functions, so the module there is whole
     mu = sys.modules.get("transformers.masking_utils")
     if mu is None:
         from transformers import masking_utils as mu
