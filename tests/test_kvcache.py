@@ -103,11 +103,12 @@ def test_equals_each_sequence_alone(paged, page_size, L, L_new, kw, backend):
     assert np.array_equal(k, before_k, equal_nan=True) and np.array_equal(v, before_v, equal_nan=True)
 
 
-@pytest.mark.parametrize("paged,page_size", [(True, 16), (True, 256), (False, 3000)],
-                         ids=["pages of 16", "pages of 256", "contiguous"])
+@pytest.mark.parametrize("paged,page_size", [(True, 1), (True, 16), (True, 256), (False, 3000)],
+                         ids=["pages of 1", "pages of 16", "pages of 256", "contiguous"])
 def test_float32_by_the_twice_the_reference_rule_and_bits_across_threads(paged, page_size):
     """The streaming kernel (float32) in short and long chunks of keys (pages of 256 and
-    more keys take CHUNK_LONG), lengths that end inside chunks."""
+    more keys take CHUNK_LONG; pages of one key are copied into one run a chunk),
+    lengths that end inside chunks."""
     B, H, Hkv, D = 4, 8, 2, 64
     k, v, table = make_cache(B, Hkv, D, D, 3000, page_size, paged, dtype="float32")
     rng = RNG(3)

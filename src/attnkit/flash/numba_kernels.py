@@ -20,7 +20,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .numba_products import scores, weighted_values
+from .numba_products import copy_row, scores, weighted_values
 from .numba_simd import EXP2_MIN as _EXP2_MIN
 from .numba_simd import EXP2_POLY, ORDERED, REDUCE, address, prefetch_bytes
 from .numba_simd import LOG2E as _LOG2E
@@ -318,12 +318,23 @@ def dropout_tile(p, heads, r0, c0, seed, thr, scale):
 CHUNK = 32                                               # keys per pass over the rows (pages of 16:
                                                          # 3% faster than 64 from memory, B = 8 and 1)
 CHUNK_LONG = 256                                         # the same where pages hold at least this many keys
+GATHER_P = 2                                             # pages of fewer keys (one): a chunk's rows copied into one run
 
 
 @numba.njit(**REDUCE, inline="always")
 def _prefetch_row(x, page, h, slot):
     # every 64-byte line of the row x[page, h, slot, :], into L2
     prefetch_bytes(address(x, (page, h, slot, 0)), 4 * x.shape[3])
+
+
+@numba.njit(**REDUCE, inline="always")
+def _prefetch_next(kc, page, slot, a, A, h, hk, jj, n_next, n_pages, n_slots):
+    # key jj's row for the next pass over the keys (the next head's in this chunk, or the
+    # first head's in the next), which no hardware prefetcher predicts on short pages
+    if a + 1 < A:
+        _prefetch_row(kc, page, h + 1, slot)
+    elif jj < n_next:
+        _prefetch_row(kc, n_pages[jj], hk, n_slots[jj])
 
 
 @numba.njit(**REDUCE, inline="always")
@@ -356,7 +367,10 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     machine's registers hold, across the keys) — where some row's bounds cut the chunk, or a score inside them is
     −inf (an infinite q or k entry), key by key and only the keys each row sees (an
     excluded key's value is never read). Each kv head takes the three passes in turn
-    (what a pass prefetches then stays in L2). On pages of fewer keys than a chunk the
+    (what a pass prefetches then stays in L2). On pages of one key (under GATHER_P) a
+    head's key rows of the chunk, then its value rows, are copied into one run before
+    its passes (a scores and a values call per key cost pages of one 1.1–1.6× at 32k
+    keys, B = 8 or 4 queries; docs/decisions.md). On pages of fewer keys than a chunk the
     value pass prefetches the next score pass's key rows; longer runs (a dense cache,
     pages of 32 keys and more) the hardware prefetcher follows (prefetching them too ran
     4–7% slower on an Intel host: dense, pages of 256 and 1,024; pages of 32 and 64 the
@@ -373,6 +387,9 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     pages, slots = np.empty(chunk, dtype=np.int64), np.empty(chunk, dtype=np.int64)
     n_pages, n_slots = np.empty(chunk, dtype=np.int64), np.empty(chunk, dtype=np.int64)
     kst, vst, sst = kc.strides[2], vc.strides[2], s.strides[0]
+    gather = P < GATHER_P                                 # short pages: each head's rows of the chunk
+    kbuf = np.empty((chunk if gather else 0, D), dtype=np.float32)    # copied into one run
+    vbuf = np.empty((chunk if gather else 0, Dv), dtype=np.float32)
     # one kv head at a time through the three passes, so that the rows a pass prefetches
     # (a chunk of one head's keys or values) stay in L2 until read: all eight heads' of
     # a dense chunk (1 MiB each way) did not (B = 8 from memory 18.7 → 15.1 ms on an
@@ -386,8 +403,14 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
         _walk(table, row, P, start + chunk, n_next, n_pages, n_slots)
         for a in range(A):
             h = hk + a
+            if gather:                                     # (key rows prefetched the pass before)
+                for jj in range(n):
+                    copy_row(address(kbuf, (jj, 0)), address(kc, (pages[jj], h, slots[jj], 0)), D)
+                    _prefetch_row(vc, pages[jj], h, slots[jj])
+                scores(address(q, (a, 0, 0)), q.strides[1], R, D, address(kbuf, (0, 0)), kbuf.strides[0], 0, n,
+                       address(s, (0, 0)), sst, 0, 0, 0)
             j0 = 0
-            while j0 < n:                                  # a run of keys in one page
+            while j0 < n and not gather:                   # a run of keys in one page
                 j1 = min(n, j0 + P - slots[j0])
                 kp = address(kc, (pages[j0], h, slots[j0], 0)) - j0 * kst
                 vp = address(vc, (pages[j0], h, slots[j0], 0)) - j0 * vst
@@ -436,17 +459,19 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
                 if al != f32(1.0):
                     for d in range(Dv):
                         acc[a, r, d] *= al
+            if gather and full:
+                for jj in range(n):
+                    copy_row(address(vbuf, (jj, 0)), address(vc, (pages[jj], h, slots[jj], 0)), Dv)
+                    _prefetch_next(kc, pages[jj], slots[jj], a, A, h, hk, jj, n_next, n_pages, n_slots)
+                weighted_values(address(s, (0, 0)), sst, R, 0, n, address(vbuf, (0, 0)), vbuf.strides[0],
+                                address(acc, (a, 0, 0)), acc.strides[1], Dv)
             j0 = 0
-            while j0 < n:
+            while j0 < n and not (gather and full):
                 j1 = min(n, j0 + P - slots[j0])
                 page, sl0 = pages[j0], slots[j0] - j0      # key jj of the run at slot sl0 + jj
                 if P < chunk:                              # short pages: the next pass's key rows
-                    if a + 1 < A:                          # (the next head's in this chunk, or the
-                        for jj in range(j0, j1):           # first head's in the next), which no
-                            _prefetch_row(kc, page, h + 1, slots[jj])   # hardware prefetcher
-                    else:                                  # predicts
-                        for jj in range(j0, min(j1, n_next)):
-                            _prefetch_row(kc, n_pages[jj], hk, n_slots[jj])
+                    for jj in range(j0, j1):
+                        _prefetch_next(kc, page, slots[jj], a, A, h, hk, jj, n_next, n_pages, n_slots)
                 if full:
                     vp = address(vc, (page, h, sl0 + j0, 0)) - j0 * vst
                     weighted_values(address(s, (0, 0)), sst, R, j0, j1, vp, vst, address(acc, (a, 0, 0)),
