@@ -11,7 +11,8 @@ Cases (each provider checked against the float64 reference first, DESIGN.md §6)
    PyTorch SDPA on the same batch padded to 2048 with a boolean mask (what a torch
    user runs today).
 3. transformers models (Llama with GQA, BERT; hidden 256, 4 layers, 8 heads) forward
-   at B=4, L=256 with ``attn_implementation="attnkit"`` vs ``"sdpa"``.
+   at B=4, L=256 with ``attn_implementation="attnkit"`` vs ``"sdpa"``: one model,
+   switched between them before each run.
 4. Causal vs full at B=1, H=8, L=S=4096, D=64 (attnkit).
 
 Each timed call directly follows an untimed one of the same kind (``settle`` in
@@ -40,8 +41,8 @@ TARGETS = {"bert fwd vs torch": 1.2, "bert fwd+bwd vs torch": 1.2, "packed vs su
 PACKED = [64, 96, 128, 256, 512, 768, 1024, 2048]
 
 
-def best(runs, repeats):
-    return {n: min(t) for n, t in interleaved(runs, repeats, gap_s=0.3, settle=True).items()}
+def best(runs, repeats, prepare=None):
+    return {n: min(t) for n, t in interleaved(runs, repeats, gap_s=0.3, settle=True, prepare=prepare).items()}
 
 
 def checked(name, got, q, k, v, **kw):
@@ -120,20 +121,29 @@ def models(torch, repeats, out):
 
 
 def model_case(torch, name, cfg, cls, ids, mask, repeats):
-    built, res = {}, {}
-    for impl in ("sdpa", "attnkit"):
-        torch.manual_seed(0)
-        # a copy of the config each: from_config records the implementation in the config,
-        # which a model reads at every forward (one shared config ran attnkit twice)
-        built[impl] = cls.from_config(copy.deepcopy(cfg), attn_implementation=impl).eval()
-    assert [m.config._attn_implementation for m in built.values()] == list(built), "one config for both"
+    """One model, switched between "sdpa" and "attnkit" (``set_attn_implementation``,
+    untimed) before each run: the same weights in the same memory for both (where a
+    model's tensors lie moves its time by a percent or two: docs/decisions.md)."""
+    import transformers
+
+    import attnkit.hf
+    torch.manual_seed(0)
+    model, res, impls = cls.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval(), {}, ("sdpa", "attnkit")
 
     def run(impl):
         with torch.no_grad():
-            o = built[impl](input_ids=ids, attention_mask=mask)
+            o = model(input_ids=ids, attention_mask=mask)
         res[impl] = o.logits if hasattr(o, "logits") else o.last_hidden_state
 
-    t = best({impl: (lambda impl=impl: run(impl)) for impl in built}, repeats)
+    calls = []                                           # the switch works: attnkit's function runs
+    transformers.AttentionInterface.register(
+        "attnkit", lambda *a, **kw: calls.append(1) or attnkit.hf.attention_forward(*a, **kw))
+    model.set_attn_implementation("attnkit")
+    run("attnkit")
+    attnkit.hf.register()                                # (its own function again, for the timing)
+    assert len(calls) == cfg.num_hidden_layers, f"{name}: attnkit's attention ran {len(calls)} times"
+    t = best({impl: (lambda impl=impl: run(impl)) for impl in impls}, repeats,
+             prepare={impl: (lambda impl=impl: model.set_attn_implementation(impl)) for impl in impls})
     real = mask.bool()
     err = float((res["sdpa"] - res["attnkit"])[real].abs().max())
     if not err <= 1e-4:
