@@ -104,6 +104,8 @@ def main(argv=None) -> int:
         if res is None:
             return 1
         failures += res
+    if torch is not None:
+        small_step(args.repeats)
     if torch is not None and not args.no_generate:
         failures += generate(args.generate_rounds)
     print("\nmisses:", ", ".join(failures) if failures else "none")
@@ -146,6 +148,44 @@ def case(B, S, torch, bw, repeats):
               f"{'meets' if ok else 'MISSES'} the target")
         missed += [] if ok else [f"B={B} S={S} {name}"]
     return missed
+
+
+def small_step(repeats: int) -> None:
+    """A small model's decoding step in a loop of one's own: torch tensors, B = 4, H = 8
+    over Hkv = 2, D = 32, a contiguous cache of 64 slots holding 40, 17, 62 and 0 keys;
+    one new key appended per sequence, then attended. attnkit.attention_kvcache against
+    the same step in torch: the append by index, SDPA with the lengths as a key mask
+    (both made from the lengths, as each step's lengths differ). Per-call overhead, not
+    bandwidth: reported, no target."""
+    import torch
+    import torch.nn.functional as F
+    B, Hs, Hk, Ds, S = 4, 8, 2, 32, 64
+    rng = np.random.default_rng(1)
+    q, kn, vn = (torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+                 for shape in ((B, Hs, 1, Ds), (B, Hk, 1, Ds), (B, Hk, 1, Ds)))
+    kc, vc = (torch.from_numpy(rng.standard_normal((B, Hk, S, Ds), dtype=np.float32)) for _ in range(2))
+    lengths = torch.tensor([40, 17, 62, 0])
+
+    def torch_step():
+        rows, slots = torch.arange(B)[:, None], lengths[:, None]
+        kc[rows, :, slots] = kn.transpose(1, 2)
+        vc[rows, :, slots] = vn.transpose(1, 2)
+        keep = (torch.arange(S) <= lengths[:, None])[:, None, None, :]
+        return F.scaled_dot_product_attention(q, kc, vc, attn_mask=keep, enable_gqa=True)
+
+    def attnkit_step():
+        return attnkit.attention_kvcache(q, kc, vc, lengths, k_new=kn, v_new=vn)
+
+    calls = 200                                          # per timed run: the best run ÷ calls
+    runs = {n: (lambda f=f: [f() for _ in range(calls)]) for n, f in (("attnkit", attnkit_step),
+                                                                      ("torch", torch_step))}
+    with torch.no_grad():
+        err = float((attnkit_step() - torch_step()).abs().max())
+        times = {n: min(t) / calls for n, t in interleaved(runs, repeats, gap_s=0.1).items()}
+    print(f"\n- a small model's step, append + attend (B={B}, H={Hs}/{Hk}, D={Ds}, {S} slots, torch tensors): "
+          f"attnkit {times['attnkit'] * 1e6:.0f} µs, torch (index + SDPA with a length mask) "
+          f"{times['torch'] * 1e6:.0f} µs: {times['torch'] / times['attnkit']:.2f}× (no target; "
+          f"largest difference {err:.1e})")
 
 
 def generate(rounds: int) -> list[str]:

@@ -39,21 +39,27 @@ def _positions(kv: KVCall) -> tuple[Any, Any, Any]:
     """(row index, slot index, taken) of the new keys: arrays (B, L_new) indexing the
     cache's first and third axes, and None (every new key is written) or a boolean
     (B, L_new) of the keys written (the first new_lengths[b] of each sequence; the
-    others' positions are 0, inside the first page)."""
-    lengths = kv.cache_lengths
+    others' positions are 0, inside the first page). For CPU tensors they are made in
+    NumPy on views of the lengths and the table (each torch op costs a small model's
+    decoding step microseconds: the append took 87 µs, 8 of them the write)."""
+    lengths, table, new_lengths = kv.cache_lengths, kv.block_table, kv.new_lengths
+    host = not isinstance(kv.k_new, np.ndarray) and kv.k_new.device.type == "cpu"
+    if host:
+        lengths, table, new_lengths = (None if x is None else x.numpy() for x in (lengths, table, new_lengths))
     L_new = kv.k_new.shape[-2]
-    xp_new = kv.k_new
-    t = _xp_arange(xp_new, L_new).reshape(1, -1)
+    t = _xp_arange(lengths, L_new).reshape(1, -1)
     pos = lengths.reshape(-1, 1) + t                     # (B, L_new)
-    taken = None if kv.new_lengths is None else t < kv.new_lengths.reshape(-1, 1)
+    taken = None if new_lengths is None else t < new_lengths.reshape(-1, 1)
     if taken is not None:
         pos = pos * taken
-    if not kv.paged:
-        b = _xp_arange(xp_new, pos.shape[0]).reshape(-1, 1) + 0 * pos
-        return b, pos, taken
-    P = kv.page_size
-    pages = kv.block_table[_xp_arange(xp_new, pos.shape[0]).reshape(-1, 1), pos // P]
-    return pages, pos % P, taken
+    B, P = pos.shape[0], kv.page_size
+    rows, slots = ((_xp_arange(lengths, B).reshape(-1, 1) + 0 * pos, pos) if table is None else
+                   (table[_xp_arange(lengths, B).reshape(-1, 1), pos // P], pos % P))
+    if host:
+        import torch
+        rows, slots = torch.from_numpy(np.asarray(rows)), torch.from_numpy(np.asarray(slots))
+        taken = None if taken is None else torch.from_numpy(taken)
+    return rows, slots, taken
 
 
 def append(kv: KVCall) -> None:

@@ -101,7 +101,7 @@ def _row_bounds(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
         hit = _BOUNDS.get(key)
         if hit is not None:
             return hit
-    lo, hi = (np.ascontiguousarray(np.broadcast_to(x, spec.lse_shape)).ravel() for x in geo.dense_row_bounds(spec))
+    lo, hi = (geo.filled(x, spec.lse_shape).ravel() for x in geo.dense_row_bounds(spec))
     if key is not None:
         if len(_BOUNDS) >= 64:
             _BOUNDS.clear()

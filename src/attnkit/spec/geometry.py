@@ -94,11 +94,19 @@ def query_range(seg: Segment, b: Band, c0: int, c1: int) -> tuple[int, int]:
     return lo, max(lo, hi)
 
 
+def filled(x: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """A new int64 array of ``shape`` holding x broadcast to it (an assignment: a tenth
+    of ``np.array(np.broadcast_to(x, shape))``'s cost on the small arrays of a decoding
+    step's bounds)."""
+    out = np.empty(shape, dtype=np.int64)
+    out[...] = x
+    return out
+
+
 def band_bounds(diag: np.ndarray, k0: Any, k1: Any, b: Band) -> tuple[np.ndarray, np.ndarray]:
     """int64 (lo, hi) of rows with diagonals ``diag`` in sequences of keys [k0, k1)
     (arrays that broadcast with diag): each row sees exactly the keys [lo, hi), lo <= hi."""
-    lo = np.array(np.broadcast_to(np.asarray(k0, dtype=np.int64), diag.shape))
-    hi = np.array(np.broadcast_to(np.asarray(k1, dtype=np.int64), diag.shape))
+    lo, hi = filled(k0, diag.shape), filled(k1, diag.shape)
     left, right = b
     if left is not None:
         lo = np.maximum(lo, diag - left)
@@ -123,7 +131,7 @@ def dense_row_bounds(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
     i = np.arange(spec.L, dtype=np.int64)
     sigma = kl - ql if spec.align == "bottom_right" else np.zeros_like(kl)
     lo, hi = band_bounds(i + sigma, 0, kl, band(spec.causal, spec.window))
-    return lo, np.where(i < ql, hi, lo)
+    return (lo, hi) if spec.q_lengths is None else (lo, np.where(i < ql, hi, lo))
 
 
 def tile_partial(seg: Segment, b: Band, r0: int, r1: int, c0: int, c1: int) -> bool:

@@ -15,6 +15,7 @@ Every check runs before the cache is touched: a rejected call leaves it as it wa
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from .core import Spec, dtype_name, is_torch
 from .options import BY_NAME, NAMES
-from .validate import FLOAT_DTYPES, as_array, check_lengths, compiling, dtype_kind, host_ints, validate
+from .validate import FLOAT_DTYPES, as_array, check_lengths, compiling, dtype_kind, host_ints, signature, validate
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,79 @@ def _one_per_sequence(x: Any, B: int, q: Any, want_torch: bool) -> Any:
     return x
 
 
+# What validate_kvcache's checks of a call's structure (every check but the lengths',
+# the block table's and the arrays' state: grad, strides, writeable) made of it, kept by
+# the call's signature (:func:`_signature`): a decoding loop repeats one signature every
+# step, and the full checks cost a small model's step (B = 4, 8 heads, 64 slots) 140 µs
+_SEEN: dict[tuple[Any, ...], tuple[Spec, int]] = {}
+_SEEN_MAX = 256
+_UNKEYED = object()
+
+
 def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, block_table: Any = None,
                      k_new: Any = None, v_new: Any = None, backend: str = "auto", **options: Any) -> KVCall:
     """Check every argument of attention_kvcache (shapes, dtypes, devices, lengths,
-    pages, the append's room) and return a KVCall; nothing is written."""
+    pages, the append's room) and return a KVCall; nothing is written. A call of a
+    signature seen before has its structure's checks reused and its values and state
+    checked again."""
+    key = _signature(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, backend, options)
+    seen = None if key is None else _SEEN.get(key)
+    if seen is not None:
+        spec, capacity = seen
+        want_torch = type(q) is not np.ndarray
+        L_new = 0 if k_new is None else int(k_new.shape[-2])
+        _check_grad(q, k_cache, v_cache, k_new, v_new, want_torch)
+        _check_writable(k_cache, v_cache, L_new, want_torch)
+        lengths = _one_per_sequence(cache_lengths, spec.batch[0], q, want_torch)
+        total = _check_values(lengths, L_new, capacity, block_table, int(k_cache.shape[0]), int(k_cache.shape[2]))
+        total_arr = total if not want_torch else _torch_ints(total, q)
+        return KVCall(spec=spec.replace(q=q, kv_lengths=total_arr, chosen=spec.chosen), k_cache=k_cache,
+                      v_cache=v_cache, cache_lengths=lengths, lengths=total_arr, block_table=block_table,
+                      page_size=int(k_cache.shape[2]), k_new=k_new, v_new=v_new)
+    kv = _validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, backend, options)
+    if key is not None:
+        if len(_SEEN) >= _SEEN_MAX:
+            _SEEN.clear()
+        capacity = kv.page_size * (1 if block_table is None else int(block_table.shape[1]))
+        _SEEN[key] = (kv.spec.replace(q=None, kv_lengths=None, chosen={}), capacity)   # (select's memo)
+    return kv
+
+
+def _signature(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block_table: Any, k_new: Any,
+               v_new: Any, backend: str, options: dict) -> tuple[Any, ...] | None:
+    """The key under which a call's structural checks are kept (:data:`_SEEN`):
+    :func:`~attnkit.spec.validate.signature` of q and the caches with no array keyword
+    (q_lengths, sinks or alibi_slopes: the full checks), then the caches' key lengths
+    and the other arguments' types, dtypes, shapes (and devices); None for any other
+    call (lists, mixed or nested arrays, torch.compile tracing)."""
+    key, arrays = signature(q, k_cache, v_cache, backend, True, options)
+    if key is None or arrays:
+        return None
+    parts = tuple(_part(x) for x in (cache_lengths, block_table, k_new, v_new))
+    if _UNKEYED in parts:
+        return None
+    return key + (k_cache.shape[-2], v_cache.shape[-2]) + parts
+
+
+def _part(x: Any) -> Any:
+    """An argument's share of :func:`_signature`."""
+    t = type(x)
+    if x is None:
+        return None
+    if t is int or (isinstance(x, np.integer) and not isinstance(x, np.bool_)):
+        return int
+    if t is np.ndarray:
+        return t, x.dtype, x.shape
+    torch = sys.modules.get("torch")
+    if torch is not None and t is torch.Tensor and not x.is_nested:
+        return t, x.dtype, x.shape, x.device, x.layout
+    return _UNKEYED
+
+
+def _validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block_table: Any, k_new: Any,
+                      v_new: Any, backend: str, options: dict) -> KVCall:
+    """:func:`validate_kvcache` in full."""
+    options = dict(options)
     bad = sorted(n for n in options if n in BY_NAME and not BY_NAME[n].kvcache)
     if bad:
         raise TypeError(f"{', '.join(bad)}: not taken by attention_kvcache (the cache's lengths decide "
@@ -155,13 +225,7 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
             raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {c.device}")
     if dtype_name(q) not in FLOAT_DTYPES:
         raise TypeError(f"q: expected a float dtype {FLOAT_DTYPES}, got {dtype_name(q)}")
-    if want_torch:
-        import torch
-        grad = [n for n, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
-                               ("v_new", v_new)) if getattr(x, "requires_grad", False)]
-        if grad and torch.is_grad_enabled():
-            raise TypeError(f"{', '.join(grad)}: attention_kvcache is forward only (no autograd); call it "
-                            "under torch.no_grad() or pass tensors that do not require grad")
+    _check_grad(q, k_cache, v_cache, k_new, v_new, want_torch)
     N, Hkv, P, Dk = (int(n) for n in k_cache.shape)
     Dv = int(v_cache.shape[-1])
     if Dk != D:
@@ -178,12 +242,12 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
         if N != B:
             raise ValueError(f"k_cache: a contiguous cache has one row per sequence: expected {B} (q's batch), "
                              f"got shape {tuple(k_cache.shape)}; pass block_table for a paged cache")
-        capacity = np.full(B, P, dtype=np.int64)
+        capacity = P
     else:
         block_table = _ints("block_table", block_table, want_torch, 2, "shape (B, max_pages)")
         if block_table.shape[0] != B:
             raise ValueError(f"block_table: expected {B} rows (q's batch), got shape {tuple(block_table.shape)}")
-        capacity = np.full(B, int(block_table.shape[1]) * P, dtype=np.int64)
+        capacity = int(block_table.shape[1]) * P
     q_lengths = options.pop("q_lengths", None)
     if q_lengths is not None:                            # (B,), checked as attention checks it
         q_lengths = check_lengths("q_lengths", _one_per_sequence(q_lengths, B, q, want_torch), want_torch, (B,),
@@ -206,37 +270,66 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
         if q_lengths is not None and L_new != L:
             raise ValueError(f"k_new: with q_lengths, sequence b appends the first q_lengths[b] of the new keys "
                              f"(one per query row): expected L_new = L = {L}, got shape {tuple(k_new.shape)}")
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)) if L_new > 0 else ():
-            strides = c.stride() if want_torch else c.strides
-            if any(st == 0 and n > 1 for st, n in zip(strides, c.shape)):   # torch would write every slot
-                raise ValueError(f"{name}: a broadcast (expanded) cache keeps several slots in one place and "
-                                 f"cannot take k_new / v_new (strides {tuple(strides)}); pass a cache with its "
-                                 "own memory")
-            writable = (compiling() or c.is_inference() <= torch.is_inference_mode_enabled()   # (traced:
-                        if want_torch else c.flags.writeable)                               # the op checks)
-            if not writable:
-                raise ValueError(f"{name}: the cache is read-only here (a NumPy array that is not writeable, "
-                                 "or an inference tensor outside inference mode) and cannot take k_new / v_new")
+        _check_writable(k_cache, v_cache, L_new, want_torch)
     ragged = q_lengths is not None and L_new > 0         # appends of q_lengths[b] keys each
     new_lengths = q_lengths if ragged else None
-    if want_torch and compiling():   # values cannot be read while torch.compile traces: the op
-        S_cap = P if block_table is None else int(block_table.shape[1]) * P   # checks them when it runs
-        spec = validate(q, _zeros_view(q, (B, Hkv, S_cap, D)), _zeros_view(q, (B, Hkv, S_cap, Dv)),
+    if want_torch and compiling():   # (values are unreadable while torch.compile traces: the op checks them)
+        spec = validate(q, _zeros_view(q, (B, Hkv, capacity, D)), _zeros_view(q, (B, Hkv, capacity, Dv)),
                         backend=backend, kv_lengths=lengths.long() + (q_lengths.long() if ragged else L_new),
                         q_lengths=q_lengths, **options)
         return KVCall(spec=spec, k_cache=k_cache, v_cache=v_cache, cache_lengths=lengths, lengths=None,
                       block_table=block_table, page_size=P, k_new=k_new, v_new=v_new, new_lengths=new_lengths)
+    added = host_ints("q_lengths", q_lengths).astype(np.int64) if ragged else L_new
+    total = _check_values(lengths, added, capacity, block_table, N, P)
+    dummy_k = _zeros_view(q, (B, Hkv, max(capacity, 1), D))
+    dummy_v = _zeros_view(q, (B, Hkv, max(capacity, 1), Dv))
+    total_arr = total if not want_torch else _torch_ints(total, q)
+    spec = validate(q, dummy_k, dummy_v, backend=backend, kv_lengths=total_arr, q_lengths=q_lengths, **options)
+    return KVCall(spec=spec, k_cache=k_cache, v_cache=v_cache, cache_lengths=lengths, lengths=total_arr,
+                  block_table=block_table, page_size=P, k_new=k_new, v_new=v_new, new_lengths=new_lengths)
+
+
+def _check_grad(q: Any, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any, want_torch: bool) -> None:
+    """No tensor that requires grad while grad is enabled (forward only)."""
+    if want_torch:
+        import torch
+        grad = [n for n, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
+                               ("v_new", v_new)) if getattr(x, "requires_grad", False)]
+        if grad and torch.is_grad_enabled():
+            raise TypeError(f"{', '.join(grad)}: attention_kvcache is forward only (no autograd); call it "
+                            "under torch.no_grad() or pass tensors that do not require grad")
+
+
+def _check_writable(k_cache: Any, v_cache: Any, L_new: int, want_torch: bool) -> None:
+    """Caches that an append (L_new > 0) can write: their own memory, writeable."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)) if L_new > 0 else ():
+        strides = c.stride() if want_torch else c.strides
+        if any(st == 0 and n > 1 for st, n in zip(strides, c.shape)):   # torch would write every slot
+            raise ValueError(f"{name}: a broadcast (expanded) cache keeps several slots in one place and "
+                             f"cannot take k_new / v_new (strides {tuple(strides)}); pass a cache with its "
+                             "own memory")
+        if want_torch:
+            import torch
+        writable = (compiling() or c.is_inference() <= torch.is_inference_mode_enabled()   # (traced:
+                    if want_torch else c.flags.writeable)                               # the op checks)
+        if not writable:
+            raise ValueError(f"{name}: the cache is read-only here (a NumPy array that is not writeable, "
+                             "or an inference tensor outside inference mode) and cannot take k_new / v_new")
+
+
+def _check_values(lengths: Any, added: Any, capacity: int, block_table: Any, N: int, P: int) -> np.ndarray:
+    """The lengths after the append, int64 (B,) on the host: each non-negative and within
+    the sequence's capacity, and the block-table entries of the pages they use in
+    [0, num_pages N) (pages of P keys)."""
     h_len = host_ints("cache_lengths", lengths).astype(np.int64)
     if h_len.size and h_len.min() < 0:
         raise ValueError(f"cache_lengths: expected non-negative lengths, got {h_len.tolist()[:16]}")
-    added = host_ints("q_lengths", q_lengths).astype(np.int64) if ragged else L_new
     total = h_len + added
-    over = np.flatnonzero(total > capacity)
-    if over.size:
-        b = int(over[0])
-        what = "the append overflows" if L_new else "beyond"
+    if total.size and total.max() > capacity:
+        b = int(np.flatnonzero(total > capacity)[0])
+        what = "the append overflows" if total[b] > h_len[b] else "beyond"
         raise ValueError(f"cache_lengths: sequence {b} holds {int(h_len[b])} keys + {int(total[b] - h_len[b])} new = "
-                         f"{int(total[b])}, {what} its capacity of {int(capacity[b])} keys")
+                         f"{int(total[b])}, {what} its capacity of {capacity} keys")
     if block_table is not None:
         bt = host_ints("block_table", block_table).astype(np.int64)
         used = np.arange(bt.shape[1]) < -(-total // P)[:, None]     # the pages each sequence touches
@@ -246,13 +339,7 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
             pages = bt[b][used[b]]
             page = int(pages.max() if pages.max() >= N else pages.min())
             raise ValueError(f"block_table: sequence {b} points at page {page} outside [0, num_pages={N})")
-    S_cap = int(capacity.max()) if B else 0
-    dummy_k = _zeros_view(q, (B, Hkv, max(S_cap, 1), D))
-    dummy_v = _zeros_view(q, (B, Hkv, max(S_cap, 1), Dv))
-    total_arr = total if not want_torch else _torch_ints(total, q)
-    spec = validate(q, dummy_k, dummy_v, backend=backend, kv_lengths=total_arr, q_lengths=q_lengths, **options)
-    return KVCall(spec=spec, k_cache=k_cache, v_cache=v_cache, cache_lengths=lengths, lengths=total_arr,
-                  block_table=block_table, page_size=P, k_new=k_new, v_new=v_new, new_lengths=new_lengths)
+    return total
 
 
 def _zeros_view(like: Any, shape: tuple[int, ...]) -> Any:
@@ -265,4 +352,6 @@ def _zeros_view(like: Any, shape: tuple[int, ...]) -> Any:
 
 def _torch_ints(x: np.ndarray, like: Any) -> Any:
     import torch
+    if like.device.type == "cpu":
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
     return torch.as_tensor(x, dtype=torch.int64, device=like.device)

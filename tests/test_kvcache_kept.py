@@ -1,0 +1,148 @@
+"""attention_kvcache's kept checks: a call whose signature was seen before skips the
+checks of its structure (attnkit.spec.kvcache._SEEN) — and still refuses bad lengths,
+bad pages and bad state (grad, a read-only or broadcast cache) with the full check's
+error, the cache untouched; its validated call is the full check's."""
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit.spec import kvcache as kvspec
+
+RNG = np.random.default_rng
+
+
+def caches(paged, rng):
+    """(k, v, table): 2 sequences, 40 keys of capacity (pages of 8, shuffled)."""
+    if paged:
+        k, v = rng.standard_normal((2, 10, 1, 8, 4))
+        return k, v, rng.permutation(10).reshape(2, 5)
+    k, v = rng.standard_normal((2, 2, 1, 40, 4))
+    return k, v, None
+
+
+NEW = dict(k_new=np.ones((2, 1, 2, 4)), v_new=np.ones((2, 1, 2, 4)))
+BAD_VALUES = [
+    (dict(cache_lengths=np.array([41, 0])), {}, "cache_lengths: sequence 0 holds 41 keys \\+ 0 new = 41, beyond"),
+    (dict(cache_lengths=np.array([0, 39])), NEW, "cache_lengths: sequence 1 .* the append overflows"),
+    (dict(cache_lengths=np.array([-1, 2])), {}, "cache_lengths: expected non-negative"),
+    (dict(cache_lengths=41), {}, "cache_lengths: sequence 0 holds 41"),
+    (dict(cache_lengths=-3), {}, "cache_lengths: expected non-negative"),
+]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("bad,new,message", BAD_VALUES)
+def test_a_kept_check_still_refuses_bad_lengths(bad, new, message, paged):
+    """The same call with good lengths first (kept), then with bad ones."""
+    k, v, table = caches(paged, RNG(1))
+    q = np.zeros((2, 2, 1, 4))
+    good = 3 if isinstance(bad["cache_lengths"], int) else np.array([3, 0])
+    kvspec._SEEN.clear()
+    attnkit.attention_kvcache(q, k, v, good, block_table=table, **new)
+    assert len(kvspec._SEEN) == 1                        # the structure's checks kept
+    before = k.copy(), v.copy()
+    with pytest.raises(ValueError, match=f"^{message}"):
+        attnkit.attention_kvcache(q, k, v, bad["cache_lengths"], block_table=table, **new)
+    assert np.array_equal(k, before[0]) and np.array_equal(v, before[1])
+
+
+@pytest.mark.parametrize("bad", [-1, 10])
+def test_a_kept_check_still_refuses_pages_outside_the_cache(bad):
+    k, v, table = caches(True, RNG(2))
+    q = np.zeros((2, 2, 1, 4))
+    attnkit.attention_kvcache(q, k, v, np.array([9, 3]), block_table=table, **NEW)
+    before = k.copy()
+    table = table.copy()
+    table[0, 1] = bad                                    # sequence 0's second page: used from 9 keys on
+    with pytest.raises(ValueError, match=rf"^block_table: sequence 0 points at page {bad} outside"):
+        attnkit.attention_kvcache(q, k, v, np.array([9, 3]), block_table=table, **NEW)
+    assert np.array_equal(k, before)
+
+
+def test_a_kept_check_still_refuses_a_read_only_cache():
+    k, v, _ = caches(False, RNG(3))
+    q = np.zeros((2, 2, 1, 4))
+    attnkit.attention_kvcache(q, k, v, np.array([3, 0]), **NEW)
+    k.flags.writeable = False
+    with pytest.raises(ValueError, match="^k_cache: the cache is read-only"):
+        attnkit.attention_kvcache(q, k, v, np.array([5, 2]), **NEW)
+    assert (v[0, :, 5:7] != 1).all()                     # nothing written to v either
+
+
+def test_a_kept_check_still_refuses_grad_and_unwritable_tensors():
+    torch = pytest.importorskip("torch")
+    q, kc, vc = torch.zeros(2, 2, 1, 4), torch.zeros(2, 1, 40, 4), torch.zeros(2, 1, 40, 4)
+    kn, vn = torch.ones(2, 1, 1, 4), torch.ones(2, 1, 1, 4)
+    lengths = torch.tensor([3, 0])
+    with torch.no_grad():
+        attnkit.attention_kvcache(q, kc, vc, lengths, k_new=kn, v_new=vn)
+    kc.zero_(), vc.zero_()
+    with pytest.raises(TypeError, match="^q: attention_kvcache is forward only"):
+        attnkit.attention_kvcache(q.requires_grad_(), kc, vc, lengths, k_new=kn, v_new=vn)
+    q = q.detach()
+    wide = torch.zeros(1, 1, 40, 4).expand(2, 1, 40, 4)  # one slot for both sequences
+    with pytest.raises(ValueError, match="^k_cache: a broadcast"):
+        attnkit.attention_kvcache(q, wide, vc, lengths, k_new=kn, v_new=vn)
+    with torch.inference_mode():
+        frozen = torch.zeros(2, 1, 40, 4)
+    with pytest.raises(ValueError, match="^v_cache: the cache is read-only"):
+        attnkit.attention_kvcache(q, kc, frozen, lengths, k_new=kn, v_new=vn)
+    assert not kc.any() and not vc.any() and not wide.any()
+
+
+def same(a, b):
+    if hasattr(a, "numpy") and hasattr(b, "numpy"):
+        return type(a) is type(b) and a.dtype == b.dtype and a.device == b.device and np.array_equal(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return type(a) is type(b) and a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("kind", ["contiguous", "paged", "append", "one int", "masks"])
+def test_the_kept_check_gives_the_full_checks_call(kind, lib):
+    """The second call of a signature (kept) returns the call the full check makes of
+    the same arguments: every field, the Spec's too, equal and of the same types."""
+    rng = RNG(4)
+    k, v, table = caches(kind == "paged", rng)
+    args = dict(q=rng.standard_normal((2, 2, 1, 4)), k_cache=k, v_cache=v, cache_lengths=np.array([3, 0]),
+                block_table=table)
+    if kind == "append":
+        args.update(NEW)
+    opts = dict(causal=True, window=(2, 0), softcap=3.0, scale=0.5) if kind == "masks" else {}
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        args = {n: None if x is None else torch.from_numpy(np.asarray(x)) for n, x in args.items()}
+    if kind == "one int":
+        args["cache_lengths"] = 7
+    kvspec._SEEN.clear()
+    first = kvspec.validate_kvcache(**args, **opts)
+    args["cache_lengths"] = 11 if kind == "one int" else args["cache_lengths"] + 1
+    kept = kvspec.validate_kvcache(**args, **opts)
+    full = kvspec._validate_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"),
+                                    args.pop("cache_lengths"), args.pop("block_table"), args.pop("k_new", None),
+                                    args.pop("v_new", None), "auto", opts)
+    assert len(kvspec._SEEN) == 1 and first.spec.kv_lengths is not None
+    for name in full.__dataclass_fields__:
+        if name != "spec":
+            assert same(getattr(kept, name), getattr(full, name)), name
+    a, b = kept.spec.__dict__, full.spec.__dict__
+    assert a.keys() == b.keys()
+    for name in a.keys() - {"chosen", "k", "v"}:
+        assert same(a[name], b[name]), name
+    assert all(kept.spec.__dict__[n].shape == full.spec.__dict__[n].shape for n in ("k", "v"))
+
+
+def test_a_kept_check_is_for_its_capacity_alone():
+    """Caches or block tables of another capacity are another signature: each call is
+    held to its own capacity."""
+    q = np.zeros((2, 2, 1, 4))
+    k, v, table = caches(True, RNG(5))
+    attnkit.attention_kvcache(q, k, v, np.array([30, 0]), block_table=table)            # 5 pages: 40 keys
+    with pytest.raises(ValueError, match="^cache_lengths: sequence 0 holds 30 keys .* capacity of 24"):
+        attnkit.attention_kvcache(q, k, v, np.array([30, 0]), block_table=table[:, :3])
+    k, v, _ = caches(False, RNG(5))
+    attnkit.attention_kvcache(q, k, v, np.array([30, 0]))
+    with pytest.raises(ValueError, match="^cache_lengths: sequence 0 holds 30 keys .* capacity of 20"):
+        attnkit.attention_kvcache(q, k[:, :, :20], v[:, :, :20], np.array([30, 0]))
