@@ -16,7 +16,7 @@ def random_case(seed, dtype="float64", extras=False):
     """One randomized case: shapes (L < S, L > S, 1, blocks that do not divide), GQA,
     D != Dv, broadcast batch dims, 2-D inputs, non-contiguous inputs, every mask kind
     alone and combined, both alignments, softcap; plus small block sizes. ``extras``
-    also draws ALiBi slopes, sinks and per-sequence lengths."""
+    also draws ALiBi slopes, sinks and per-sequence lengths and first keys."""
     rng = np.random.default_rng(seed)
     L, S = (int(x) for x in rng.choice([1, 2, 15, 40, 97], size=2))
     D = int(rng.choice([8, 59, 64]))
@@ -63,6 +63,8 @@ def random_case(seed, dtype="float64", extras=False):
             if rng.random() < 0.5:
                 kw["q_lengths"] = rng.integers(0, L + 1, batch)
     blocks = dict(block_m=int(rng.integers(1, 20)), block_n=int(rng.integers(1, 20)))
+    if extras and batch and rng.random() < 0.3:          # (drawn last: the earlier draws stay as they were)
+        kw["kv_starts"] = rng.integers(0, np.asarray(kw.get("kv_lengths", S)) + 1, batch)
     q, k, v = (x.astype(dtype) for x in (q, k, v))
     return q, k, v, kw, blocks
 

@@ -165,16 +165,20 @@ _LAST_PADDING: list[Any] = [None]
 def _padding(mask: Any, square: bool) -> dict[str, Any]:
     """What a 2-D padding mask (1 = token) says, as keywords: nothing (no padding: every
     decoding step of an unpadded batch), ``kv_lengths`` (right padding, L == S: ones,
-    then zeros) or a (B, 1, 1, S) key-padding ``keep``. Read once per mask: every layer
+    then zeros), ``kv_starts`` (left padding: zeros, then ones — batched generation's
+    prompts; each sequence's first key; in CPU memory, as the Triton kernels have no
+    kv_starts) or a (B, 1, 1, S) key-padding ``keep``. Read once per mask: every layer
     of a forward gets the same tensor (an in-place change bumps its version; tensors
     made under ``torch.inference_mode`` have no version counter and are read every time)."""
     return dict(_padded(mask, square)[0])
 
 
 def _padded(mask: Any, square: bool) -> tuple[dict[str, Any], tuple[Any, ...] | None]:
-    """(:func:`_padding`'s keywords, what they add to a layer's key: the lengths' bytes,
-    or nothing where there is no padding; None for a ``keep`` mask or one not in CPU
-    memory), read once per mask as :func:`_padding` says."""
+    """(:func:`_padding`'s keywords, what they add to a layer's key: the key length and
+    the lengths' bytes (no bytes where there is no padding), or the first keys' bytes
+    alone — left padding: a decoding step's call, one key longer every step, is the
+    same call; None for a ``keep`` mask or one not in CPU memory), read once per mask
+    as :func:`_padding` says."""
     version = None if mask.is_inference() else mask._version
     last = _LAST_PADDING[0]
     if version is not None and last is not None and last[0]() is mask and last[1] == version and last[2] == square:
@@ -182,13 +186,17 @@ def _padded(mask: Any, square: bool) -> tuple[dict[str, Any], tuple[Any, ...] | 
     res: dict[str, Any] = {}
     if not bool(mask.all()):
         pad = mask.bool()
-        if square and bool((pad.int().diff(dim=-1) <= 0).all()):
+        steps = pad.int().diff(dim=-1)
+        if square and bool((steps <= 0).all()):
             res = dict(kv_lengths=pad.sum(-1), align="top_left")
+        elif mask.device.type == "cpu" and bool((steps >= 0).all()):   # (the Triton kernels have no
+            res = dict(kv_starts=(~pad).sum(-1))                         # kv_starts: keep on a GPU)
         else:
             res = dict(keep=pad[:, None, None, :])
     token: tuple[Any, ...] | None = None
     if mask.device.type == "cpu" and "keep" not in res:
-        token = ("padding", res["kv_lengths"].numpy().tobytes() if res else b"")
+        token = ("starts", res["kv_starts"].numpy().tobytes()) if "kv_starts" in res else \
+            ("padding", mask.shape[-1], res["kv_lengths"].numpy().tobytes() if res else b"")
     if version is not None:
         _LAST_PADDING[0] = (weakref.ref(mask), version, square, res, token)
     return res, token
@@ -464,7 +472,7 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
             # calls without a mask, the key length and the lengths' bytes in the layer's key
             token = _padded(attention_mask, L == S_all)[1]
             if token is not None:
-                layer = (*scalars, S_all, *token)
+                layer = (*scalars, *token)
                 out = _rerun(module, layer, query, key, value)
                 if out is not None:
                     return out, None

@@ -96,7 +96,7 @@ def _row_bounds(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
     once per geometry when the call gives no lengths (22 of a 32 × 32 causal call's
     146 µs), else every call. The kernel only reads them."""
     key = None
-    if spec.q_lengths is None and spec.kv_lengths is None and prod(spec.lse_shape) <= _BOUNDS_ROWS:
+    if not spec.varlen and prod(spec.lse_shape) <= _BOUNDS_ROWS:
         key = (spec.lse_shape, spec.S, spec.causal, spec.window, spec.align)
         hit = _BOUNDS.get(key)
         if hit is not None:
@@ -132,11 +132,13 @@ def streams(spec: Spec, kern: Any, S: int | None = None) -> bool:
 
 
 def streams_alone(spec: Spec, S: int | None = None) -> bool:
-    """Whether the call streams with q, k and v its only arrays (no sinks, no lengths):
-    then :func:`streamer` reads no other array of the Spec, and a caller holding q, k, v
-    in another array library passes NumPy views of them (the torch op's full path) or
-    their addresses (its kept call, :func:`direct_at`)."""
-    return spec.sinks is None and not spec.varlen and streams(spec, for_dtype(spec.acc_dtype), S)
+    """Whether the call streams with q, k and v its only arrays (no sinks, no lengths;
+    kv_starts, which only moves the rows' bounds, read as NumPy reads the caller's
+    array): then a caller holding q, k, v in another array library passes NumPy views
+    of them (the torch op's full path) or their addresses (its kept call,
+    :func:`direct_at`)."""
+    return (spec.sinks is None and spec.q_lengths is None and spec.kv_lengths is None and not spec.packed
+            and streams(spec, for_dtype(spec.acc_dtype), S))
 
 
 def streamer(spec: Spec) -> Callable[[Any, Any, Any], tuple[np.ndarray, np.ndarray]]:
@@ -182,7 +184,10 @@ def _prepared(spec: Spec) -> tuple[Spec, int, int, tuple[Any, ...]] | None:
     if spec.dtype != "float32" or not streams_alone(spec):
         return None
     kept = spec.replace(q=None, k=None, v=None)         # no reference to this call's arrays
-    return kept, *key_range(lambda S: streams_alone(kept, S), spec.S), _settings()
+    lo, hi = key_range(lambda S: streams_alone(kept, S), spec.S)
+    if spec.kv_starts is not None:                       # fewer keys than a sequence's first: the
+        lo = max(lo, int(np.max(np.asarray(spec.kv_starts))))   # full path's error
+    return kept, lo, hi, _settings()
 
 
 def direct(spec: Spec) -> Callable[[Any, Any, Any, bool], tuple[np.ndarray, np.ndarray] | None] | None:
@@ -226,8 +231,11 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
     scale, softcap = np.float32(spec.scale), np.float32(spec.softcap or 0.0)
     # the rows' key bounds at the kept key length, made once (a prefill repeats it), their
     # addresses kept with them: the arrays' .ctypes costs a call 2–5 µs cold
-    bounds = _row_bounds(kept) if spec.has_index_mask else None
+    bounds = _row_bounds(kept) if spec.has_index_mask or spec.varlen else None
     at_kept = (0, 0) if bounds is None else (bounds[0].ctypes.data, bounds[1].ctypes.data)
+    # the bounds at the last other key length, with their addresses: a model's layers
+    # repeat one key length in a decoding step (one tuple, replaced whole: threads)
+    last: list[Any] = [(kept.S, bounds, at_kept)]
     kernels_ = for_dtype("float32")
     kernel, entry = kernels_.small_rows_at, kernels_.small_units
     units = prod(spec.batch) * spec.Hkv
@@ -239,8 +247,11 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
             return False
         lo_at, hi_at = at_kept
         if bounds is not None and S != kept.S:
-            lo, hi = _row_bounds(kept.replace(S=S))
-            lo_at, hi_at = lo.ctypes.data, hi.ctypes.data
+            at = last[0]
+            if at[0] != S:
+                made = _row_bounds(kept.replace(S=S))
+                at = last[0] = (S, made, (made[0].ctypes.data, made[1].ctypes.data))
+            lo_at, hi_at = at[2]
         team = n = 0
         if units > 1 and per_key * S >= TEAM_WORK:
             team, n = runtime.native_team(min(runtime.get_threads(), units))

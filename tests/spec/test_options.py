@@ -63,8 +63,8 @@ def test_docs_section_from_the_table():
 # ---- found by mutation testing (scripts/mutation.py, docs/mutation.md) ------------------
 # What attention_kvcache takes is part of its contract, written out here rather than
 # read from the table (a wrong flag in the table would then pass unseen).
-KVCACHE_TAKES = ["scale", "causal", "window", "align", "softcap", "alibi_slopes", "sinks", "q_lengths", "dropout",
-                 "seed"]
+KVCACHE_TAKES = ["scale", "causal", "window", "align", "softcap", "alibi_slopes", "sinks", "q_lengths", "kv_starts",
+                 "dropout", "seed"]
 KVCACHE_REFUSES = dict(keep=np.ones((1, 8), bool), drop=np.zeros((1, 8), bool), bias=np.zeros((1, 8)),
                        kv_lengths=np.array([3]), cu_seqlens_q=np.array([0, 1]), cu_seqlens_k=np.array([0, 3]))
 

@@ -721,7 +721,7 @@ def test_the_kvcache_op_passes_torchs_checks():
     against the real op."""
     q, kc, vc = torch.randn(2, 4, 1, 8), torch.zeros(2, 2, 6, 8), torch.zeros(2, 2, 6, 5)
     args = (q, kc, vc, torch.tensor([2, 3]), None, torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 5),
-            None, True, 3, None, "bottom_right", None, None, None, torch.tensor([1, 0]), 0.0, None, "auto")
+            None, True, 3, None, "bottom_right", None, None, None, torch.tensor([1, 0]), None, 0.0, None, "auto")
     torch.library.opcheck(torch.ops.attnkit.attention_kvcache.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 

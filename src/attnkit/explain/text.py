@@ -41,7 +41,7 @@ DROPPED_OUT = "Step 4  out = dropped v: each output is a blend of the values"
 NAN_RULE = "attnkit never turns NaN into numbers"
 # steps that change the scores (what "then …: scores" lists by hand)
 SCORE_MASKS = ("softcap", "bias", "ALiBi", "causal", "window", "keep", "drop", "q_lengths",
-               "kv_lengths", "packed")
+               "kv_lengths", "kv_starts", "packed")
 
 
 def step_title(trace, name) -> str:

@@ -224,7 +224,8 @@ class Trace(Mapping):
             "strings_mean": {"nan": "NaN (a non-finite value reached this row)", "inf": "+inf"},
             "steps": {name: jsonable(x) for name, x in self._steps.items()},
         }
-        for name in ("alibi_slopes", "sinks", "q_lengths", "kv_lengths", "cu_seqlens_q", "cu_seqlens_k"):
+        for name in ("alibi_slopes", "sinks", "q_lengths", "kv_lengths", "kv_starts", "cu_seqlens_q",
+                     "cu_seqlens_k"):
             x = getattr(s, name)
             if x is not None:
                 d[name] = jsonable(_as_given(np.asarray(x), s.shapes[name]))
@@ -368,6 +369,8 @@ def masks(spec) -> list[str]:
         m.append("q_lengths")
     if spec.kv_lengths is not None:
         m.append("kv_lengths")
+    if spec.kv_starts is not None:
+        m.append("kv_starts")
     if spec.packed:
         m.append(f"packed ({len(spec.cu_seqlens_q) - 1} sequences)")
     if spec.sinks is not None:

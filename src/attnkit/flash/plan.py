@@ -224,7 +224,8 @@ class Call:
         key = ("units", backward, spec.bias is None, self.stream, self.pages is None, spec.batch, spec.group,
                spec.H, spec.Hkv, spec.L, spec.S, spec.align, spec.origin, spec.extent, SMALL_TILE, DECODE_ROWS,
                MIN_TASKS, *(None if x is None else (np.shape(x), np.asarray(x).dtype.str, np.asarray(x).tobytes())
-                            for x in (spec.q_lengths, spec.kv_lengths, spec.cu_seqlens_q, spec.cu_seqlens_k)))
+                            for x in (spec.q_lengths, spec.kv_lengths, spec.kv_starts, spec.cu_seqlens_q,
+                                      spec.cu_seqlens_k)))
         self._units_key = key
         return list(self._kept(key, lambda: self._make_units(backward)))
 

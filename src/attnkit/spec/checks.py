@@ -135,7 +135,7 @@ def check_ring_shard(spec: Spec, keep: Any, drop: Any, layout: str) -> Any:
     the key-padding keep mask (keep and drop combined), or None."""
     check_layout(layout)
     for name, given in (("bias", spec.bias is not None), ("q_lengths", spec.q_lengths is not None),
-                        ("cu_seqlens_q", spec.packed)):
+                        ("kv_starts", spec.kv_starts is not None), ("cu_seqlens_q", spec.packed)):
         if given:
             raise ValueError(f"{name}: not supported by ring_attention (key padding goes in keep/drop or "
                              "kv_lengths)")

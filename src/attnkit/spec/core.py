@@ -128,7 +128,7 @@ class Spec:
     ``q, k, v`` are at least 3-D (2-D inputs got a head axis); ``batch`` is the
     broadcast shape of their leading dims. Masks are the user's arrays, not expanded
     (``keep``/``drop``/``bias`` at least 2-D, ``alibi_slopes`` at least 1-D, ``sinks``
-    at least 2-D: a per-head ``(H,)`` becomes ``(H, 1)``). ``q_lengths``/``kv_lengths``
+    at least 2-D: a per-head ``(H,)`` becomes ``(H, 1)``). ``q_lengths``/``kv_lengths``/``kv_starts``
     are int arrays broadcast to ``batch`` (or None); ``cu_seqlens_q``/``cu_seqlens_k``
     1-D int arrays (packed mode, ``packed`` True). ``shapes`` holds the user's own
     shapes by argument name (gradients are reduced to them).
@@ -156,6 +156,7 @@ class Spec:
     sinks: Any = None
     q_lengths: Any = None
     kv_lengths: Any = None
+    kv_starts: Any = None
     cu_seqlens_q: Any = None
     cu_seqlens_k: Any = None
     dropout: float = 0.0
@@ -235,7 +236,7 @@ class Spec:
     @property
     def varlen(self) -> bool:
         """Per-sequence lengths of any kind (padded or packed)."""
-        return self.packed or self.q_lengths is not None or self.kv_lengths is not None
+        return self.packed or self.q_lengths is not None or self.kv_lengths is not None or self.kv_starts is not None
 
     @property
     def block(self) -> bool:

@@ -124,13 +124,15 @@ def row_key_bounds(seg: Segment, b: Band, r0: int, r1: int) -> tuple[np.ndarray,
 def dense_row_bounds(spec: Spec) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi) of every query row of a whole, unpacked call, int64 of shape
     batch + (1, L): row i of batch element b sees exactly the keys [lo, hi) under the
-    band and its sequence's lengths; padding rows (i >= q_lengths[b]) see none."""
+    band and its sequence's keys [kv_starts[b], kv_lengths[b]); padding rows
+    (i >= q_lengths[b]) see none."""
     assert not spec.packed and not spec.block
     ql = _lengths(spec, spec.q_lengths, spec.L)[..., None, None]
     kl = _lengths(spec, spec.kv_lengths, spec.S)[..., None, None]
+    k0 = _lengths(spec, spec.kv_starts, 0)[..., None, None]
     i = np.arange(spec.L, dtype=np.int64)
-    sigma = kl - ql if spec.align == "bottom_right" else np.zeros_like(kl)
-    lo, hi = band_bounds(i + sigma, 0, kl, band(spec.causal, spec.window))
+    sigma = kl - ql if spec.align == "bottom_right" else k0
+    lo, hi = band_bounds(i + sigma, k0, kl, band(spec.causal, spec.window))
     return (lo, hi) if spec.q_lengths is None else (lo, np.where(i < ql, hi, lo))
 
 
@@ -160,7 +162,7 @@ def _global(spec: Spec) -> tuple[int, int, int, int]:
 def segments(spec: Spec, b: tuple[int, ...]) -> list[Segment]:
     """The sequences of batch element b (an index into spec.batch) in the call's own
     coordinates: one for dense inputs, one with the element's lengths for q_lengths /
-    kv_lengths, and the packed sequences of cu_seqlens (sequences without queries are
+    kv_lengths / kv_starts, and the packed sequences of cu_seqlens (sequences without queries are
     left out). For a block of a larger problem (``spec.origin``) they are the global
     sequences shifted and clipped to the block."""
     r, c, L, S = _global(spec)
@@ -169,12 +171,13 @@ def segments(spec: Spec, b: tuple[int, ...]) -> list[Segment]:
         ck = np.asarray(spec.cu_seqlens_k)
         segs = [Segment.of(cq[i], cq[i + 1], ck[i], ck[i + 1], spec.align)
                 for i in range(len(cq) - 1) if cq[i + 1] > cq[i]]
-    elif spec.q_lengths is None and spec.kv_lengths is None:
+    elif not spec.varlen:
         segs = [Segment.of(0, L, 0, S, spec.align)]
     else:
         ql = L if spec.q_lengths is None else int(np.asarray(spec.q_lengths)[b])   # (broadcast to
         kl = S if spec.kv_lengths is None else int(np.asarray(spec.kv_lengths)[b])  # the batch dims)
-        segs = [Segment.of(0, ql, 0, kl, spec.align)] if ql > 0 else []
+        k0 = 0 if spec.kv_starts is None else int(np.asarray(spec.kv_starts)[b])
+        segs = [Segment.of(0, ql, k0, kl, spec.align)] if ql > 0 else []
     if (r, c) == (0, 0) and spec.extent is None:
         return segs
     out = []
@@ -203,10 +206,10 @@ def _positions(spec: Spec) -> tuple[Any, Any, Any, Any, Any]:
         return i, j, k0, k1, (k1 - q1 if spec.align == "bottom_right" else k0 - q0)
     ql = _lengths(spec, spec.q_lengths, L)[..., None, None, None]
     kl = _lengths(spec, spec.kv_lengths, S)[..., None, None, None]
-    zero = np.zeros_like(kl)
+    k0 = _lengths(spec, spec.kv_starts, 0)[..., None, None, None]
     valid = i < ql
-    k1 = np.where(valid, kl, zero)                       # padding rows see no key
-    return i, j, zero, k1, (kl - ql if spec.align == "bottom_right" else zero)
+    k1 = np.where(valid, kl, k0)                         # padding rows see no key
+    return i, j, k0, k1, (kl - ql if spec.align == "bottom_right" else k0)
 
 
 def index_visible(spec: Spec) -> np.ndarray | None:

@@ -61,6 +61,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_lengths", None, "Tensor?",
            "ints broadcastable to the batch dims: keys j ≥ kv_lengths[b] are excluded",
            kvcache=False),
+    Option("kv_starts", None, "Tensor?",
+           "ints broadcastable to the batch dims: sequence b's first key is kv_starts[b] "
+           "(left padding; FlashAttention's cache_leftpad): keys j < kv_starts[b] are "
+           "excluded, and top_left alignment puts the first query on that key"),
     Option("cu_seqlens_q", None, "Tensor?",
            "packed sequences: B + 1 non-decreasing query offsets from 0 (FlashAttention's "
            "meaning); q is (H, Tq, D)", kvcache=False),
@@ -93,6 +97,7 @@ class Masking(TypedDict, total=False):
     sinks: Any
     q_lengths: Any
     kv_lengths: Any
+    kv_starts: Any
     cu_seqlens_q: Any
     cu_seqlens_k: Any
     dropout: float

@@ -250,7 +250,7 @@ def signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
 
 # array keywords whose values may join a call's key (attnkit.api's kept calls): the
 # sequences' lengths and offsets, which fix the plan (a model's layers repeat them)
-GEOMETRY = ("q_lengths", "kv_lengths", "cu_seqlens_q", "cu_seqlens_k")
+GEOMETRY = ("q_lengths", "kv_lengths", "kv_starts", "cu_seqlens_q", "cu_seqlens_k")
 GEOMETRY_MAX = 4096
 
 
@@ -473,14 +473,14 @@ def _array_keywords(opt: dict, want_torch: bool, batch: tuple[int, ...], H: int,
                              f"(..., H, L) = {batch + (H, L)}, got {_shape(sinks)}")
 
     if opt["cu_seqlens_q"] is not None or opt["cu_seqlens_k"] is not None:
-        both = [n for n in ("q_lengths", "kv_lengths") if opt[n] is not None]
+        both = [n for n in ("q_lengths", "kv_lengths", "kv_starts") if opt[n] is not None]
         if both:                                         # (before their shapes are checked: those
             raise ValueError(f"{', '.join(both)}: not combined with cu_seqlens_q/cu_seqlens_k (packed "
                              "sequences carry their lengths in the offsets)")   # are the batch's)
     lengths = _lengths(opt, want_torch, batch, L, S, shapes)
     cu = _cu_seqlens(opt, want_torch, batch, H, L, S, shapes)
     return dict(arrays, alibi_slopes=slopes, sinks=sinks, q_lengths=lengths[0], kv_lengths=lengths[1],
-                cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
+                kv_starts=lengths[2], cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
 
 
 def dtype_kind(x: Any) -> str:
@@ -523,10 +523,19 @@ def check_lengths(name: str, x: Any, want_torch: bool, batch: tuple[int, ...], n
 
 
 def _lengths(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: int,
-             shapes: dict) -> tuple[Any, Any]:
-    """q_lengths / kv_lengths broadcast to the batch dims, values checked."""
-    return (check_lengths("q_lengths", opt["q_lengths"], want_torch, batch, L, "L", shapes),
-            check_lengths("kv_lengths", opt["kv_lengths"], want_torch, batch, S, "S", shapes))
+             shapes: dict) -> tuple[Any, Any, Any]:
+    """q_lengths / kv_lengths / kv_starts broadcast to the batch dims, values checked
+    (a sequence's first key at most its key length)."""
+    kv_lengths = check_lengths("kv_lengths", opt["kv_lengths"], want_torch, batch, S, "S", shapes)
+    starts = check_lengths("kv_starts", opt["kv_starts"], want_torch, batch, S, "S", shapes)
+    if starts is not None and kv_lengths is not None and not compiling():
+        first, n = host_ints("kv_starts", starts), host_ints("kv_lengths", kv_lengths)
+        after = np.flatnonzero((first > n).ravel())
+        if after.size:
+            b = int(after[0])
+            raise ValueError(f"kv_starts: sequence {b} starts at key {int(first.ravel()[b])}, past its "
+                             f"kv_lengths of {int(n.ravel()[b])} (a sequence's keys are [kv_starts, kv_lengths))")
+    return check_lengths("q_lengths", opt["q_lengths"], want_torch, batch, L, "L", shapes), kv_lengths, starts
 
 
 def _cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], H: int, L: int, S: int,

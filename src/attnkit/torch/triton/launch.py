@@ -97,6 +97,9 @@ def not_supported_reasons(spec) -> list:
         why.append(f"head dim D={spec.D}, Dv={spec.Dv} exceeds {MAX_HEAD_DIM}")
     if spec.block:
         why += _block_reasons(spec)
+    if spec.kv_starts is not None:
+        why.append("kv_starts (each sequence's first key) is not supported by the Triton kernels (the CPU rungs "
+                   "take it)")
     kind = spec.q.device.type
     if kind == "cpu":
         if not interpreting():
