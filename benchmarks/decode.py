@@ -16,7 +16,9 @@ after an untimed one: ``settle`` in :func:`attnkit.bench.interleaved`), KV bytes
 transformers tiny Llama greedy generation (prompt 32, 20 new tokens) with
 attn_implementation="attnkit" against "sdpa" on one model switched between them (best of
 --generate-rounds), and "sdpa" timed again as a control (the ratio two identical
-providers get in the same run: the noise).
+providers get in the same run: the noise); then the same with left-padded prompts.
+Before it, a small model's decoding step in a loop of one's own (attention_kvcache
+against torch's index writes and SDPA).
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/decode.py
 """
@@ -212,10 +214,15 @@ def generate(rounds: int) -> list[str]:
     def switch(name):
         model.set_attn_implementation(impls[name])
 
-    def run(name):
+    mask = torch.ones(4, 32, dtype=torch.long)        # left-padded prompts of 32, 20, 27 and 12 tokens
+    for b, n in enumerate((32, 20, 27, 12)):
+        mask[b, :32 - n] = 0
+    padded = ids * mask
+
+    def run(name, pad=False):
         with torch.no_grad():
-            tokens[name] = model.generate(input_ids=ids, max_new_tokens=20, min_new_tokens=20,
-                                          do_sample=False, pad_token_id=0)
+            tokens[name, pad] = model.generate(input_ids=padded if pad else ids, attention_mask=mask if pad else None,
+                                               max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
 
     calls = []                                           # the switch works: attnkit's function runs
     transformers.AttentionInterface.register(
@@ -230,12 +237,19 @@ def generate(rounds: int) -> list[str]:
     times = interleaved({n: (lambda n=n: run(n)) for n in impls}, rounds, gap_s=0.3,
                         prepare={n: (lambda n=n: switch(n)) for n in impls})
     best = {n: min(t) for n, t in times.items()}
-    same = torch.equal(tokens["sdpa"], tokens["attnkit"])
+    same = torch.equal(tokens["sdpa", False], tokens["attnkit", False])
     ratio = best["sdpa"] / best["attnkit"]
     print(f"\n- transformers tiny Llama greedy generate (B=4, prompt 32, 20 new tokens, best of {rounds}): "
           f"attnkit {best['attnkit'] * 1e3:.0f} ms, sdpa {best['sdpa'] * 1e3:.0f} ms: {ratio:.2f}× "
           f"(target ≥ {TARGETS['generate vs sdpa']}), same tokens: {same}; control (sdpa against sdpa): "
           f"{best['sdpa'] / best['control']:.2f}×")
+    two = ("sdpa", "attnkit")                             # left-padded prompts (batched generation's)
+    padded_times = interleaved({n: (lambda n=n: run(n, True)) for n in two}, rounds, gap_s=0.3,
+                               prepare={n: (lambda n=n: switch(n)) for n in two})
+    pb = {n: min(t) for n, t in padded_times.items()}
+    print(f"- the same, prompts left-padded (32, 20, 27 and 12 tokens; no target): attnkit {pb['attnkit'] * 1e3:.0f}"
+          f" ms, sdpa {pb['sdpa'] * 1e3:.0f} ms: {pb['sdpa'] / pb['attnkit']:.2f}×, same tokens: "
+          f"{torch.equal(tokens['sdpa', True], tokens['attnkit', True])}")
     return [] if ratio >= TARGETS["generate vs sdpa"] and same else ["generate vs sdpa"]
 
 

@@ -259,3 +259,17 @@ def test_weights_are_each_sequences_own(rung):
         assert max_error(w[b][..., s:n], want) <= 1e-12
         assert not w[b][..., :s].any() and not w[b][..., n:].any()
     assert not w[2].any()
+
+
+def test_a_kept_call_keeps_the_starts_it_was_made_for():
+    """A caller that reuses (and changes) its starts array: a later call with the first
+    values runs with those values (a review found the kept call reading the array)."""
+    rng = RNG(11)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 2, 1, 8), (2, 2, 8, 8), (2, 2, 8, 8)))
+    starts = np.array([2, 5])
+    attnkit.attention(q, k, v, kv_starts=starts)
+    starts[:] = [0, 0]
+    got = attnkit.attention(q, k, v, kv_starts=np.array([2, 5]))
+    want = attnkit.attention(*(x.astype(np.float64) for x in (q, k, v)), kv_starts=np.array([2, 5]),
+                             backend="reference")
+    assert max_error(got, want) <= 1e-5

@@ -146,3 +146,11 @@ def test_a_kept_check_is_for_its_capacity_alone():
     attnkit.attention_kvcache(q, k, v, np.array([30, 0]))
     with pytest.raises(ValueError, match="^cache_lengths: sequence 0 holds 30 keys .* capacity of 20"):
         attnkit.attention_kvcache(q, k[:, :, :20], v[:, :, :20], np.array([30, 0]))
+
+
+@pytest.mark.parametrize("kw", [dict(window=np.array([2, 0])), dict(scale=np.array(0.5)), dict(window={1: 2})])
+def test_an_unhashable_keyword_gets_the_full_checks_error(kw):
+    q, k = np.ones((2, 2, 1, 4)), np.ones((2, 2, 8, 4))
+    name = next(iter(kw))
+    with pytest.raises((TypeError, ValueError), match=f"^{name}: "):
+        attnkit.attention_kvcache(q, k, k.copy(), np.array([3, 4]), **kw)

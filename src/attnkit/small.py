@@ -183,10 +183,13 @@ def _prepared(spec: Spec) -> tuple[Spec, int, int, tuple[Any, ...]] | None:
     (:func:`streams_alone`) in float32."""
     if spec.dtype != "float32" or not streams_alone(spec):
         return None
-    kept = spec.replace(q=None, k=None, v=None)         # no reference to this call's arrays
+    # no reference to this call's arrays; the starts copied (kept by their values, read
+    # at every call: the caller may reuse its array)
+    starts = None if spec.kv_starts is None else np.array(np.asarray(spec.kv_starts), dtype=np.int64)
+    kept = spec.replace(q=None, k=None, v=None, kv_starts=starts)
     lo, hi = key_range(lambda S: streams_alone(kept, S), spec.S)
-    if spec.kv_starts is not None:                       # fewer keys than a sequence's first: the
-        lo = max(lo, int(np.max(np.asarray(spec.kv_starts))))   # full path's error
+    if starts is not None:                               # fewer keys than a sequence's first: the
+        lo = max(lo, int(starts.max()))                  # full path's error
     return kept, lo, hi, _settings()
 
 

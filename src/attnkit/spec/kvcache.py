@@ -142,7 +142,10 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
     signature seen before has its structure's checks reused and its values and state
     checked again."""
     key = _signature(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, backend, options)
-    seen = None if key is None else _SEEN.get(key)
+    try:
+        seen = None if key is None else _SEEN.get(key)
+    except TypeError:                                    # an unhashable keyword: the full check names it
+        key = seen = None
     if seen is not None:
         spec, capacity = seen
         want_torch = type(q) is not np.ndarray

@@ -74,6 +74,6 @@ def rung_weights(spec: Spec, lse: Any = None, rows: Any = None) -> Any:
     from ..op import _np, _torch, numpy_spec
     cpu = spec.replace(**{n: (None if getattr(spec, n) is None else getattr(spec, n).detach().cpu())
                           for n in ("q", "k", "v", "keep", "drop", "bias", "alibi_slopes", "sinks",
-                                    "q_lengths", "kv_lengths", "cu_seqlens_q", "cu_seqlens_k")})
+                                    "q_lengths", "kv_lengths", "kv_starts", "cu_seqlens_q", "cu_seqlens_k")})
     w = flash.rung_weights(numpy_spec(cpu), None if lse is None else _np(lse.cpu()), rows)
     return _torch(w, spec.q.dtype).to(spec.q.device if isinstance(spec.q, torch.Tensor) else "cpu")
