@@ -738,3 +738,20 @@ def test_a_compiled_decoding_call_keeps_each_window_side(window):
         return attnkit.attention_kvcache(q, kc, vc, n, window=window)
     assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(q, kc, vc, n), f(q, kc, vc, n))
 
+
+
+@pytest.mark.parametrize("rung", ["reference", "small", "flash"])
+@pytest.mark.parametrize("bad", [dict(kv_lengths=[3, 9000000]), dict(q_lengths=[-5, 1]),
+                                 dict(kv_starts=[-2000000, 0]), dict(kv_starts=[2, 0], kv_lengths=[1, 3])],
+                         ids=["kv_lengths", "q_lengths", "kv_starts", "starts-past-lengths"])
+def test_a_compiled_call_checks_its_sequences_when_it_runs(bad, rung):
+    """torch.compile traces without reading the lengths' values; the op checks them when
+    the graph runs (out-of-range lengths had the NumPy rungs read outside the arrays:
+    a segmentation fault) with attention's own error."""
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(2, 2, 3, 8) for _ in range(3))
+    kw = {n: torch.tensor(x) for n, x in bad.items()}
+    f = torch.compile(lambda q, k, v, kw: attnkit.attention(q, k, v, backend=rung, **kw), fullgraph=True,
+                      backend="eager")
+    with pytest.raises(ValueError, match=f"^{next(iter(bad)) if len(bad) == 1 else 'kv_starts'}: "):
+        f(q, k, v, kw)

@@ -52,6 +52,7 @@ from ..backends import RUNGS, Grads, load
 from ..spec import OPTIONS, Spec, dtype_name
 from ..spec import acc_dtype as spec_acc_dtype
 from ..spec.core import empty_out, heads_inner, strides_heads_inner
+from ..spec.validate import check_sequence_values
 
 # ---- the flat argument order: the one place that knows it --------------------------------
 _ARRAY_OPTIONS = tuple(o.name for o in OPTIONS if o.schema == "Tensor?")
@@ -111,11 +112,16 @@ def to_op_args(spec: Spec, rung: str) -> tuple[Any, ...]:
 
 def from_op_args(args: tuple[Any, ...]) -> tuple[Spec, str]:
     """(Spec, rung name) back from :func:`to_op_args`'s tuple (already validated: the
-    sizes are read off the tensors)."""
+    sizes are read off the tensors). On the CPU the sequences' values are checked
+    here: a call traced by torch.compile was validated without them, and the NumPy
+    rungs index memory by them (out-of-range lengths crashed the process)."""
     q, k, v = args[:3]
     opts, i = _unpack(OPTIONS, args, 3, lambda x: int(x.item()) % _UINT64)
     origin, extent = tuple(args[i]), (None if args[i + 1] is None else tuple(args[i + 1]))
-    return Spec.from_arrays(q, k, v, origin=origin, extent=extent, **opts), args[i + 2]
+    spec = Spec.from_arrays(q, k, v, origin=origin, extent=extent, **opts)
+    if spec.varlen and q.device.type == "cpu":
+        check_sequence_values(spec)
+    return spec, args[i + 2]
 
 
 def _rung(name: str) -> Any:
