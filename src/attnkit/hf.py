@@ -468,8 +468,8 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] == S_all \
                 and not want and kwargs.get("sliding_window") is None and not _compiling() \
                 and all(n in _COMMON or x is None for n, x in kwargs.items()):
-            # a padding mask that _options turns into kv_lengths (or nothing): kept as the
-            # calls without a mask, the key length and the lengths' bytes in the layer's key
+            # a padding mask that _options turns into kv_lengths, kv_starts (or nothing):
+            # kept as the calls without a mask, what _padded says in the layer's key
             token = _padded(attention_mask, L == S_all)[1]
             if token is not None:
                 layer = (*scalars, *token)
