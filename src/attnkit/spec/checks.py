@@ -12,7 +12,7 @@ import numpy as np
 
 from .core import Spec, dtype_name, is_torch
 from .geometry import combine
-from .validate import FLOAT_DTYPES, as_array, choice, dtype_kind
+from .validate import FLOAT_DTYPES, _cu_seqlens, _lengths, as_array, choice, dtype_kind
 
 
 def _same_library(name: str, x: Any, like: Any, like_name: str = "q") -> None:
@@ -209,3 +209,14 @@ def check_mha_inputs(query: Any, key: Any, value: Any, dims: tuple[int, int, int
         if not ok:
             raise ValueError(f"attn_mask: expected shape (L, S) = {(L, S)} or (B·num_heads, L, S) = "
                              f"{(B * num_heads, L, S)}, got {tuple(attn_mask.shape)}")
+
+
+def check_sequence_values(spec: Spec) -> None:
+    """The lengths', starts' and offsets' values of a Spec made without reading them
+    (the torch op's, for a call torch.compile traced), by validate's own checks, against
+    the whole problem's sizes (a block of ring attention: its extent)."""
+    L, S = spec.extent if spec.extent is not None else (spec.L, spec.S)
+    opt = {n: getattr(spec, n) for n in ("q_lengths", "kv_lengths", "kv_starts", "cu_seqlens_q", "cu_seqlens_k")}
+    want_torch = not isinstance(spec.q, np.ndarray)
+    _lengths(opt, want_torch, spec.batch, L, S, {})
+    _cu_seqlens(opt, want_torch, spec.batch, spec.H, L, S, {})

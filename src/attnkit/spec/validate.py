@@ -538,17 +538,6 @@ def _lengths(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: int
     return check_lengths("q_lengths", opt["q_lengths"], want_torch, batch, L, "L", shapes), kv_lengths, starts
 
 
-def check_sequence_values(spec: Spec) -> None:
-    """The lengths', starts' and offsets' values of a Spec made without reading them
-    (the torch op's, for a call torch.compile traced), by the checks above, against
-    the whole problem's sizes (a block of ring attention: its extent)."""
-    L, S = spec.extent if spec.extent is not None else (spec.L, spec.S)
-    opt = {n: getattr(spec, n) for n in ("q_lengths", "kv_lengths", "kv_starts", "cu_seqlens_q", "cu_seqlens_k")}
-    want_torch = not isinstance(spec.q, np.ndarray)
-    _lengths(opt, want_torch, spec.batch, L, S, {})
-    _cu_seqlens(opt, want_torch, spec.batch, spec.H, L, S, {})
-
-
 def _cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], H: int, L: int, S: int,
                 shapes: dict) -> tuple[Any, Any]:
     cq = _int_array("cu_seqlens_q", opt["cu_seqlens_q"], want_torch)

@@ -51,8 +51,8 @@ from .. import philox
 from ..backends import RUNGS, Grads, load
 from ..spec import OPTIONS, Spec, dtype_name
 from ..spec import acc_dtype as spec_acc_dtype
+from ..spec.checks import check_sequence_values
 from ..spec.core import empty_out, heads_inner, strides_heads_inner
-from ..spec.validate import check_sequence_values
 
 # ---- the flat argument order: the one place that knows it --------------------------------
 _ARRAY_OPTIONS = tuple(o.name for o in OPTIONS if o.schema == "Tensor?")
