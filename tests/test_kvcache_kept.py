@@ -154,3 +154,27 @@ def test_an_unhashable_keyword_gets_the_full_checks_error(kw):
     name = next(iter(kw))
     with pytest.raises((TypeError, ValueError), match=f"^{name}: "):
         attnkit.attention_kvcache(q, k, k.copy(), np.array([3, 4]), **kw)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["int32", "int16", "uint8", "uint64"])
+def test_the_append_takes_every_integer_dtype_validation_takes(dtype, lib):
+    """Lengths and block tables of any integer dtype write the same slots as int64 (a
+    uint8 index is a mask to torch; uint64 plus int64 is float64 to NumPy: both failed
+    after validation, a review found)."""
+    rng = RNG(12)
+    q = rng.standard_normal((2, 2, 1, 4))
+    kn, vn = rng.standard_normal((2, 1, 1, 4)), rng.standard_normal((2, 1, 1, 4))
+    pages = rng.standard_normal((2, 6, 1, 4, 4))
+    table, lengths = np.array([[4, 1], [0, 5]]), np.array([5, 2])
+    results = []
+    for dt in ("int64", dtype):
+        k, v = pages[0].copy(), pages[1].copy()
+        args = [q, k, v, lengths.astype(dt), table.astype(dt), kn, vn]
+        if lib == "torch":
+            torch = pytest.importorskip("torch")
+            args = [torch.from_numpy(np.asarray(a)) for a in args]
+        out = attnkit.attention_kvcache(*args[:4], block_table=args[4], k_new=args[5], v_new=args[6])
+        results.append([np.asarray(x) for x in (out, args[1], args[2])])
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)

@@ -42,10 +42,15 @@ def _positions(kv: KVCall) -> tuple[Any, Any, Any]:
     others' positions are 0, inside the first page). For CPU tensors they are made in
     NumPy on views of the lengths and the table (each torch op costs a small model's
     decoding step microseconds: the append took 87 µs, 8 of them the write)."""
-    lengths, table, new_lengths = kv.cache_lengths, kv.block_table, kv.new_lengths
     host = not isinstance(kv.k_new, np.ndarray) and kv.k_new.device.type == "cpu"
-    if host:
-        lengths, table, new_lengths = (None if x is None else x.numpy() for x in (lengths, table, new_lengths))
+
+    def index(x: Any) -> Any:                            # as int64: any integer dtype validation takes
+        if x is None:                                    # (torch reads a uint8 index as a mask)
+            return None
+        if host or isinstance(x, np.ndarray):
+            return np.asarray(x.numpy() if host else x, dtype=np.int64)
+        return x.long()
+    lengths, table, new_lengths = (index(x) for x in (kv.cache_lengths, kv.block_table, kv.new_lengths))
     L_new = kv.k_new.shape[-2]
     t = _xp_arange(lengths, L_new).reshape(1, -1)
     pos = lengths.reshape(-1, 1) + t                     # (B, L_new)
@@ -57,7 +62,7 @@ def _positions(kv: KVCall) -> tuple[Any, Any, Any]:
                    (table[_xp_arange(lengths, B).reshape(-1, 1), pos // P], pos % P))
     if host:
         import torch
-        rows, slots = torch.from_numpy(np.asarray(rows)), torch.from_numpy(np.asarray(slots))
+        rows, slots = torch.from_numpy(rows), torch.from_numpy(slots)
         taken = None if taken is None else torch.from_numpy(taken)
     return rows, slots, taken
 
