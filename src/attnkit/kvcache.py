@@ -40,8 +40,8 @@ def _positions(kv: KVCall) -> tuple[Any, Any, Any]:
     cache's first and third axes, and None (every new key is written) or a boolean
     (B, L_new) of the keys written (the first new_lengths[b] of each sequence; the
     others' positions are 0, inside the first page). For CPU tensors they are made in
-    NumPy on views of the lengths and the table (each torch op costs a small model's
-    decoding step microseconds: the append took 87 µs, 8 of them the write)."""
+    NumPy on int64 copies of the lengths and the table (each torch op costs a small
+    model's decoding step microseconds: the append took 87 µs, 8 of them the write)."""
     host = not isinstance(kv.k_new, np.ndarray) and kv.k_new.device.type == "cpu"
 
     def index(x: Any) -> Any:                            # as int64: any integer dtype validation takes

@@ -188,7 +188,7 @@ def _part(x: Any) -> Any:
     t = type(x)
     if x is None:
         return None
-    if t is int or (isinstance(x, np.integer) and not isinstance(x, np.bool_)):
+    if t is int or isinstance(x, np.integer):         # (bool is not: refused by the full check)
         return int
     if t is np.ndarray:
         return t, x.dtype, x.shape
@@ -305,16 +305,15 @@ def _check_grad(q: Any, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any, want
 
 def _check_writable(k_cache: Any, v_cache: Any, L_new: int, want_torch: bool) -> None:
     """Caches that an append (L_new > 0) can write: their own memory, writeable."""
+    torch = sys.modules.get("torch") if want_torch else None
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)) if L_new > 0 else ():
         strides = c.stride() if want_torch else c.strides
         if any(st == 0 and n > 1 for st, n in zip(strides, c.shape)):   # torch would write every slot
             raise ValueError(f"{name}: a broadcast (expanded) cache keeps several slots in one place and "
                              f"cannot take k_new / v_new (strides {tuple(strides)}); pass a cache with its "
                              "own memory")
-        if want_torch:
-            import torch
         writable = (compiling() or c.is_inference() <= torch.is_inference_mode_enabled()   # (traced:
-                    if want_torch else c.flags.writeable)                               # the op checks)
+                    if torch is not None else c.flags.writeable)                        # the op checks)
         if not writable:
             raise ValueError(f"{name}: the cache is read-only here (a NumPy array that is not writeable, "
                              "or an inference tensor outside inference mode) and cannot take k_new / v_new")
