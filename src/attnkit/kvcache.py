@@ -39,9 +39,10 @@ def _positions(kv: KVCall) -> tuple[Any, Any, Any]:
     """(row index, slot index, taken) of the new keys: arrays (B, L_new) indexing the
     cache's first and third axes, and None (every new key is written) or a boolean
     (B, L_new) of the keys written (the first new_lengths[b] of each sequence; the
-    others' positions are 0, inside the first page). For CPU tensors they are made in
-    NumPy on int64 copies of the lengths and the table (each torch op costs a small
-    model's decoding step microseconds: the append took 87 µs, 8 of them the write)."""
+    others' positions are 0, inside the first page). For NumPy arrays and CPU tensors
+    they are NumPy arrays made on int64 copies of the lengths and the table (each torch
+    op costs a small model's decoding step microseconds: the append took 87 µs, 8 of
+    them the write); on other devices int64 tensors."""
     host = not isinstance(kv.k_new, np.ndarray) and kv.k_new.device.type == "cpu"
 
     def index(x: Any) -> Any:                            # as int64: any integer dtype validation takes
@@ -60,27 +61,52 @@ def _positions(kv: KVCall) -> tuple[Any, Any, Any]:
     B, P = pos.shape[0], kv.page_size
     rows, slots = ((_xp_arange(lengths, B).reshape(-1, 1) + 0 * pos, pos) if table is None else
                    (table[_xp_arange(lengths, B).reshape(-1, 1), pos // P], pos % P))
-    if host:
-        import torch
-        rows, slots = torch.from_numpy(rows), torch.from_numpy(slots)
-        taken = None if taken is None else torch.from_numpy(taken)
     return rows, slots, taken
+
+
+def _numpy_views(xs: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """NumPy views of CPU tensors (a write through them reaches the tensors' memory: a
+    small model's append on the host took 8 µs where torch's index writes took 40), or
+    None: tensor subclasses, a dtype NumPy lacks (bfloat16), a negative or conjugate bit."""
+    import torch
+    if any(type(x) is not torch.Tensor for x in xs):
+        return None
+    try:
+        return tuple(x.numpy() for x in xs)              # the common case, in one call each
+    except (RuntimeError, TypeError):                    # grad, bfloat16, a negative or conjugate bit
+        pass
+    if any(x.dtype == torch.bfloat16 or x.is_neg() or x.is_conj() for x in xs):
+        return None
+    return tuple(x.detach().numpy() for x in xs)
 
 
 def append(kv: KVCall) -> None:
     """Write k_new / v_new into the cache in place at positions cache_lengths[b] … (all
     L_new of them, or the first new_lengths[b]), validated beforehand, writability
-    too: the cache is untouched when a call is rejected."""
+    too: the cache is untouched when a call is rejected. CPU tensors are written
+    through NumPy views, their version counters bumped as torch's own write bumps them
+    (autograd then refuses a graph that saved the cache before)."""
     if kv.k_new is None or kv.k_new.shape[-2] == 0 or (kv.new_lengths is not None and not bool(
             (kv.new_lengths > 0).any())):
         return
     rows, slots, taken = _positions(kv)
-    for cache, new in ((kv.k_cache, kv.k_new), (kv.v_cache, kv.v_new)):
+    arrays = (kv.k_cache, kv.v_cache, kv.k_new, kv.v_new)
+    views = None
+    if not isinstance(kv.k_new, np.ndarray) and isinstance(rows, np.ndarray):     # CPU tensors
+        views = _numpy_views(arrays)
+        if views is None:                                # (bfloat16 and the like: torch's writes)
+            import torch
+            rows, slots, taken = (None if x is None else torch.from_numpy(x) for x in (rows, slots, taken))
+    k_cache, v_cache, k_new, v_new = views or arrays
+    for cache, new in ((k_cache, k_new), (v_cache, v_new)):
         rows_new = new.transpose(1, 2) if not isinstance(new, np.ndarray) else new.transpose(0, 2, 1, 3)
         if taken is None:
             cache[rows, :, slots] = rows_new
         else:
             cache[rows[taken], :, slots[taken]] = rows_new[taken]
+    if views is not None:
+        import torch
+        torch.autograd.graph.increment_version(arrays[:2])
 
 
 def gather(kv: KVCall) -> tuple[Any, Any]:

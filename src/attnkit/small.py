@@ -216,22 +216,45 @@ def direct(spec: Spec) -> Callable[[Any, Any, Any, bool], tuple[np.ndarray, np.n
 TEAM_WORK = 1 << 20
 
 
+def _run_at(kept: Spec) -> Callable[..., bool]:
+    """The compiled call on addresses for calls of kept's signature (a Spec without its
+    arrays): ``run(q, q_strides, k, k_strides, v, v_strides, S, out, out_strides, lse,
+    lo, hi) -> bool``, as :func:`direct_at` says (lo, hi: the addresses of the rows' key
+    bounds, or 0), by :func:`.flash.numba_small.small_rows_at`; a call of TEAM_WORK or
+    more on torch's OpenMP team (:func:`.flash.runtime.native_team`), one (batch
+    element, kv head) at a time, with the same bits."""
+    shapes = kept.out_shape, kept.Hkv, kept.shapes["q"], kept.shapes["k"], kept.shapes["v"]
+    scale, softcap = np.float32(kept.scale), np.float32(kept.softcap or 0.0)
+    kernels_ = for_dtype("float32")
+    kernel, entry = kernels_.small_rows_at, kernels_.small_units
+    units = prod(kept.batch) * kept.Hkv
+    per_key = units * kept.group * kept.L * (kept.D + kept.Dv)       # the call's work is per_key · S
+
+    def run(q: int, q_strides: tuple[int, ...], k: int, k_strides: tuple[int, ...], v: int,
+            v_strides: tuple[int, ...], S: int, out: int, out_strides: tuple[int, ...], lse: int, lo: int,
+            hi: int) -> bool:
+        team = n = 0
+        if units > 1 and per_key * S >= TEAM_WORK:
+            team, n = runtime.native_team(min(runtime.get_threads(), units))
+        out_shape, A, q_shape, k_shape, v_shape = shapes
+        return kernel(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides, out,
+                      out_strides, lse, scale, softcap, lo, hi, team, n, entry) == 0
+    return run
+
+
 def direct_at(spec: Spec) -> Callable[..., bool] | None:
     """:func:`direct` for a caller whose arrays are another library's (the torch op):
     ``call(q, q_strides, k, k_strides, v, v_strides, S, out, out_strides, lse) -> bool``
     with addresses of float32 memory and strides in elements (q, k, v of spec's shapes
     but for k's and v's key length S; out of its out shape, any strides; lse its lse
-    shape, C-ordered, or 0), by :func:`.flash.numba_small.small_rows_at`: a call of
-    TEAM_WORK or more on torch's OpenMP team (:func:`.flash.runtime.native_team`), one
-    (batch element, kv head) at a time, with the same bits. False, having written
-    nothing, when the call no longer streams (as :func:`direct`) or its layout is not
-    one the compiled call reads; None unless spec streams alone in float32."""
+    shape, C-ordered, or 0), by :func:`_run_at`. False, having written nothing, when
+    the call no longer streams (as :func:`direct`) or its layout is not one the
+    compiled call reads; None unless spec streams alone in float32."""
     made = _prepared(spec)
     if made is None:
         return None
     kept, lo_S, hi_S, stamp = made
-    shapes = spec.out_shape, spec.Hkv, spec.shapes["q"], spec.shapes["k"], spec.shapes["v"]
-    scale, softcap = np.float32(spec.scale), np.float32(spec.softcap or 0.0)
+    run = _run_at(kept)
     # the rows' key bounds at the kept key length, made once (a prefill repeats it), their
     # addresses kept with them: the arrays' .ctypes costs a call 2–5 µs cold
     bounds = _row_bounds(kept) if spec.has_index_mask or spec.varlen else None
@@ -239,10 +262,6 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
     # the bounds at the last other key length, with their addresses: a model's layers
     # repeat one key length in a decoding step (one tuple, replaced whole: threads)
     last: list[Any] = [(kept.S, bounds, at_kept)]
-    kernels_ = for_dtype("float32")
-    kernel, entry = kernels_.small_rows_at, kernels_.small_units
-    units = prod(spec.batch) * spec.Hkv
-    per_key = units * spec.group * spec.L * (spec.D + spec.Dv)       # the call's work is per_key · S
 
     def call(q: int, q_strides: tuple[int, ...], k: int, k_strides: tuple[int, ...], v: int,
              v_strides: tuple[int, ...], S: int, out: int, out_strides: tuple[int, ...], lse: int) -> bool:
@@ -255,12 +274,31 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
                 made = _row_bounds(kept.replace(S=S))
                 at = last[0] = (S, made, (made[0].ctypes.data, made[1].ctypes.data))
             lo_at, hi_at = at[2]
-        team = n = 0
-        if units > 1 and per_key * S >= TEAM_WORK:
-            team, n = runtime.native_team(min(runtime.get_threads(), units))
-        out_shape, A, q_shape, k_shape, v_shape = shapes
-        return kernel(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides, out,
-                      out_strides, lse, scale, softcap, lo_at, hi_at, team, n, entry) == 0
+        return run(q, q_strides, k, k_strides, v, v_strides, S, out, out_strides, lse, lo_at, hi_at)
+    return call
+
+
+def kvcache_at(spec: Spec) -> Callable[..., bool] | None:
+    """attention_kvcache's kept call on a contiguous cache (the torch op's, for calls of
+    spec's signature): ``call(q, q_strides, k, k_strides, v, v_strides, lengths, out,
+    out_strides, lse) -> bool`` as :func:`direct_at`'s, k and v the caches (spec's key
+    length, their capacity) and ``lengths`` each sequence's keys after the append (int64
+    NumPy, (B,)), from which the rows' bounds are made at every call; lse wanted. None
+    unless spec, its lengths aside, streams alone in float32 (:func:`_prepared`)."""
+    made = _prepared(spec.replace(kv_lengths=None))
+    if made is None or not made[1] <= spec.S <= made[2]:
+        return None
+    kept, _, _, stamp = made
+    run = _run_at(kept)
+
+    def call(q: int, q_strides: tuple[int, ...], k: int, k_strides: tuple[int, ...], v: int,
+             v_strides: tuple[int, ...], lengths: np.ndarray, out: int, out_strides: tuple[int, ...],
+             lse: int) -> bool:
+        if _settings() != stamp:
+            return False
+        lo, hi = _row_bounds(kept.replace(kv_lengths=lengths))
+        return run(q, q_strides, k, k_strides, v, v_strides, kept.S, out, out_strides, lse, lo.ctypes.data,
+                   hi.ctypes.data)
     return call
 
 

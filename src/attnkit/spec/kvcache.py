@@ -16,7 +16,7 @@ Every check runs before the cache is touched: a rejected call leaves it as it wa
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,9 @@ class KVCall:
     # keys appended per sequence, (B,), when they differ (q_lengths with k_new: the
     # first q_lengths[b] rows of k_new); None: all L_new rows for every sequence
     new_lengths: Any = None
+    # what a rung keeps for every call of this call's signature (:func:`validate_kvcache`'s
+    # kept checks: one dict per signature), or None (a call without one)
+    memo: dict[Any, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def paged(self) -> bool:
@@ -130,7 +133,7 @@ def _one_per_sequence(x: Any, B: int, q: Any, want_torch: bool) -> Any:
 # the block table's and the arrays' state: grad, strides, writeable) made of it, kept by
 # the call's signature (:func:`_signature`): a decoding loop repeats one signature every
 # step, and the full checks cost a small model's step (B = 4, 8 heads, 64 slots) 140 µs
-_SEEN: dict[tuple[Any, ...], tuple[Spec, int]] = {}
+_SEEN: dict[tuple[Any, ...], tuple[Spec, int, dict[Any, Any]]] = {}
 _SEEN_MAX = 256
 _UNKEYED = object()
 
@@ -147,7 +150,7 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
     except TypeError:                                    # an unhashable keyword: the full check names it
         key = seen = None
     if seen is not None:
-        spec, capacity = seen
+        spec, capacity, memo = seen
         want_torch = type(q) is not np.ndarray
         L_new = 0 if k_new is None else int(k_new.shape[-2])
         _check_grad(q, k_cache, v_cache, k_new, v_new, want_torch)
@@ -157,13 +160,15 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
         total_arr = total if not want_torch else _torch_ints(total, q)
         return KVCall(spec=spec.replace(q=q, kv_lengths=total_arr, chosen=spec.chosen), k_cache=k_cache,
                       v_cache=v_cache, cache_lengths=lengths, lengths=total_arr, block_table=block_table,
-                      page_size=int(k_cache.shape[2]), k_new=k_new, v_new=v_new)
+                      page_size=int(k_cache.shape[2]), k_new=k_new, v_new=v_new, memo=memo)
     kv = _validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, backend, options)
     if key is not None:
         if len(_SEEN) >= _SEEN_MAX:
             _SEEN.clear()
         capacity = kv.page_size * (1 if block_table is None else int(block_table.shape[1]))
-        _SEEN[key] = (kv.spec.replace(q=None, kv_lengths=None, chosen={}), capacity)   # (select's memo)
+        memo = {}
+        _SEEN[key] = (kv.spec.replace(q=None, kv_lengths=None, chosen={}), capacity, memo)   # (select's memo)
+        kv = replace(kv, memo=memo)
     return kv
 
 

@@ -1,0 +1,165 @@
+"""attention_kvcache's kept call for torch CPU tensors on a contiguous cache: the small
+rung's compiled call on the tensors' memory (attnkit.small.kvcache_at, kept per
+signature in KVCall.memo by TorchRung._kept_kvcache), and the append through NumPy
+views. Each gives the full path's bits, declines what it cannot read, and keeps
+torch's version counters."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import attnkit  # noqa: E402
+from attnkit import small  # noqa: E402
+from attnkit.spec import kvcache as kvspec  # noqa: E402
+from attnkit.torch import op  # noqa: E402
+
+B, H, HKV, D, CAP = 3, 4, 2, 8, 24
+
+
+@pytest.fixture
+def spied(monkeypatch):
+    """{"made": kept calls made, "ran": [each kept call's result]}."""
+    seen = {"made": 0, "ran": []}
+    make = small.kvcache_at
+
+    def kvcache_at(spec):
+        seen["made"] += 1
+        call = make(spec)
+        if call is None:
+            return None
+
+        def spy(*args):
+            seen["ran"].append(call(*args))
+            return seen["ran"][-1]
+        return spy
+    monkeypatch.setattr(small, "kvcache_at", kvcache_at)
+    kvspec._SEEN.clear()
+    yield seen
+    kvspec._SEEN.clear()
+
+
+def tensors(seed, L=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, D, generator=g, dtype=dtype)
+    kc, vc = (torch.randn(B, HKV, CAP, D, generator=g, dtype=dtype) for _ in range(2))
+    kn, vn = (torch.randn(B, HKV, L, D, generator=g, dtype=dtype) for _ in range(2))
+    return q, kc, vc, kn, vn
+
+
+def full_path(*args, **kw):
+    """The same call on the full path (the kept call switched off)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(op.TorchRung, "_kept_kvcache", lambda self, kv: None)
+        return attnkit.attention_kvcache(*args, **kw)
+
+
+OPTIONS = [{}, dict(causal=True), dict(causal=True, window=(3, 0)), dict(softcap=2.0, scale=0.3),
+           dict(causal=True, align="top_left")]
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("L", [1, 2])
+def test_a_decoding_loop_on_the_kept_call_gives_the_full_paths_bits(opts, L, spied):
+    """Six steps, each appending L keys per sequence (lengths from 0, all different),
+    against the same steps on the full path: out, lse and the caches, bit for bit."""
+    q, kc, vc, kn, vn = tensors(1, L)
+    kc2, vc2 = kc.clone(), vc.clone()
+    lengths = torch.tensor([0, 5, 11])
+    for step in range(6):
+        qs, kns, vns = (x + step for x in (q, kn, vn))
+        out, lse = attnkit.attention_kvcache(qs, kc, vc, lengths, k_new=kns, v_new=vns, return_lse=True, **opts)
+        want, want_lse = full_path(qs, kc2, vc2, lengths, k_new=kns, v_new=vns, return_lse=True, **opts)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse), step
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2), step
+        assert out.dtype == want.dtype and out.is_contiguous()
+        lengths = lengths + L
+    assert spied["made"] == 1 and spied["ran"] == [True] * 6
+
+
+def test_strided_queries_and_caches(spied):
+    """q with its heads inner and a cache cut from a larger one: strides the kept call
+    reads; the same bits as the full path."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, 1, H, D, generator=g).transpose(1, 2)
+    big_k, big_v = (torch.randn(B + 1, HKV, CAP + 5, D, generator=g) for _ in range(2))
+    kc, vc = big_k[1:, :, 2:CAP + 2], big_v[1:, :, 2:CAP + 2]
+    lengths = torch.tensor([7, 0, 24])
+    for _ in range(2):
+        out = attnkit.attention_kvcache(q, kc, vc, lengths, causal=True)
+        assert torch.equal(out, full_path(q, kc, vc, lengths, causal=True))
+    assert spied["ran"] == [True, True]
+
+
+def test_it_declines_what_it_cannot_read(spied):
+    """A negative bit (its memory holds −x), bfloat16, a paged cache, dropout: the full
+    path, with its results."""
+    q, kc, vc, _, _ = tensors(3)
+    lengths = torch.tensor([4, 9, 2])
+    attnkit.attention_kvcache(q, kc, vc, lengths)
+    neg = torch._neg_view(q)
+    assert torch.equal(attnkit.attention_kvcache(neg, kc, vc, lengths),
+                       attnkit.attention_kvcache(-q, kc, vc, lengths))
+    assert spied["ran"] == [True, True]                  # the first call and −q's; not neg's
+    b16 = [x.bfloat16() for x in (q, kc, vc)]
+    attnkit.attention_kvcache(*b16, lengths)
+    pages_k, pages_v = kc.reshape(B * 4, HKV, CAP // 4, D), vc.reshape(B * 4, HKV, CAP // 4, D)
+    table = torch.arange(B * 4).reshape(B, 4)
+    for _ in range(2):
+        attnkit.attention_kvcache(q, pages_k, pages_v, lengths, block_table=table)
+        attnkit.attention_kvcache(q, kc, vc, lengths, dropout=0.5, seed=1)
+    assert spied["ran"] == [True, True]
+
+
+def test_a_change_of_settings_takes_the_full_path(spied, monkeypatch):
+    q, kc, vc, _, _ = tensors(4)
+    lengths = torch.tensor([4, 9, 2])
+    attnkit.attention_kvcache(q, kc, vc, lengths)
+    monkeypatch.setattr(small, "STREAM_ROWS", 0)         # the call no longer streams
+    out = attnkit.attention_kvcache(q, kc, vc, lengths)
+    assert spied["ran"] == [True, False]
+    want = attnkit.attention(q.double(), kc.double(), vc.double(), kv_lengths=lengths)
+    assert torch.allclose(out.double(), want, atol=1e-5)
+
+
+def test_the_append_bumps_the_caches_versions():
+    """Written through NumPy views, the caches' version counters move as torch's own
+    write moves them: autograd refuses a graph that saved the cache before."""
+    q, kc, vc, kn, vn = tensors(5)
+    w = torch.ones(1, requires_grad=True)
+    y = (kc * w).sum()                                   # saves kc for the backward
+    before = kc._version, vc._version
+    attnkit.attention_kvcache(q, kc, vc, torch.tensor([1, 2, 3]), k_new=kn, v_new=vn)
+    assert kc._version > before[0] and vc._version > before[1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_a_bfloat16_cache_takes_torchs_writes():
+    """bfloat16 (no NumPy dtype) is appended by torch: the new keys land in their slots."""
+    q, kc, vc, kn, vn = tensors(6, dtype=torch.bfloat16)
+    lengths = torch.tensor([0, 5, 23])
+    attnkit.attention_kvcache(q, kc, vc, lengths, k_new=kn, v_new=vn)
+    for b, n in enumerate(lengths.tolist()):
+        assert torch.equal(kc[b, :, n], kn[b, :, 0]) and torch.equal(vc[b, :, n], vn[b, :, 0])
+
+
+def test_numpy_results_are_unchanged_by_the_torch_path():
+    """The kept call is the torch op's: NumPy callers keep their rung's path (and the
+    torch path equals it)."""
+    q, kc, vc, kn, vn = tensors(7)
+    args = [x.numpy().copy() for x in (q, kc, vc)]
+    lengths = np.array([3, 0, 8])
+    a = attnkit.attention_kvcache(*args, lengths, k_new=kn.numpy(), v_new=vn.numpy())
+    for _ in range(2):
+        kc2, vc2 = kc.clone(), vc.clone()
+        b = attnkit.attention_kvcache(q, kc2, vc2, torch.from_numpy(lengths), k_new=kn, v_new=vn)
+    assert np.array_equal(a, b.numpy())
+    assert np.array_equal(args[1], kc2.numpy())
+
+
+def test_new_keys_with_a_negative_bit_are_appended_as_their_values():
+    """torch._neg_view(x) holds x in memory and means −x: the cache takes −x."""
+    q, kc, vc, kn, vn = tensors(8)
+    attnkit.attention_kvcache(q, kc, vc, torch.tensor([0, 5, 23]), k_new=torch._neg_view(kn), v_new=vn)
+    assert torch.equal(kc[1, :, 5], -kn[1, :, 0]) and torch.equal(vc[1, :, 5], vn[1, :, 0])
