@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import attnkit  # noqa: E402
-from attnkit import small  # noqa: E402
+from attnkit import kvcache, small  # noqa: E402
 from attnkit.spec import kvcache as kvspec  # noqa: E402
 from attnkit.torch import op  # noqa: E402
 
@@ -48,9 +48,11 @@ def tensors(seed, L=1, dtype=torch.float32):
 
 
 def full_path(*args, **kw):
-    """The same call on the full path (the kept call switched off)."""
+    """The same call on the full path: the kept call switched off, and the append by
+    torch's index writes (no NumPy views)."""
     with pytest.MonkeyPatch.context() as m:
         m.setattr(op.TorchRung, "_kept_kvcache", lambda self, kv: None)
+        m.setattr(kvcache, "_numpy_views", lambda xs: None)
         return attnkit.attention_kvcache(*args, **kw)
 
 
@@ -77,11 +79,12 @@ def test_a_decoding_loop_on_the_kept_call_gives_the_full_paths_bits(opts, L, spi
     assert spied["made"] == 1 and spied["ran"] == [True] * 6
 
 
-def test_strided_queries_and_caches(spied):
-    """q with its heads inner and a cache cut from a larger one: strides the kept call
-    reads; the same bits as the full path."""
+@pytest.mark.parametrize("L", [1, 3])
+def test_strided_queries_and_caches(L, spied):
+    """q with its heads inner (read in place at L = 1, its rows copied at L = 3) and a
+    cache cut from a larger one: strides the kept call reads; the full path's bits."""
     g = torch.Generator().manual_seed(2)
-    q = torch.randn(B, 1, H, D, generator=g).transpose(1, 2)
+    q = torch.randn(B, L, H, D, generator=g).transpose(1, 2)
     big_k, big_v = (torch.randn(B + 1, HKV, CAP + 5, D, generator=g) for _ in range(2))
     kc, vc = big_k[1:, :, 2:CAP + 2], big_v[1:, :, 2:CAP + 2]
     lengths = torch.tensor([7, 0, 24])
@@ -97,10 +100,10 @@ def test_it_declines_what_it_cannot_read(spied):
     q, kc, vc, _, _ = tensors(3)
     lengths = torch.tensor([4, 9, 2])
     attnkit.attention_kvcache(q, kc, vc, lengths)
-    neg = torch._neg_view(q)
-    assert torch.equal(attnkit.attention_kvcache(neg, kc, vc, lengths),
-                       attnkit.attention_kvcache(-q, kc, vc, lengths))
-    assert spied["ran"] == [True, True]                  # the first call and −q's; not neg's
+    for neg in ((torch._neg_view(q), kc, vc), (q, torch._neg_view(kc), vc), (q, kc, torch._neg_view(vc))):
+        plain = [x.resolve_neg() for x in neg]
+        assert torch.equal(attnkit.attention_kvcache(*neg, lengths), attnkit.attention_kvcache(*plain, lengths))
+    assert spied["ran"] == [True] * 4                    # the first call and the resolved ones'
     b16 = [x.bfloat16() for x in (q, kc, vc)]
     attnkit.attention_kvcache(*b16, lengths)
     pages_k, pages_v = kc.reshape(B * 4, HKV, CAP // 4, D), vc.reshape(B * 4, HKV, CAP // 4, D)
@@ -108,7 +111,7 @@ def test_it_declines_what_it_cannot_read(spied):
     for _ in range(2):
         attnkit.attention_kvcache(q, pages_k, pages_v, lengths, block_table=table)
         attnkit.attention_kvcache(q, kc, vc, lengths, dropout=0.5, seed=1)
-    assert spied["ran"] == [True, True]
+    assert spied["ran"] == [True] * 4
 
 
 def test_a_change_of_settings_takes_the_full_path(spied, monkeypatch):
@@ -163,3 +166,29 @@ def test_new_keys_with_a_negative_bit_are_appended_as_their_values():
     q, kc, vc, kn, vn = tensors(8)
     attnkit.attention_kvcache(q, kc, vc, torch.tensor([0, 5, 23]), k_new=torch._neg_view(kn), v_new=vn)
     assert torch.equal(kc[1, :, 5], -kn[1, :, 0]) and torch.equal(vc[1, :, 5], vn[1, :, 0])
+
+
+def test_a_call_large_enough_for_torchs_team(spied):
+    """Work past small.TEAM_WORK runs on torch's OpenMP team: the same bits."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(4, 8, 1, 64, generator=g)
+    kc, vc = (torch.randn(4, 2, 2048, 64, generator=g) for _ in range(2))
+    lengths = torch.tensor([2048, 1, 1500, 0])
+    assert 4 * 2 * 4 * (64 + 64) * 2048 >= small.TEAM_WORK
+    for _ in range(2):
+        out, lse = attnkit.attention_kvcache(q, kc, vc, lengths, return_lse=True)
+        want, want_lse = full_path(q, kc, vc, lengths, return_lse=True)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert spied["ran"] == [True, True]
+
+
+def test_a_ragged_append_through_the_views_writes_what_torch_writes():
+    """q_lengths with k_new: sequence b appends its first q_lengths[b] keys (the others
+    untouched), as torch's index writes put them."""
+    q, kc, vc, kn, vn = tensors(10, L=3)
+    kc2, vc2 = kc.clone(), vc.clone()
+    args = dict(k_new=kn, v_new=vn, q_lengths=torch.tensor([3, 0, 2]), causal=True)
+    out = attnkit.attention_kvcache(q, kc, vc, torch.tensor([4, 9, 21]), **args)
+    want = full_path(q, kc2, vc2, torch.tensor([4, 9, 21]), **args)
+    assert torch.equal(out, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert not torch.equal(kc[0, :, 4:7], torch.zeros_like(kc[0, :, 4:7]))

@@ -106,7 +106,8 @@ def append(kv: KVCall) -> None:
             cache[rows[taken], :, slots[taken]] = rows_new[taken]
     if views is not None:
         import torch
-        torch.autograd.graph.increment_version(arrays[:2])
+        for cache in arrays[:2]:                         # (one at a time: torch 2.4 takes no list)
+            torch.autograd.graph.increment_version(cache)
 
 
 def gather(kv: KVCall) -> tuple[Any, Any]:
