@@ -489,7 +489,7 @@ class TorchRung:
         per signature in ``kv.memo``), as :meth:`rung_kvcache` computes them; or None:
         the full path (no memo, a paged cache, a rung or call without one, tensors the
         direct call cannot read: what :meth:`direct` declines). A small model's decoding
-        step: conversions and the rung's forward took 123 µs, this 30."""
+        step: conversions and the rung's forward took 123 µs, this 68–74."""
         make = getattr(self.mod, "kvcache_at", None)
         if make is None or kv.memo is None or kv.paged:
             return None
