@@ -94,9 +94,9 @@ def append(kv: KVCall) -> None:
     arrays = (kv.k_cache, kv.v_cache, kv.k_new, kv.v_new)
     views = None
     if not isinstance(kv.k_new, np.ndarray) and isinstance(rows, np.ndarray):     # CPU tensors
+        import torch
         views = _numpy_views(arrays)
         if views is None:                                # (bfloat16 and the like: torch's writes)
-            import torch
             rows, slots, taken = (None if x is None else torch.from_numpy(x) for x in (rows, slots, taken))
     k_cache, v_cache, k_new, v_new = views or arrays
     for cache, new in ((k_cache, k_new), (v_cache, v_new)):
@@ -106,7 +106,6 @@ def append(kv: KVCall) -> None:
         else:
             cache[rows[taken], :, slots[taken]] = rows_new[taken]
     if views is not None:
-        import torch
         for cache in arrays[:2]:                         # (one at a time: torch 2.4 takes no list)
             torch.autograd.graph.increment_version(cache)
 
