@@ -7,12 +7,14 @@
     attnkit explain --mistakes [--plot entropy.png]
     attnkit explain --packed 2,3 --causal    two sequences side by side (random inputs)
     attnkit explain --sinks 0.5 --alibi 0.5 --dropout 0.3 --dropout-seed 1
+    attnkit explain --q @q.npy --k @k.npy --v @v.npy --head 5   inputs from files, one head
     attnkit info                             versions, the BLAS, which backends run here
     attnkit bench --shape 1 8 4096 64 --causal --backward   speed here, next to torch SDPA
 
 Matrices are written as text, rows separated by ";" and values by "," (or spaces):
-"1,0;0,1" is the 2 × 2 identity. Masks use 1/0 (or t/f, x/.): for --drop 1 = masked
-out, for --keep 1 = may attend. Bad input gives a one-line error naming the flag and
+"1,0;0,1" is the 2 × 2 identity; @FILE reads one from a file (.npy, .npz, .pt, .csv,
+.tsv, .txt). Masks use 1/0 (or t/f, x/.): for --drop 1 = masked out, for --keep 1 =
+may attend. Bad input gives a one-line error naming the flag and
 exit status 1 (2 for usage errors); bare `attnkit` lists the commands and exits 0.
 """
 
@@ -27,8 +29,7 @@ import sys
 
 import numpy as np
 
-TRUE = {"1", "t", "true", "x", "y", "yes"}
-FALSE = {"0", "f", "false", ".", "n", "no"}
+from .matrices import parse_matrix, read_matrix
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,53 +39,39 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def parse_matrix(text, name, kind=float):
-    """A 2-D array from text like "1,0;0,1" (rows by ";", values by "," or spaces).
-    ``kind`` is float (finite values; "-inf" allowed for --bias) or bool.
-
-    >>> parse_matrix("1,0;0,1", "--q").tolist()
-    [[1.0, 0.0], [0.0, 1.0]]
-    >>> parse_matrix("1,0;1", "--q")
-    Traceback (most recent call last):
-    ...
-    ValueError: --q: row 2 has 1 value but row 1 has 2 in '1,0;1'
-    >>> parse_matrix("0 1; x .", "--drop", bool).tolist()
-    [[False, True], [True, False]]
-    """
-    rows = [r.strip() for r in text.strip().strip(";").split(";")]
-    cells = [[c for c in re.split(r"[,\s]+", r) if c] for r in rows]
-    if not cells or not all(cells):
-        raise ValueError(f"{name}: expected rows of numbers like '1,0;0,1', got {text!r}")
-    for i, r in enumerate(cells[1:], start=2):
-        if len(r) != len(cells[0]):
-            n = len(r)
-            raise ValueError(f"{name}: row {i} has {n} value{'s' if n != 1 else ''} but row 1 "
-                             f"has {len(cells[0])} in {text!r}")
-    if kind is bool:
-        out = []
-        for r in cells:
-            for c in r:
-                if c.lower() not in TRUE | FALSE:
-                    raise ValueError(f"{name}: {c!r} is not a mask value (use 1/0, t/f or x/.)")
-            out.append([c.lower() in TRUE for c in r])
-        return np.array(out, dtype=bool)
-    try:
-        a = np.array([[float(c) for c in r] for r in cells], dtype=np.float64)
-    except ValueError:
-        bad = next(c for r in cells for c in r if not _is_float(c))
-        raise ValueError(f"{name}: {bad!r} is not a number (in {text!r})") from None
-    ok = np.isfinite(a) | (np.isneginf(a) if name == "--bias" else False)
-    if not ok.all():
-        raise ValueError(f"{name}: values must be finite, got {text!r}")
-    return a
+def _one_head(x, name, head, batch, H):
+    """x (…, heads, rows, cols) narrowed to --batch and --head (query head ``head`` of
+    q's H; an input with fewer heads gives it the head its group shares, GQA)."""
+    if x.ndim < 3:
+        return x
+    if batch is not None or x.ndim > 3:
+        if x.ndim != 4:
+            raise ValueError(f"{name}: --batch picks from inputs (B, H, rows, cols); got shape {x.shape}")
+        b = 0 if x.shape[0] == 1 else batch
+        if b is None:
+            raise ValueError(f"{name}: shape {x.shape} holds a batch of {x.shape[0]}; pick one with --batch N")
+        if b >= x.shape[0]:
+            raise ValueError(f"--batch: expected a batch index below {x.shape[0]} ({name} {x.shape}), got {b}")
+        x = x[b]
+    n = x.shape[0]
+    if head is None or n == 1:
+        return x if n > 1 else x[0]
+    if H % n:
+        raise ValueError(f"{name}: {n} heads do not divide q's {H} (shape {x.shape})")
+    return x[head // (H // n)]
 
 
-def _is_float(c):
-    try:
-        float(c)
-    except ValueError:
-        return False
-    return True
+def _head(args, q):
+    """(head, batch, H) for :func:`_one_head`: --head and --batch checked against q
+    (…, H, L, D) (read before it is narrowed)."""
+    H = q.shape[-3] if q.ndim >= 3 else 1
+    head = None if args.head is None else _int(args.head, "--head")
+    batch = None if args.batch is None else _int(args.batch, "--batch")
+    if head is not None and q.ndim < 3:
+        raise ValueError(f"--head: q has no head axis (shape {q.shape}); --head picks from q (…, H, L, D)")
+    if head is not None and head >= H:
+        raise ValueError(f"--head: expected a head below q's {H} (shape {q.shape}), got {head}")
+    return head, batch, H
 
 
 def _int(text, name, lo=0, none_ok=False, hi=None):
@@ -142,10 +129,12 @@ def _packed(args):
 
 
 def _inputs(args):
-    """(q, k, v, labels, query_labels, kind) from the command line; kind is "example"
-    (the built-in worked example), "random" or "given"."""
+    """(q, k, v, labels, query_labels, kind, heads, note) from the command line; kind
+    is "example" (the built-in worked example), "random" or "given"; heads:
+    :func:`_head`'s (for masks read from files); note: what was read from files, or None."""
     from .explain import EXAMPLE, check_size
     given = [x is not None for x in (args.q, args.k, args.v)]
+    heads, note = (None, None, 1), None
     if args.random is not None and any(given):
         raise ValueError("--random: give either --random L S D or --q/--k/--v, not both")
     seed = _int(args.seed, "--seed", lo=0)
@@ -160,24 +149,39 @@ def _inputs(args):
         q, k, v = (rng.standard_normal(shape) for shape in ((L, D), (S, D), (S, D)))
         kind = "random"
     elif any(given):
-        q, k, v = (None if t is None else parse_matrix(t, n)
+        q, k, v = (None if t is None else read_matrix(t, n)
                    for t, n in ((args.q, "--q"), (args.k, "--k"), (args.v, "--v")))
         missing = [n for n, g in zip(("--q", "--k", "--v"), given) if not g]
         if missing:
             raise ValueError(f"{', '.join(missing)}: required with --q/--k/--v (or use --random L S D)")
+        heads = _head(args, q)
+        shapes = [f"{n[2:]} {x.shape} from {t[1:]}" for x, n, t in ((q, "--q", args.q), (k, "--k", args.k),
+                                                                    (v, "--v", args.v)) if t.startswith("@")]
+        head, batch, H = heads
+        picks = ([f"batch element {batch}"] if batch is not None else []) + \
+            ([f"query head {head}"] if head is not None else [])
+        if head is not None and k.ndim >= 3 and 1 < k.shape[-3] < H and H % k.shape[-3] == 0:
+            picks[-1] += f" (its group's key and value head {head // (H // k.shape[-3])})"
+        q, k, v = (_one_head(x, n, *heads) for x, n in ((q, "--q"), (k, "--k"), (v, "--v")))
+        if shapes:
+            note = "Read " + ", ".join(shapes) + (": " + ", ".join(picks) if picks else "") + "."
         kind = "given"
     else:
         q, k, v = (np.array(EXAMPLE[n]) for n in ("q", "k", "v"))
         kind = "example"
+    if kind != "given" and (args.head is not None or args.batch is not None):
+        raise ValueError(f"--{'head' if args.head is not None else 'batch'}: picks from inputs read from files "
+                         "(--q @q.npy …) with a head axis")
     example = kind == "example"
     labels = args.labels.split(",") if args.labels else (EXAMPLE["labels"] if example else None)
     qlabels = args.query_labels.split(",") if args.query_labels else (
         EXAMPLE["query_labels"] if example else None)
-    return q, k, v, labels, qlabels, kind
+    return q, k, v, labels, qlabels, kind, heads, note
 
 
-def _options(args, L, S) -> dict:
-    """The masking keywords from the flags (only those given); L, S: the inputs' sizes."""
+def _options(args, L, S, heads=(None, None, 1)) -> dict:
+    """The masking keywords from the flags (only those given); L, S: the inputs' sizes;
+    heads: (--head, --batch, q's heads) for masks read from files."""
     opts = {"causal": args.causal, "align": args.align}
     if args.scale is not None:
         opts["scale"] = _float(args.scale, "--scale")
@@ -185,11 +189,9 @@ def _options(args, L, S) -> dict:
         opts["softcap"] = _float(args.softcap, "--softcap", positive=True)
     if args.window is not None:
         opts["window"] = tuple(_int(x, "--window", none_ok=True) for x in args.window)
-    for name in ("keep", "drop"):
+    for name, kind in (("keep", bool), ("drop", bool), ("bias", float)):
         if getattr(args, name) is not None:
-            opts[name] = parse_matrix(getattr(args, name), f"--{name}", bool)
-    if args.bias is not None:
-        opts["bias"] = parse_matrix(args.bias, "--bias")
+            opts[name] = _one_head(read_matrix(getattr(args, name), f"--{name}", kind), f"--{name}", *heads)
     if args.alibi is not None:
         opts["alibi_slopes"] = np.array([_float(args.alibi, "--alibi")])
     if args.sinks is not None:
@@ -260,17 +262,18 @@ def _cmd_explain(args) -> int:
         trace = story = None                         # the report shows the worked example
         heading = "The worked example"
     else:
-        q, k, v, labels, qlabels, kind = _inputs(args)
-        opts = _options(args, q.shape[0], k.shape[0])
+        q, k, v, labels, qlabels, kind, heads, note = _inputs(args)
+        opts = _options(args, q.shape[-2], k.shape[-2], heads)
         trace = ex.explain(q, k, v, labels=labels, query_labels=qlabels, **opts)
         plain = kind == "example" and not (args.labels or args.query_labels) and opts == {
             "causal": False, "align": "bottom_right"}
         story = ex.worked_example() if plain else trace.render()
         if kind == "random":
-            from .explain.formatting import wrap
             note = (f"Random inputs: q, k, v drawn from a normal distribution with --seed "
                     f"{_int(args.seed, '--seed')}, the seed of the random numbers: the same seed "
                     "gives the same inputs.")
+        if note:
+            from .explain.formatting import wrap
             story = "\n".join(wrap([note], ex.WIDTH) + ["", story])
         heading = "The worked example" if kind == "example" else "Your inputs, step by step"
         if args.json:
@@ -292,7 +295,7 @@ def _cmd_explain(args) -> int:
 
 
 # explain's options that choose inputs or masks (not allowed with --mistakes)
-_INPUT_OPTIONS = ("q", "k", "v", "random", "labels", "query_labels", "causal", "window", "keep",
+_INPUT_OPTIONS = ("q", "k", "v", "random", "head", "batch", "labels", "query_labels", "causal", "window", "keep",
                   "drop", "bias", "scale", "softcap", "alibi", "sinks", "packed", "dropout",
                   "dropout_seed")
 # the packages `attnkit info` reports: (distribution, name as written)
@@ -392,16 +395,21 @@ def _explain_parser(sub):
         description="Attention step by step on real numbers, computed by attnkit's reference "
                     "code (its definition). With no arguments: the worked example (a query "
                     "wanting 'sweet'; keys apple and cheese).",
-        epilog='Matrices: rows by ";", values by "," -- e.g. --q "1,0" --k "1,0;0,1". '
+        epilog='Matrices: rows by ";", values by "," -- e.g. --q "1,0" --k "1,0;0,1" -- or @FILE: '
+               "--q @q.npy --k @k.npy --v @v.npy (files may hold (B, H, L, D) arrays; --head, --batch). "
                "Masks: 1/0 per (query, key). Figures need matplotlib: pip install 'attnkit[plot]'.")
     src = p.add_argument_group("inputs (default: the worked example)")
-    src.add_argument("--q", metavar="MATRIX", help='queries, L rows of D values: "1,0;0,1"')
+    src.add_argument("--q", metavar="MATRIX", help='queries, L rows of D values: "1,0;0,1", or @FILE '
+                     "(.npy, .npz, .pt, .csv, .tsv, .txt; @FILE.npz:NAME for one of its arrays)")
     src.add_argument("--k", metavar="MATRIX", help="keys, S rows of D values")
     src.add_argument("--v", metavar="MATRIX", help="values, S rows of Dv values")
     src.add_argument("--random", nargs=3, metavar=("L", "S", "D"),
                      help="random normal q, k, v (L · S at most 1,000,000)")
     src.add_argument("--seed", default="0", metavar="N",
                      help="the random seed for --random: the same seed gives the same numbers (default 0)")
+    src.add_argument("--head", metavar="N", help="with inputs from files of shape (…, H, L, D): query head N "
+                     "(and the kv head its group shares); default every head")
+    src.add_argument("--batch", metavar="N", help="with inputs from files of shape (B, H, L, D): batch element N")
     src.add_argument("--labels", metavar="A,B,...", help="names of the S keys (e.g. apple,cheese)")
     src.add_argument("--query-labels", metavar="A,B,...", help="names of the L queries")
     m = p.add_argument_group("masks and options (as in attnkit.attention)")

@@ -1,0 +1,149 @@
+"""`attnkit explain` on inputs read from files (``--q @q.npy``): NumPy's formats,
+text and torch's, arrays with heads and a batch (--head, --batch, GQA groups), masks
+from files, and one-line errors for files it cannot take."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit.testing import max_error
+
+from test_cli import run
+
+B, H, HKV, L, S, D = 2, 8, 2, 3, 5, 4
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    """q (B, H, L, D), k and v (B, Hkv, S, D) as .npy files in the working folder."""
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    arrays = {n: rng.standard_normal(shape) for n, shape in (("q", (B, H, L, D)), ("k", (B, HKV, S, D)),
+                                                             ("v", (B, HKV, S, D)))}
+    for n, a in arrays.items():
+        np.save(f"{n}.npy", a)
+    return arrays
+
+
+def explained(capsys, *argv):
+    """(inputs, steps) of `attnkit explain --json` with argv."""
+    rc, out, err = run(capsys, "explain", "--json", *argv)
+    assert rc == 0, err
+    d = json.loads(out)
+    return {n: np.array(d["inputs"][n]) for n in "qkv"}, {n: np.array(d["steps"][n]) for n in ("out", "weights")}
+
+
+@pytest.mark.parametrize("head", [1, 5])
+def test_a_head_of_a_batch_element_is_its_own_attention(capsys, files, head):
+    """--batch 1 --head h: query head h and the key/value head of its group (h // 4),
+    the numbers attnkit.attention gives for that slice."""
+    q, k, v = (files[n] for n in "qkv")
+    inputs, steps = explained(capsys, "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--head", str(head),
+                              "--batch", "1", "--causal")
+    g = head // (H // HKV)
+    assert np.array_equal(inputs["q"], q[1, head]) and np.array_equal(inputs["k"], k[1, g])
+    out, w = attnkit.attention(q[1, head], k[1, g], v[1, g], causal=True, return_weights=True)
+    assert max_error(steps["out"], out) <= 1e-12 and max_error(steps["weights"], w) <= 1e-12
+
+
+def test_every_head_without_head(capsys, files):
+    """--batch alone: every head of that element, GQA as attnkit.attention reads it."""
+    q, k, v = (files[n] for n in "qkv")
+    inputs, steps = explained(capsys, "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0")
+    assert inputs["q"].shape == (H, L, D)
+    assert max_error(steps["out"], attnkit.attention(q[0], k[0], v[0])) <= 1e-12
+
+
+def test_the_text_says_what_was_read_and_picked(capsys, files):
+    rc, out, err = run(capsys, "explain", "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--head", "5",
+                       "--batch", "1")
+    assert rc == 0, err
+    said = " ".join(out.split())
+    assert said.startswith("Read q (2, 8, 3, 4) from q.npy, k (2, 2, 5, 4) from k.npy")
+    assert "batch element 1, query head 5 (its group's key and value head 1)." in said
+
+
+def test_other_formats_give_the_same_numbers(capsys, files, tmp_path):
+    """.npz (one array, or NAME of several), .pt, .csv and .txt (comments and blank
+    lines skipped) read the same values as .npy."""
+    torch = pytest.importorskip("torch")
+    q, k, v = files["q"][0, 0], files["k"][0, 0], files["v"][0, 0]
+    np.savez("q.npz", q=q)
+    np.savez("kv.npz", k=k, v=v)
+    torch.save(torch.from_numpy(q), "q.pt")
+    np.savetxt("k.csv", k, delimiter=",")
+    (tmp_path / "v.txt").write_text("# values\n\n" + "\n".join(" ".join(repr(float(x)) for x in row) for row in v) + "\n")
+    want = attnkit.attention(q, k, v)
+    for args in (["@q.npz", "@kv.npz:k", "@kv.npz:v"], ["@q.pt", "@k.csv", "@v.txt"]):
+        inputs, steps = explained(capsys, "--q", args[0], "--k", args[1], "--v", args[2])
+        assert max_error(inputs["k"], k) <= 1e-15 and max_error(inputs["v"], v) <= 1e-15
+        assert max_error(steps["out"], want) <= (1e-6 if args[0].endswith(".pt") else 1e-12)   # (.pt: float32)
+
+
+def test_masks_and_bias_from_files_follow_head_and_batch(capsys, files):
+    """A bias shared by the batch and the heads (1, 1, L, S) and a keep mask (B, H, L, S):
+    the slices of --batch/--head."""
+    q, k, v = (files[n] for n in "qkv")
+    rng = np.random.default_rng(1)
+    bias = rng.standard_normal((1, 1, L, S))
+    keep = rng.random((B, H, L, S)) < 0.6
+    keep[..., 0] = True
+    np.save("bias.npy", bias)
+    np.save("keep.npy", keep)
+    _, steps = explained(capsys, "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--head", "6", "--batch", "1",
+                         "--bias", "@bias.npy", "--keep", "@keep.npy")
+    want = attnkit.attention(q[1, 6], k[1, 1], v[1, 1], bias=bias[0, 0], keep=keep[1, 6])
+    assert max_error(steps["out"], want) <= 1e-12
+
+
+def _bad_files(tmp_path):
+    np.save("words.npy", np.array(["a", "b"]))
+    np.save("nan.npy", np.array([[1.0, np.nan]]))
+    np.save("twos.npy", np.array([[2, 0]]))
+    np.save("five.npy", np.zeros((1, 1, 1, 1, 2)))
+    np.savez("two.npz", a=np.ones((1, 2)), b=np.ones((1, 2)))
+    (tmp_path / "q.json").write_text("[[1, 0]]")
+    (tmp_path / "broken.npy").write_bytes(b"not numpy")
+
+
+BAD_FILES = [
+    (["--q", "@missing.npy", "--k", "1,0", "--v", "1,0"], "--q: no file 'missing.npy'"),
+    (["--q", "@", "--k", "1,0", "--v", "1,0"], "--q: expected a file name after '@'"),
+    (["--q", "@q.json", "--k", "1,0", "--v", "1,0"], "--q: cannot read 'q.json': expected .npy, .npz, .pt"),
+    (["--q", "@broken.npy", "--k", "1,0", "--v", "1,0"], "--q: cannot read broken.npy"),
+    (["--q", "@words.npy", "--k", "1,0", "--v", "1,0"], "--q: expected an array of numbers in words.npy"),
+    (["--q", "@nan.npy", "--k", "1,0", "--v", "1,0"], "--q: values must be finite"),
+    (["--q", "1,0", "--k", "1,0", "--v", "1,0", "--keep", "@twos.npy"], "--keep: a mask holds 1/0"),
+    (["--q", "@two.npz", "--k", "1,0", "--v", "1,0"], "--q: two.npz holds 2 arrays ['a', 'b']; pick one"),
+    (["--q", "@two.npz:c", "--k", "1,0", "--v", "1,0"], "--q: two.npz has no array 'c'"),
+    (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy"], "--q: shape (2, 8, 3, 4) holds a batch of 2; pick one"),
+    (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "2"], "--batch: expected a batch index below 2"),
+    (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0", "--head", "8"],
+     "--head: expected a head below q's 8"),
+    (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0", "--head", "x"],
+     "--head: expected an integer"),
+    (["--q", "1,0", "--k", "1,0", "--v", "1,0", "--head", "0"], "--head: q has no head axis"),
+    (["--head", "1"], "--head: picks from inputs read from files"),
+    (["--random", "2", "2", "2", "--batch", "1"], "--batch: picks from inputs read from files"),
+    (["--q", "@five.npy", "--k", "1,0", "--v", "1,0", "--batch", "0"], "--q: --batch picks from inputs (B, H"),
+]
+
+
+@pytest.mark.parametrize("argv,msg", BAD_FILES, ids=[" ".join(a) for a, _ in BAD_FILES])
+def test_files_it_cannot_take_give_one_line_errors(capsys, files, tmp_path, argv, msg):
+    _bad_files(tmp_path)
+    rc, out, err = run(capsys, "explain", *argv)
+    assert rc == 1 and out == "", err
+    assert len(err.strip().splitlines()) == 1 and msg in err and "Traceback" not in err, err
+
+
+def test_a_pt_file_without_a_tensor_is_refused(capsys, tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    torch.save({"q": torch.ones(2, 2)}, "d.pt")
+    rc, out, err = run(capsys, "explain", "--q", "@d.pt", "--k", "1,0", "--v", "1,0")
+    assert rc == 1 and "--q: expected an array of numbers in d.pt, got not a tensor" in err
