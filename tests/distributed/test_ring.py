@@ -10,8 +10,8 @@ Checks: forward (out, lse) and backward (dq, dk, dv) for non-causal, causal
 (contiguous and zigzag layouts), GQA/MQA, key padding (keep and drop, including
 query rows that see no key), windows, cross-attention L ≠ S with both alignments,
 softcap, 2-D inputs, float32/float16 by the DESIGN.md §6 2× rule; errors for uneven
-shard lengths, odd zigzag shards and non-padding masks, raised on every rank (no
-hang); per-rank peak memory set by L/P (see test_ring_memory_is_set_by_shard_length).
+shard lengths, odd zigzag shards, non-padding masks, and kv_lengths, ALiBi slopes or
+per-head sinks of other values on one rank, raised on every rank (no hang); per-rank peak memory set by L/P (see test_ring_memory_is_set_by_shard_length).
 """
 
 from __future__ import annotations
@@ -163,6 +163,16 @@ def _errors(rank, world):
                                                    keep=torch.ones(4, 4, dtype=torch.bool))),
         "bad_layout": catch(lambda: ring_attention(t(2, 4, 8), t(2, 4, 8), t(2, 4, 8), layout="striped")),
         "bad_flag": catch(lambda: ring_attention(t(2, 4, 8), t(2, 4, 8), t(2, 4, 8), return_lse="no")),
+        # arrays of global or per-head values, other values on the last rank
+        "other_kv_lengths": catch(lambda: ring_attention(
+            t(2, 3, 4, 8), t(2, 3, 4, 8), t(2, 3, 4, 8), kv_lengths=torch.tensor([4 * world, 5 + (rank == world - 1)]))),
+        "other_slopes": catch(lambda: ring_attention(
+            t(1, 2, 4, 8), t(1, 2, 4, 8), t(1, 2, 4, 8), alibi_slopes=torch.tensor([0.5, 0.25 + (rank == world - 1)]))),
+        "other_sinks": catch(lambda: ring_attention(
+            t(1, 2, 4, 8), t(1, 2, 4, 8), t(1, 2, 4, 8), sinks=torch.tensor([0.0, 1.0 * (rank == world - 1)]))),
+        "same_sinks_other_dtype": catch(lambda: ring_attention(            # (values compared, not bits)
+            t(1, 2, 4, 8), t(1, 2, 4, 8), t(1, 2, 4, 8),
+            sinks=torch.tensor([0.5, 1.0], dtype=torch.float32 if rank else torch.float64))),
         # an error other than TypeError/ValueError on one rank (a meta tensor reaches
         # the rung choice): the others must not wait for it
         "one_rank_meta": catch(lambda: ring_attention(
@@ -346,7 +356,12 @@ def _check_errors(results, world):
             "one_rank_bad_dtype": ["TypeError: k:", "dtype"] if rank == 0 else ["rank(s) [0]"],
             "one_rank_meta": ["Error"] if rank == 0 else ["rank(s) [0]"],
             "bad_flag": ["TypeError: return_lse: expected True or False"],
+            "other_kv_lengths": ["ValueError: kv_lengths:", "same values on every rank", f"rank(s) [{world - 1}]"],
+            "other_slopes": ["ValueError: alibi_slopes:", "same values", f"rank(s) [{world - 1}]"],
+            "other_sinks": ["ValueError: sinks:", "same values", f"rank(s) [{world - 1}]"],
         }
+        if e["same_sinks_other_dtype"] is not None:
+            failures.append(f"rank {rank}: sinks of equal values were refused: {e['same_sinks_other_dtype']}")
         for name, parts in want.items():
             if e[name] is None or not all(p in e[name] for p in parts):
                 failures.append(f"rank {rank} {name}: expected an error with {parts}, got {e[name]!r}")

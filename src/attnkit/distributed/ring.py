@@ -46,6 +46,7 @@ machines have no GPU, so only gloo on CPU is tested.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -127,10 +128,23 @@ def _float_bits(x):
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
+def _digest(x, dtype):
+    """A 63-bit digest of tensor x's values as ``dtype`` (-1 for None): arrays every
+    rank must pass alike, compared without sending them."""
+    if x is None:
+        return -1
+    data = x.detach().to(device="cpu", dtype=dtype).contiguous().numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
 # one rank's metadata: an error flag, these fields, then the shapes of _SHAPED
-_FIXED = ("dtype", "causal", "layout", "align", "scale", "softcap", "dropout", "seed", "window_left", "window_right")
+_FIXED = ("dtype", "causal", "layout", "align", "scale", "softcap", "dropout", "seed", "window_left", "window_right",
+          "kv_lengths", "alibi_slopes", "sinks")
 _SHAPED = ("q", "k", "v", "keep", "alibi_slopes", "sinks", "kv_lengths")
 _SEED_AT = 1 + _FIXED.index("seed")
+_VALUES = ("kv_lengths", "alibi_slopes", "sinks")     # whose values (digests) every rank shares
+_SAME = {"kv_lengths": "each sequence's key length in global positions", "alibi_slopes": "one slope per head",
+         "sinks": "one logit per head, shared by every rank's rows"}
 
 
 def _meta(spec, keep, cfg, seed):
@@ -138,6 +152,9 @@ def _meta(spec, keep, cfg, seed):
             ALIGNS.index(spec.align), _float_bits(spec.scale), _float_bits(spec.softcap or 0),
             _float_bits(spec.dropout), seed]
     ints += [-1 if w is None else w for w in (spec.window or (None, None))]
+    shared_sinks = spec.sinks if spec.sinks is not None and _sinks_shared(spec) else None   # (per row: sharded)
+    ints += [_digest(spec.kv_lengths, torch.int64), _digest(spec.alibi_slopes, torch.float64),
+             _digest(shared_sinks, torch.float64)]
     for t in (spec.q, spec.k, spec.v, keep, spec.alibi_slopes, spec.sinks, spec.kv_lengths):
         shape = () if t is None else tuple(t.shape)
         ints += [len(shape), *shape]
@@ -202,6 +219,13 @@ def _validate(q, k, v, keep, drop, cfg, ring, options):
         if len(set(lengths)) > 1:
             raise ValueError(f"{name}: ring_attention needs equal shard lengths along dim -2 on every rank; "
                              f"got lengths {lengths} on ranks 0..{ring.world - 1}")
+    for name in _VALUES:                     # global positions, per-head terms: the same everywhere
+        at = 1 + _FIXED.index(name)
+        differ = [r for r, m in enumerate(everyone) if m[at] != everyone[0][at]]
+        if differ and all(_shape_of(m, name) == _shape_of(everyone[0], name) for m in everyone):
+            raise ValueError(f"{name}: ring_attention needs the same values on every rank ({_SAME[name]}); "
+                             f"rank(s) {differ} pass other values than rank 0")
+
     def without_seed(m):
         return m[:_SEED_AT] + m[_SEED_AT + 1:]
     differ = [r for r, m in enumerate(everyone) if without_seed(m) != without_seed(everyone[0])]
