@@ -51,11 +51,16 @@ def test_a_head_of_a_batch_element_is_its_own_attention(capsys, files, head):
 
 
 def test_every_head_without_head(capsys, files):
-    """--batch alone: every head of that element, GQA as attnkit.attention reads it."""
+    """--batch alone: every head of that element, GQA as attnkit.attention reads it;
+    no pick: every block of the whole arrays; a per-head sink typed once."""
     q, k, v = (files[n] for n in "qkv")
-    inputs, steps = explained(capsys, "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0")
+    inputs, steps = explained(capsys, "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0",
+                              "--sinks", "0.5")
     assert inputs["q"].shape == (H, L, D)
-    assert max_error(steps["out"], attnkit.attention(q[0], k[0], v[0])) <= 1e-12
+    assert max_error(steps["out"], attnkit.attention(q[0], k[0], v[0], sinks=np.array(0.5))) <= 1e-12
+    inputs, steps = explained(capsys, "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--causal")
+    assert inputs["q"].shape == (B, H, L, D)
+    assert max_error(steps["out"], attnkit.attention(q, k, v, causal=True)) <= 1e-12
 
 
 def test_the_text_says_what_was_read_and_picked(capsys, files):
@@ -68,20 +73,46 @@ def test_the_text_says_what_was_read_and_picked(capsys, files):
 
 
 def test_other_formats_give_the_same_numbers(capsys, files, tmp_path):
-    """.npz (one array, or NAME of several), .pt, .csv and .txt (comments and blank
-    lines skipped) read the same values as .npy."""
+    """.npz (one array, or NAME of several), .pt (float64 read exactly), .csv (with a
+    byte-order mark) and .txt (comments and blank lines skipped) read the same values
+    as .npy; the contents decide the format, not the name."""
     torch = pytest.importorskip("torch")
     q, k, v = files["q"][0, 0], files["k"][0, 0], files["v"][0, 0]
     np.savez("q.npz", q=q)
     np.savez("kv.npz", k=k, v=v)
     torch.save(torch.from_numpy(q), "q.pt")
-    np.savetxt("k.csv", k, delimiter=",")
+    (tmp_path / "k.csv").write_text("\ufeff" + "\n".join(",".join(repr(float(x)) for x in row) for row in k),
+                                    encoding="utf-8")
     (tmp_path / "v.txt").write_text("# values\n\n" + "\n".join(" ".join(repr(float(x)) for x in row) for row in v) + "\n")
+    np.save("v_npz_named.npy", v)
+    (tmp_path / "v_npz_named.npy").rename(tmp_path / "v.npz")     # .npy contents under a .npz name
+    (tmp_path / "q.npz").rename(tmp_path / "q_archive.npy")        # and the other way round
     want = attnkit.attention(q, k, v)
-    for args in (["@q.npz", "@kv.npz:k", "@kv.npz:v"], ["@q.pt", "@k.csv", "@v.txt"]):
+    for args in (["@q_archive.npy", "@kv.npz:k", "@kv.npz:v"], ["@q.pt", "@k.csv", "@v.txt"],
+                 ["@q.pt", "@k.csv", "@v.npz"]):
         inputs, steps = explained(capsys, "--q", args[0], "--k", args[1], "--v", args[2])
-        assert max_error(inputs["k"], k) <= 1e-15 and max_error(inputs["v"], v) <= 1e-15
-        assert max_error(steps["out"], want) <= (1e-6 if args[0].endswith(".pt") else 1e-12)   # (.pt: float32)
+        assert np.array_equal(inputs["q"], q) and np.array_equal(inputs["k"], k) and np.array_equal(inputs["v"], v)
+        assert max_error(steps["out"], want) <= 1e-12
+
+
+def test_masks_shared_by_the_batch_or_the_heads_and_minus_inf_from_text(capsys, files, tmp_path):
+    """A bias (H, L, S) (no batch axis: shared) and a keep mask (1, L, S) with --batch;
+    −inf in a text file's bias excludes a key, as typed."""
+    q, k, v = (files[n] for n in "qkv")
+    bias = np.random.default_rng(2).standard_normal((H, L, S))
+    np.save("bias.npy", bias)
+    keep = np.ones((1, L, S), dtype=bool)
+    keep[0, :, 1] = False
+    np.save("keep.npy", keep)
+    _, steps = explained(capsys, "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "1",
+                         "--bias", "@bias.npy", "--keep", "@keep.npy")
+    assert max_error(steps["out"], attnkit.attention(q[1], k[1], v[1], bias=bias, keep=keep)) <= 1e-12
+    (tmp_path / "b.csv").write_text("\n".join(",".join("-inf" if j == 2 else "0" for j in range(S)) for _ in range(L)))
+    _, steps = explained(capsys, "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0", "--head", "3",
+                         "--bias", "@b.csv")
+    assert np.all(steps["weights"][:, 2] == 0)
+    want = attnkit.attention(q[0, 3], k[0, 0], v[0, 0], drop=np.arange(S) == 2)
+    assert max_error(steps["out"], want) <= 1e-12
 
 
 def test_masks_and_bias_from_files_follow_head_and_batch(capsys, files):
@@ -102,6 +133,10 @@ def test_masks_and_bias_from_files_follow_head_and_batch(capsys, files):
 
 def _bad_files(tmp_path):
     np.save("words.npy", np.array(["a", "b"]))
+    np.save("empty.npy", np.zeros((0, 2)))
+    np.save("bias2.npy", np.zeros((2, L, S)))                # 2 heads: not 1 or q's 8
+    np.savez("none.npz")
+    (tmp_path / "folder.npy").mkdir()
     np.save("nan.npy", np.array([[1.0, np.nan]]))
     np.save("twos.npy", np.array([[2, 0]]))
     np.save("five.npy", np.zeros((1, 1, 1, 1, 2)))
@@ -120,7 +155,14 @@ BAD_FILES = [
     (["--q", "1,0", "--k", "1,0", "--v", "1,0", "--keep", "@twos.npy"], "--keep: a mask holds 1/0"),
     (["--q", "@two.npz", "--k", "1,0", "--v", "1,0"], "--q: two.npz holds 2 arrays ['a', 'b']; pick one"),
     (["--q", "@two.npz:c", "--k", "1,0", "--v", "1,0"], "--q: two.npz has no array 'c'"),
-    (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy"], "--q: shape (2, 8, 3, 4) holds a batch of 2; pick one"),
+    (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--head", "1"],
+     "--q: shape (2, 8, 3, 4) holds a batch of 2; pick one with --batch N"),
+    (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0", "--head", "1", "--bias", "@bias2.npy"],
+     "--bias: shape (2, 3, 5) has 2 heads; expected 1 or q's 8"),
+    (["--q", "@empty.npy", "--k", "1,0", "--v", "1,0"], "--q: expected an array of numbers in empty.npy, got an empty"),
+    (["--q", "@none.npz", "--k", "1,0", "--v", "1,0"], "--q: none.npz holds no arrays"),
+    (["--q", "@folder.npy", "--k", "1,0", "--v", "1,0"], "--q: 'folder.npy' is a folder, not a file"),
+    (["--q", "1,0", "--k", "1,0", "--v", "1,0", "--batch", "7"], "--batch: picks from q of shape (B, H, L, D)"),
     (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "2"], "--batch: expected a batch index below 2"),
     (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0", "--head", "8"],
      "--head: expected a head below q's 8"),
@@ -129,7 +171,8 @@ BAD_FILES = [
     (["--q", "1,0", "--k", "1,0", "--v", "1,0", "--head", "0"], "--head: q has no head axis"),
     (["--head", "1"], "--head: picks from inputs read from files"),
     (["--random", "2", "2", "2", "--batch", "1"], "--batch: picks from inputs read from files"),
-    (["--q", "@five.npy", "--k", "1,0", "--v", "1,0", "--batch", "0"], "--q: --batch picks from inputs (B, H"),
+    (["--q", "@five.npy", "--k", "1,0", "--v", "1,0", "--batch", "0"], "--batch: picks from q of shape (B, H, L, D), "
+     "got shape (1, 1, 1, 1, 2)"),
 ]
 
 
@@ -141,9 +184,16 @@ def test_files_it_cannot_take_give_one_line_errors(capsys, files, tmp_path, argv
     assert len(err.strip().splitlines()) == 1 and msg in err and "Traceback" not in err, err
 
 
-def test_a_pt_file_without_a_tensor_is_refused(capsys, tmp_path, monkeypatch):
+def test_pt_files_of_other_tensors(capsys, tmp_path, monkeypatch):
+    """Not a tensor, a complex one: refused; sparse and bfloat16 ones: read."""
     torch = pytest.importorskip("torch")
     monkeypatch.chdir(tmp_path)
     torch.save({"q": torch.ones(2, 2)}, "d.pt")
-    rc, out, err = run(capsys, "explain", "--q", "@d.pt", "--k", "1,0", "--v", "1,0")
-    assert rc == 1 and "--q: expected an array of numbers in d.pt, got not a tensor" in err
+    torch.save(torch.ones(1, 2, dtype=torch.complex64), "c.pt")
+    torch.save(torch.eye(2).to_sparse(), "s.pt")
+    torch.save(torch.tensor([[0.5, 0.25]], dtype=torch.bfloat16), "b.pt")
+    for path, msg in (("d.pt", "got not a tensor"), ("c.pt", "got a complex64 array of shape (1, 2)")):
+        rc, out, err = run(capsys, "explain", "--q", "@" + path, "--k", "1,0", "--v", "1,0")
+        assert rc == 1 and f"--q: expected an array of numbers in {path}, {msg}" in err, err
+    inputs, _ = explained(capsys, "--q", "@b.pt", "--k", "@s.pt", "--v", "@s.pt")
+    assert inputs["q"].tolist() == [[0.5, 0.25]] and inputs["k"].tolist() == [[1.0, 0.0], [0.0, 1.0]]

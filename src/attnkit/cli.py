@@ -39,26 +39,29 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _one_head(x, name, head, batch, H):
-    """x (…, heads, rows, cols) narrowed to --batch and --head (query head ``head`` of
-    q's H; an input with fewer heads gives it the head its group shares, GQA)."""
-    if x.ndim < 3:
-        return x
-    if batch is not None or x.ndim > 3:
-        if x.ndim != 4:
-            raise ValueError(f"{name}: --batch picks from inputs (B, H, rows, cols); got shape {x.shape}")
+def _one_head(x, name, head, batch, H, grouped=False):
+    """x (…, heads, rows, cols) narrowed to --batch and --head: batch element ``batch``
+    of an array (B, heads, rows, cols) (a batch of one: its element), then query head
+    ``head`` of q's H (an axis of one head: shared; ``grouped``, k and v: the head of
+    the query head's GQA group, h // (H / heads)). Without --head every head stays."""
+    if x.ndim == 4 and (x.shape[0] == 1 or batch is not None):
         b = 0 if x.shape[0] == 1 else batch
-        if b is None:
-            raise ValueError(f"{name}: shape {x.shape} holds a batch of {x.shape[0]}; pick one with --batch N")
         if b >= x.shape[0]:
             raise ValueError(f"--batch: expected a batch index below {x.shape[0]} ({name} {x.shape}), got {b}")
         x = x[b]
+    if head is None or x.ndim < 3:
+        return x
+    if x.ndim > 3:
+        raise ValueError(f"{name}: shape {x.shape} holds a batch of {x.shape[0]}; pick one with --batch N"
+                         if x.ndim == 4 else f"{name}: --head picks from arrays (B, H, rows, cols) or "
+                         f"(H, rows, cols), got shape {x.shape}")
     n = x.shape[0]
-    if head is None or n == 1:
-        return x if n > 1 else x[0]
-    if H % n:
-        raise ValueError(f"{name}: {n} heads do not divide q's {H} (shape {x.shape})")
-    return x[head // (H // n)]
+    if n in (1, H):
+        return x[0 if n == 1 else head]
+    if grouped and H % n == 0:
+        return x[head // (H // n)]
+    raise ValueError(f"{name}: shape {x.shape} has {n} heads; expected 1 or q's {H}"
+                     + (" or a divisor of it (GQA)" if grouped else ""))
 
 
 def _head(args, q):
@@ -71,6 +74,8 @@ def _head(args, q):
         raise ValueError(f"--head: q has no head axis (shape {q.shape}); --head picks from q (…, H, L, D)")
     if head is not None and head >= H:
         raise ValueError(f"--head: expected a head below q's {H} (shape {q.shape}), got {head}")
+    if batch is not None and q.ndim != 4:
+        raise ValueError(f"--batch: picks from q of shape (B, H, L, D), got shape {q.shape}")
     return head, batch, H
 
 
@@ -162,9 +167,15 @@ def _inputs(args):
             ([f"query head {head}"] if head is not None else [])
         if head is not None and k.ndim >= 3 and 1 < k.shape[-3] < H and H % k.shape[-3] == 0:
             picks[-1] += f" (its group's key and value head {head // (H // k.shape[-3])})"
-        q, k, v = (_one_head(x, n, *heads) for x, n in ((q, "--q"), (k, "--k"), (v, "--v")))
+        q, k, v = (_one_head(x, n, *heads, grouped=n != "--q") for x, n in ((q, "--q"), (k, "--k"), (v, "--v")))
         if shapes:
             note = "Read " + ", ".join(shapes) + (": " + ", ".join(picks) if picks else "") + "."
+        if q.ndim >= 3:                              # heads left: within explain's limit?
+            try:
+                check_size(q.shape, k.shape, v.shape)
+            except ValueError as e:
+                raise ValueError(f"{e}; --head N shows one head" + (", --batch N one batch element"
+                                                                     if q.ndim > 3 else "")) from None
         kind = "given"
     else:
         q, k, v = (np.array(EXAMPLE[n]) for n in ("q", "k", "v"))
@@ -197,7 +208,7 @@ def _options(args, L, S, heads=(None, None, 1)) -> dict:
     if args.sinks is not None:
         x = parse_matrix(args.sinks, "--sinks")
         if x.size == 1:
-            opts["sinks"] = x.reshape(1)            # one logit for every query (the one head's)
+            opts["sinks"] = x.reshape(())           # one logit for every query (and every head)
         elif x.shape[0] == 1 and x.size == L:
             opts["sinks"] = x                       # (1, L): one logit per query
         else:

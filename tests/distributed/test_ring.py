@@ -172,7 +172,7 @@ def _errors(rank, world):
             t(1, 2, 4, 8), t(1, 2, 4, 8), t(1, 2, 4, 8), sinks=torch.tensor([0.0, 1.0 * (rank == world - 1)]))),
         "same_sinks_other_dtype": catch(lambda: ring_attention(            # (values compared, not bits)
             t(1, 2, 4, 8), t(1, 2, 4, 8), t(1, 2, 4, 8),
-            sinks=torch.tensor([0.5, 1.0], dtype=torch.float32 if rank else torch.float64))),
+            sinks=torch.tensor([-0.0 if rank else 0.0, 1.0], dtype=torch.float32 if rank else torch.float64))),
         # an error other than TypeError/ValueError on one rank (a meta tensor reaches
         # the rung choice): the others must not wait for it
         "one_rank_meta": catch(lambda: ring_attention(

@@ -130,10 +130,14 @@ def _float_bits(x):
 
 def _digest(x, dtype):
     """A 63-bit digest of tensor x's values as ``dtype`` (-1 for None): arrays every
-    rank must pass alike, compared without sending them."""
+    rank must pass alike, compared without sending them (−0.0 as 0.0, every NaN
+    alike: equal values, equal digests)."""
     if x is None:
         return -1
-    data = x.detach().to(device="cpu", dtype=dtype).contiguous().numpy().tobytes()
+    x = x.detach().to(device="cpu", dtype=dtype)
+    if x.is_floating_point():
+        x = torch.where(torch.isnan(x), torch.full_like(x, float("nan")), x + 0.0)
+    data = x.contiguous().numpy().tobytes()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
@@ -147,14 +151,14 @@ _SAME = {"kv_lengths": "each sequence's key length in global positions", "alibi_
          "sinks": "one logit per head, shared by every rank's rows"}
 
 
-def _meta(spec, keep, cfg, seed):
+def _meta(spec, keep, cfg, seed, world):
     ints = [_DTYPE_CODE.get(dtype_name(spec.q), 0), int(spec.causal), LAYOUTS.index(cfg.layout),
             ALIGNS.index(spec.align), _float_bits(spec.scale), _float_bits(spec.softcap or 0),
             _float_bits(spec.dropout), seed]
     ints += [-1 if w is None else w for w in (spec.window or (None, None))]
     shared_sinks = spec.sinks if spec.sinks is not None and _sinks_shared(spec) else None   # (per row: sharded)
     ints += [_digest(spec.kv_lengths, torch.int64), _digest(spec.alibi_slopes, torch.float64),
-             _digest(shared_sinks, torch.float64)]
+             _digest(shared_sinks, torch.float64)] if world > 1 else [-1] * 3
     for t in (spec.q, spec.k, spec.v, keep, spec.alibi_slopes, spec.sinks, spec.kv_lengths):
         shape = () if t is None else tuple(t.shape)
         ints += [len(shape), *shape]
@@ -196,7 +200,7 @@ def _validate(q, k, v, keep, drop, cfg, ring, options):
         err = e                                  # goes round first: every rank raises, none hangs
     meta = [int(err is not None)]
     if err is None:
-        meta += _meta(spec, key_keep, cfg, seed)
+        meta += _meta(spec, key_keep, cfg, seed, ring.world)
     if len(meta) > _META_LEN:
         err = err or ValueError(f"q, k, v: too many dims for ring_attention ({[t.ndim for t in (q, k, v)]})")
         meta = [1]
