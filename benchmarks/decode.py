@@ -32,7 +32,7 @@ import numpy as np
 
 import attnkit
 from attnkit import flash
-from attnkit.bench import interleaved
+from attnkit.bench import hf_calls, interleaved
 from attnkit.testing import error_budget, max_error
 
 H, HKV, D = 32, 8, 128
@@ -224,15 +224,11 @@ def generate(rounds: int) -> list[str]:
             tokens[name, pad] = model.generate(input_ids=padded if pad else ids, attention_mask=mask if pad else None,
                                                max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
 
-    calls = []                                           # the switch works: attnkit's function runs
-    transformers.AttentionInterface.register(
-        "attnkit", lambda *a, **kw: calls.append(1) or attnkit.hf.attention_forward(*a, **kw))
     switch("attnkit")
-    run("attnkit")
-    attnkit.hf.register()                                # (its own function again, for the timing)
+    calls = hf_calls(lambda: run("attnkit"))             # the switch works: attnkit's function runs
     switch("sdpa")
     run("sdpa")
-    assert len(calls) == 4 * 20, f"attnkit's attention ran {len(calls)} times in a generate, not 80"
+    assert calls == 4 * 20, f"attnkit's attention ran {calls} times in a generate, not 80"
 
     times = interleaved({n: (lambda n=n: run(n)) for n in impls}, rounds, gap_s=0.3,
                         prepare={n: (lambda n=n: switch(n)) for n in impls})

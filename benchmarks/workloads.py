@@ -33,7 +33,7 @@ import numpy as np
 
 import attnkit
 from attnkit import flash
-from attnkit.bench import interleaved
+from attnkit.bench import hf_calls, interleaved
 from attnkit.testing import error_budget, make_qkv, max_error
 
 TARGETS = {"bert fwd vs torch": 1.2, "bert fwd+bwd vs torch": 1.2, "packed vs sum alone": 1 / 1.15,
@@ -124,9 +124,6 @@ def model_case(torch, name, cfg, cls, ids, mask, repeats):
     """One model, switched between "sdpa" and "attnkit" (``set_attn_implementation``,
     untimed) before each run: the same weights in the same memory for both (where a
     model's tensors lie moves its time by a percent or two: docs/decisions.md)."""
-    import transformers
-
-    import attnkit.hf
     torch.manual_seed(0)
     model, res, impls = cls.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval(), {}, ("sdpa", "attnkit")
 
@@ -135,13 +132,9 @@ def model_case(torch, name, cfg, cls, ids, mask, repeats):
             o = model(input_ids=ids, attention_mask=mask)
         res[impl] = o.logits if hasattr(o, "logits") else o.last_hidden_state
 
-    calls = []                                           # the switch works: attnkit's function runs
-    transformers.AttentionInterface.register(
-        "attnkit", lambda *a, **kw: calls.append(1) or attnkit.hf.attention_forward(*a, **kw))
     model.set_attn_implementation("attnkit")
-    run("attnkit")
-    attnkit.hf.register()                                # (its own function again, for the timing)
-    assert len(calls) == cfg.num_hidden_layers, f"{name}: attnkit's attention ran {len(calls)} times"
+    calls = hf_calls(lambda: run("attnkit"))             # the switch works: attnkit's function runs
+    assert calls == cfg.num_hidden_layers, f"{name}: attnkit's attention ran {calls} times"
     t = best({impl: (lambda impl=impl: run(impl)) for impl in impls}, repeats,
              prepare={impl: (lambda impl=impl: model.set_attn_implementation(impl)) for impl in impls})
     real = mask.bool()

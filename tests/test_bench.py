@@ -116,3 +116,23 @@ def test_command_line_json_and_errors(capsys):
     rc = main(["bench", "--shape", "1", "0", "32", "8"])
     _, err = capsys.readouterr()
     assert rc == 1 and err.count("\n") == 1 and "H: expected a positive integer, got 0" in err
+
+
+def test_hf_calls_counts_a_models_attention_calls_and_restores_attnkits_function():
+    """One forward of a 3-layer model switched to "attnkit": 3 calls, the same logits
+    as without counting; afterwards the registered function is attnkit's own again."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import attnkit.hf
+    attnkit.hf.register()
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="attnkit").eval()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = []
+        assert bench.hf_calls(lambda: got.append(model(input_ids=ids).logits)) == 3
+    assert torch.equal(got[0], want)
+    assert transformers.AttentionInterface._global_mapping["attnkit"] is attnkit.hf.attention_forward

@@ -78,6 +78,26 @@ def interleaved(runs: dict, repeats: int, gap_s: float = 0.5, seed: int = 0, pro
     return times
 
 
+def hf_calls(run) -> int:
+    """How many times attnkit's transformers attention function ran during ``run()``:
+    benchmarks check with it that switching a model to ``"attnkit"`` took effect.
+    attnkit's own function is registered again afterwards.
+
+    >>> hf_calls(lambda: None)
+    0
+    """
+    import transformers
+
+    from . import hf
+    calls = []
+    transformers.AttentionInterface.register(
+        hf.NAME, lambda *a, **kw: calls.append(1) or hf.attention_forward(*a, **kw))
+    try:
+        run()
+    finally:
+        hf.register()
+    return len(calls)
+
 def _torch_inputs(arrays, dtype, device, grad):
     import torch
     return [torch.tensor(x, dtype=getattr(torch, dtype), device=device).requires_grad_(grad and i < 3)
