@@ -89,9 +89,12 @@ def hf_calls(run) -> int:
     import transformers
 
     from . import hf
-    calls = []
-    transformers.AttentionInterface.register(
-        hf.NAME, lambda *a, **kw: calls.append(1) or hf.attention_forward(*a, **kw))
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return hf.attention_forward(*args, **kwargs)
+    transformers.AttentionInterface.register(hf.NAME, counted)
     try:
         run()
     finally:

@@ -12,7 +12,7 @@ import numpy as np
 
 from .core import Spec, dtype_name, is_torch
 from .geometry import combine
-from .validate import FLOAT_DTYPES, _cu_seqlens, _lengths, as_array, choice, dtype_kind
+from .validate import FLOAT_DTYPES, as_array, check_cu_seqlens, check_sequence_lengths, choice, dtype_kind
 
 
 def _same_library(name: str, x: Any, like: Any, like_name: str = "q") -> None:
@@ -218,5 +218,5 @@ def check_sequence_values(spec: Spec) -> None:
     L, S = spec.extent if spec.extent is not None else (spec.L, spec.S)
     opt = {n: getattr(spec, n) for n in ("q_lengths", "kv_lengths", "kv_starts", "cu_seqlens_q", "cu_seqlens_k")}
     want_torch = not isinstance(spec.q, np.ndarray)
-    _lengths(opt, want_torch, spec.batch, L, S, {})
-    _cu_seqlens(opt, want_torch, spec.batch, spec.H, L, S, {})
+    check_sequence_lengths(opt, want_torch, spec.batch, L, S, {})
+    check_cu_seqlens(opt, want_torch, spec.batch, spec.H, L, S, {})

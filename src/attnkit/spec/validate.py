@@ -477,8 +477,8 @@ def _array_keywords(opt: dict, want_torch: bool, batch: tuple[int, ...], H: int,
         if both:                                         # (before their shapes are checked: those
             raise ValueError(f"{', '.join(both)}: not combined with cu_seqlens_q/cu_seqlens_k (packed "
                              "sequences carry their lengths in the offsets)")   # are the batch's)
-    lengths = _lengths(opt, want_torch, batch, L, S, shapes)
-    cu = _cu_seqlens(opt, want_torch, batch, H, L, S, shapes)
+    lengths = check_sequence_lengths(opt, want_torch, batch, L, S, shapes)
+    cu = check_cu_seqlens(opt, want_torch, batch, H, L, S, shapes)
     return dict(arrays, alibi_slopes=slopes, sinks=sinks, q_lengths=lengths[0], kv_lengths=lengths[1],
                 kv_starts=lengths[2], cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
 
@@ -522,8 +522,8 @@ def check_lengths(name: str, x: Any, want_torch: bool, batch: tuple[int, ...], n
     return a.broadcast_to(batch) if want_torch else np.broadcast_to(a, batch)
 
 
-def _lengths(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: int,
-             shapes: dict) -> tuple[Any, Any, Any]:
+def check_sequence_lengths(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: int,
+                           shapes: dict) -> tuple[Any, Any, Any]:
     """q_lengths / kv_lengths / kv_starts broadcast to the batch dims, values checked
     (a sequence's first key at most its key length)."""
     kv_lengths = check_lengths("kv_lengths", opt["kv_lengths"], want_torch, batch, S, "S", shapes)
@@ -538,8 +538,10 @@ def _lengths(opt: dict, want_torch: bool, batch: tuple[int, ...], L: int, S: int
     return check_lengths("q_lengths", opt["q_lengths"], want_torch, batch, L, "L", shapes), kv_lengths, starts
 
 
-def _cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], H: int, L: int, S: int,
-                shapes: dict) -> tuple[Any, Any]:
+def check_cu_seqlens(opt: dict, want_torch: bool, batch: tuple[int, ...], H: int, L: int, S: int,
+                     shapes: dict) -> tuple[Any, Any]:
+    """cu_seqlens_q / cu_seqlens_k (packed sequences): both or neither, one batch
+    element, offsets from 0 to the query / key totals, non-decreasing."""
     cq = _int_array("cu_seqlens_q", opt["cu_seqlens_q"], want_torch)
     ck = _int_array("cu_seqlens_k", opt["cu_seqlens_k"], want_torch)
     if cq is None and ck is None:
