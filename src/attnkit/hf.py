@@ -582,3 +582,6 @@ def register(name: str = NAME) -> None:
         raise ImportError("attnkit.hf needs transformers: pip install 'attnkit[hf]'") from None
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, attention_mask)
+
+
+from .capture import Call, capture  # noqa: E402,F401  (attnkit.hf.capture: a model's calls, recorded)

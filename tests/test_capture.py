@@ -1,0 +1,95 @@
+"""attnkit.hf.capture: a transformers model's attention calls recorded (q, k, v and
+the keywords that reproduce each), the model computing as before and switched back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import attnkit  # noqa: E402
+import attnkit.hf  # noqa: E402
+from attnkit.testing import max_error  # noqa: E402
+
+CFG = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           intermediate_size=64, max_position_embeddings=64)
+
+
+def _model(impl="sdpa"):
+    attnkit.hf.register()
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CFG),
+                                                         attn_implementation=impl).eval()
+
+
+def _reproduces(c, real=None):
+    """attnkit.attention on the recorded q, k, v with the recorded keywords gives the
+    model's own output (B, L, H, Dv) (on the real query rows ``real`` (B, L))."""
+    got = attnkit.attention(c.q, c.k, c.v, **c.options).transpose(1, 2)
+    if real is not None:
+        got, want = got[real], c.out[real]
+    else:
+        want = c.out
+    return max_error(got.numpy(), want.numpy()) <= 1e-5
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "attnkit"])
+def test_every_call_of_a_generate_is_recorded_and_reproduced(impl):
+    """Prefill and decoding steps of a GQA model: one call per layer and forward, named
+    by the layer, q/k/v of its shapes (the cache's keys), and attnkit.attention with
+    the recorded keywords reproduces each; the model's tokens are unchanged and its
+    implementation comes back."""
+    model = _model(impl)
+    ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+        with attnkit.hf.capture(model) as calls:
+            got = model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+    assert model.config._attn_implementation == impl
+    assert not any(n.startswith("attnkit_capture") for n in transformers.AttentionInterface._global_mapping)
+    assert [c.name for c in calls] == ["model.layers.0.self_attn", "model.layers.1.self_attn"] * 3
+    assert [tuple(c.k.shape) for c in calls[::2]] == [(2, 2, 5, 8), (2, 2, 6, 8), (2, 2, 7, 8)]
+    assert tuple(calls[0].q.shape) == (2, 4, 5, 8) and tuple(calls[-1].q.shape) == (2, 4, 1, 8)
+    assert calls[0].options["causal"] is True
+    assert all(_reproduces(c) for c in calls)
+
+
+def test_a_padded_batch_records_its_mask():
+    """Left padding: the recorded keywords carry the padding (sdpa's own mask, as keep),
+    and reproduce the real tokens' rows."""
+    model = _model()
+    ids = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad(), attnkit.hf.capture(model) as calls:
+        model(input_ids=ids, attention_mask=mask)
+    assert len(calls) == 2 and "keep" in calls[0].options
+    assert all(_reproduces(c, real=mask.bool()) for c in calls)
+
+
+def test_explain_shows_a_recorded_head():
+    """The recorded call explained: every head's output is the model's."""
+    model = _model()
+    with torch.no_grad(), attnkit.hf.capture(model) as calls:
+        model(input_ids=torch.tensor([[3, 1, 4, 1]]))
+    c = calls[1]
+    trace = attnkit.explain(c.q, c.k, c.v, **c.options)
+    assert np.allclose(np.asarray(trace.out), c.out.transpose(1, 2).numpy(), atol=1e-5)
+
+
+def test_the_model_comes_back_when_the_block_raises():
+    model = _model()
+    with pytest.raises(RuntimeError, match="stop"), attnkit.hf.capture(model):
+        raise RuntimeError("stop")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_what_it_cannot_capture_is_named():
+    with pytest.raises(ValueError, match="'eager' is not a registered attention function"), \
+            attnkit.hf.capture(_model("eager")):
+        pass
+    with pytest.raises(TypeError, match="model: expected a transformers model, got int"), attnkit.hf.capture(3):
+        pass
