@@ -93,3 +93,21 @@ def test_what_it_cannot_capture_is_named():
         pass
     with pytest.raises(TypeError, match="model: expected a transformers model, got int"), attnkit.hf.capture(3):
         pass
+
+
+def test_a_keyword_attnkit_cannot_honour_is_recorded_not_raised():
+    """A layer passing a keyword attnkit does not know: the model still runs (its own
+    function computes), and the record says why it has no keywords."""
+    model = _model()
+    attend = transformers.AttentionInterface()["sdpa"]
+    transformers.AttentionInterface.register(
+        "sdpa_odd", lambda *a, **kw: attend(*a, **{n: x for n, x in kw.items() if n != "odd"}))
+    transformers.AttentionMaskInterface.register("sdpa_odd", transformers.AttentionMaskInterface()["sdpa"])
+    model.set_attn_implementation("sdpa_odd")
+    layer = model.model.layers[0].self_attn
+    forward = layer.forward
+    layer.forward = lambda *a, **kw: forward(*a, odd=1, **kw)
+    with torch.no_grad(), attnkit.hf.capture(model) as calls:
+        model(input_ids=torch.tensor([[3, 1, 4]]))
+    assert calls[0].options is None and calls[0].why.startswith("odd: attnkit's transformers integration")
+    assert calls[1].options is not None and calls[1].why is None and _reproduces(calls[1])

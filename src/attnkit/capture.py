@@ -21,14 +21,16 @@ class Call:
     (detached copies, as the layer passed them: after rotary embeddings, with the
     cache's keys), ``options`` (the keywords with which :func:`attnkit.attention` and
     :func:`attnkit.explain` compute this call, as attnkit's transformers integration
-    reads it: causality, scale, softcap, masks, sinks), and ``out (B, L, H, Dv)``,
-    what the model's own attention function returned (its layout)."""
+    reads it: causality, scale, softcap, masks, sinks; None, with the reason in
+    ``why``, for a call attnkit cannot compute), and ``out (B, L, H, Dv)``, what the
+    model's own attention function returned (its layout)."""
     name: str
     q: Any
     k: Any
     v: Any
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] | None = field(default_factory=dict)
     out: Any = None
+    why: str | None = None
 
 
 @contextlib.contextmanager
@@ -71,10 +73,16 @@ def capture(model: Any) -> Iterator[list[Call]]:
         out = attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         is_causal = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-        k, v, opts = hf._options(query, key, value, attention_mask, scaling, dropout, causal, kwargs)
-        copy = (lambda x: x.detach().clone() if hasattr(x, "detach") else x)
+        try:
+            k, v, opts, why = *hf._options(query, key, value, attention_mask, scaling, dropout, causal, kwargs), None
+        except ValueError as e:                          # a keyword attnkit cannot honour: recorded
+            k, v, opts, why = key, value, None, str(e)
+
+        def copy(x: Any) -> Any:
+            return x.detach().clone() if hasattr(x, "detach") else x
         calls.append(Call(names.get(id(module), type(module).__name__), copy(query), copy(k), copy(v),
-                          {n: copy(x) for n, x in opts.items() if x is not None}, copy(out[0])))
+                          None if opts is None else {n: copy(x) for n, x in opts.items() if x is not None},
+                          copy(out[0]), why))
         return out
 
     name = f"attnkit_capture_{next(_NAMES)}"
