@@ -42,14 +42,15 @@ def test_every_call_of_a_generate_is_recorded_and_reproduced(impl):
     the recorded keywords reproduces each; the model's tokens are unchanged and its
     implementation comes back."""
     model = _model(impl)
+    own = transformers.AttentionInterface._global_mapping[impl]
     ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
         with attnkit.hf.capture(model) as calls:
             got = model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+            assert model.config._attn_implementation == impl      # (transformers branches on the name)
     assert torch.equal(got, want)
-    assert model.config._attn_implementation == impl
-    assert not any(n.startswith("attnkit_capture") for n in transformers.AttentionInterface._global_mapping)
+    assert transformers.AttentionInterface._global_mapping[impl] is own
     assert [c.name for c in calls] == ["model.layers.0.self_attn", "model.layers.1.self_attn"] * 3
     assert [tuple(c.k.shape) for c in calls[::2]] == [(2, 2, 5, 8), (2, 2, 6, 8), (2, 2, 7, 8)]
     assert tuple(calls[0].q.shape) == (2, 4, 5, 8) and tuple(calls[-1].q.shape) == (2, 4, 1, 8)
@@ -80,15 +81,53 @@ def test_explain_shows_a_recorded_head():
     assert np.allclose(np.asarray(trace.out), c.out.transpose(1, 2).numpy(), atol=1e-5)
 
 
-def test_the_model_comes_back_when_the_block_raises():
+def test_the_function_comes_back_when_the_block_raises():
     model = _model()
+    own = transformers.AttentionInterface._global_mapping["sdpa"]
     with pytest.raises(RuntimeError, match="stop"), attnkit.hf.capture(model):
         raise RuntimeError("stop")
-    assert model.config._attn_implementation == "sdpa"
+    assert transformers.AttentionInterface._global_mapping["sdpa"] is own
+
+
+def test_only_this_models_layers_those_named_and_the_first_calls():
+    """Another model on the same function is not recorded; ``names`` and
+    ``max_calls`` narrow the record; nested captures both record."""
+    model, other = _model(), _model()
+    ids = torch.tensor([[3, 1, 4, 1]])
+    with torch.no_grad():
+        with attnkit.hf.capture(model) as calls:
+            other(input_ids=ids)
+        assert calls == []
+        with attnkit.hf.capture(model, names={"model.layers.1.self_attn"}) as one, \
+                attnkit.hf.capture(model, max_calls=1) as first:
+            model(input_ids=ids)
+            model(input_ids=ids)
+    assert [c.name for c in one] == ["model.layers.1.self_attn"] * 2
+    assert [c.name for c in first] == ["model.layers.0.self_attn"]
+
+
+def test_a_composite_model_keeps_each_towers_implementation():
+    """CLIP with its text tower on sdpa and its vision tower on eager: the text
+    tower's calls are recorded, the vision tower's are not (eager is no registered
+    function), and both towers keep their implementations."""
+    text = transformers.CLIPTextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, max_position_embeddings=16)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, image_size=16, patch_size=8)
+    cfg = transformers.CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=16)
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(
+        cfg, attn_implementation={"text_config": "sdpa", "vision_config": "eager", "": "sdpa"}).eval()
+    towers = lambda: (model.text_model.config._attn_implementation, model.vision_model.config._attn_implementation)
+    before = towers()
+    with torch.no_grad(), attnkit.hf.capture(model) as calls:
+        model(input_ids=torch.tensor([[1, 2, 3]]), pixel_values=torch.randn(1, 3, 16, 16))
+    assert before == ("sdpa", "eager") and towers() == before
+    assert [c.name for c in calls] == ["text_model.encoder.layers.0.self_attn"] and _reproduces(calls[0])
 
 
 def test_what_it_cannot_capture_is_named():
-    with pytest.raises(ValueError, match="'eager' is not a registered attention function"), \
+    with pytest.raises(ValueError, match=r"\['eager'\] is not a registered attention function"), \
             attnkit.hf.capture(_model("eager")):
         pass
     with pytest.raises(TypeError, match="model: expected a transformers model, got int"), attnkit.hf.capture(3):

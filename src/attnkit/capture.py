@@ -6,12 +6,9 @@ attnkit keywords that reproduce the call, to explain on real numbers
 from __future__ import annotations
 
 import contextlib
-import itertools
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any
-
-_NAMES = itertools.count()
 
 
 @dataclass
@@ -34,12 +31,18 @@ class Call:
 
 
 @contextlib.contextmanager
-def capture(model: Any) -> Iterator[list[Call]]:
+def capture(model: Any, names: Container[str] | None = None, max_calls: int | None = None) -> Iterator[list[Call]]:
     """Record a transformers model's attention calls while the block runs: a list of
     :class:`Call`, one per layer and forward, in the order the layers ran. The model
-    keeps computing with its own attention implementation (``"sdpa"``, ``"attnkit"``
-    or any registered one; not ``"eager"``, which is not a registered function) and is
-    switched back to it afterwards.
+    computes exactly as before: for the block, each attention function its
+    (sub-)models name (``"sdpa"``, ``"attnkit"``, any registered one) is wrapped in
+    place, under its own name, recording the calls of this model's layers only. Calls
+    of layers on ``"eager"`` (a function their module holds, not a registered one) are
+    not seen; a model with no registered function is refused.
+
+    Each record copies the layer's q, k, v (the cache's keys: a long generate holds
+    every step's): ``names`` (module names, e.g. ``{"model.layers.0.self_attn"}``)
+    records those layers only, ``max_calls`` the first calls only.
 
     Examples
     --------
@@ -54,44 +57,52 @@ def capture(model: Any) -> Iterator[list[Call]]:
     ('model.layers.0.self_attn', (1, 2, 3, 8), True)
     >>> trace = attnkit.explain(c.q, c.k, c.v, **c.options)     # the four steps, every head
     """
-    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers import AttentionInterface, PreTrainedModel
 
     from . import hf
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if not hasattr(model, "set_attn_implementation") or impl is None:
+    if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model: expected a transformers model, got {type(model).__name__}")
-    functions, masks = AttentionInterface(), AttentionMaskInterface()
-    if impl not in functions or impl not in masks:
-        raise ValueError(f"model: its attention implementation {impl!r} is not a registered attention function; "
-                         "load it with attn_implementation='sdpa' or 'attnkit' to capture its calls")
-    attend, mask = functions[impl], masks[impl]
-    names = {id(m): n for n, m in model.named_modules()}
+    functions = AttentionInterface()
+    impls = {m.config._attn_implementation for m in model.modules() if isinstance(m, PreTrainedModel)}
+    wrapped = sorted(i for i in impls if isinstance(i, str) and i in functions)
+    if not wrapped:
+        raise ValueError(f"model: its attention implementation {sorted(map(str, impls))} is not a registered "
+                         "attention function; load it with attn_implementation='sdpa' or 'attnkit' to capture "
+                         "its calls")
+    layers = {id(m): n for n, m in model.named_modules() if names is None or n in names}
     calls: list[Call] = []
 
-    def recording(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: Any = None,
-                  dropout: float = 0.0, **kwargs: Any) -> Any:
-        out = attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        is_causal = kwargs.get("is_causal")
-        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-        try:
-            k, v, opts, why = *hf._options(query, key, value, attention_mask, scaling, dropout, causal, kwargs), None
-        except ValueError as e:                          # a keyword attnkit cannot honour: recorded
-            k, v, opts, why = key, value, None, str(e)
+    def recorder(attend: Any) -> Any:
+        def recording(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: Any = None,
+                      dropout: float = 0.0, **kwargs: Any) -> Any:
+            out = attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+            if id(module) in layers and (max_calls is None or len(calls) < max_calls):
+                calls.append(_record(layers[id(module)], module, query, key, value, attention_mask, scaling,
+                                     dropout, kwargs, out[0], hf))
+            return out
+        return recording
 
-        def copy(x: Any) -> Any:
-            return x.detach().clone() if hasattr(x, "detach") else x
-        calls.append(Call(names.get(id(module), type(module).__name__), copy(query), copy(k), copy(v),
-                          None if opts is None else {n: copy(x) for n, x in opts.items() if x is not None},
-                          copy(out[0]), why))
-        return out
-
-    name = f"attnkit_capture_{next(_NAMES)}"
-    AttentionInterface.register(name, recording)
-    AttentionMaskInterface.register(name, mask)
-    model.set_attn_implementation(name)
+    originals = {i: functions[i] for i in wrapped}
     try:
+        for i, attend in originals.items():                   # (the same names: transformers branches on them)
+            AttentionInterface.register(i, recorder(attend))
         yield calls
     finally:
-        model.set_attn_implementation(impl)
-        for registry in (AttentionInterface, AttentionMaskInterface):
-            registry._global_mapping.pop(name, None)
+        for i, attend in originals.items():
+            AttentionInterface.register(i, attend)
+
+
+def _record(name: str, module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: Any,
+            dropout: float, kwargs: dict[str, Any], out: Any, hf: Any) -> Call:
+    """A :class:`Call` of the arguments an attention function got and its output."""
+    try:
+        k, v, opts = hf._options(query, key, value, attention_mask, scaling, dropout, hf.layer_causal(module, kwargs),
+                                 kwargs)
+        why = None
+    except ValueError as e:                                  # a keyword attnkit cannot honour: recorded
+        k, v, opts, why = key, value, None, str(e)
+
+    def copy(x: Any) -> Any:
+        return x.detach().clone() if hasattr(x, "detach") else x
+    return Call(name, copy(query), copy(k), copy(v),
+                None if opts is None else {n: copy(x) for n, x in opts.items() if x is not None}, copy(out), why)

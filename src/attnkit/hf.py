@@ -450,8 +450,7 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     records attentions.
     """
     L = query.shape[-2]
-    is_causal = kwargs.get("is_causal")
-    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    causal = layer_causal(module, kwargs)
     S_all = key.shape[-2]
     want = bool(kwargs.get("output_attentions")) or _recording_attentions()
     layer = None
@@ -484,6 +483,12 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     if weights is not None and weights.shape[-1] < S_all:  # a static cache's empty slots: weight 0,
         weights = _torch_required().nn.functional.pad(weights, (0, S_all - weights.shape[-1]))   # as eager's
     return out.transpose(1, 2).contiguous(), weights
+
+
+def layer_causal(module: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a layer's call is causal: its ``is_causal`` keyword, else the layer's."""
+    is_causal = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
 
 
 def _masking_utils() -> Any:
