@@ -101,6 +101,7 @@ def hf_calls(run) -> int:
         hf.register()
     return len(calls)
 
+
 def _torch_inputs(arrays, dtype, device, grad):
     import torch
     return [torch.tensor(x, dtype=getattr(torch, dtype), device=device).requires_grad_(grad and i < 3)
