@@ -272,6 +272,14 @@ def _plain(xs: Sequence[Any]) -> bool:
     return True
 
 
+def _direct_reads(q: Any, k: Any, v: Any) -> bool:
+    """Whether a kept direct call may read q, k, v's memory as they are: no autocast,
+    no forward-mode AD (_plain sees a functorch transform, the level a dual one), what
+    :func:`_plain` asks, and no negative bit (a view whose memory holds −x)."""
+    return not (_C._is_any_autocast_enabled() or _fwad._current_level >= 0 or not _plain((q, k, v))
+                or q.is_neg() or k.is_neg() or v.is_neg())
+
+
 def _forward_ad_possible() -> bool:
     """Whether forward-mode AD may watch a call (a functorch transform or a dual level)."""
     return _interpreters() is not None or _fwad._current_level >= 0
@@ -442,9 +450,7 @@ class TorchRung:
         def call(q: Any, k: Any, v: Any, need_lse: bool) -> tuple[torch.Tensor, Any] | None:
             # (torch.compile: api keeps no call for a traced one; dtype, device and layout
             # are the signature's)
-            # (forward-mode AD: _plain sees a functorch transform, the level a dual one)
-            if _C._is_any_autocast_enabled() or _fwad._current_level >= 0 or not _plain((q, k, v)) \
-                    or q.is_neg() or k.is_neg() or v.is_neg():
+            if not _direct_reads(q, k, v):
                 return None
             qs = q.stride()                            # (read once: the layout and the kernel)
             out = empty_out(out_shape, True, new) if apart and strides_heads_inner(qs) else new(out_shape)
@@ -498,8 +504,7 @@ class TorchRung:
         if call is _MISSING:
             call = kv.memo[key] = make(kv.spec)
         q, k, v = kv.spec.q, kv.k_cache, kv.v_cache
-        if call is None or _C._is_any_autocast_enabled() or _fwad._current_level >= 0 or not _plain((q, k, v)) \
-                or not q.is_cpu or q.is_neg() or k.is_neg() or v.is_neg():
+        if call is None or not q.is_cpu or not _direct_reads(q, k, v):
             return None
         out = torch.empty(kv.spec.out_shape, dtype=torch.float32, device=_CPU)
         lse = torch.empty(kv.spec.lse_shape, dtype=torch.float32, device=_CPU)
