@@ -59,7 +59,6 @@ def capture(model: Any, names: Container[str] | None = None, max_calls: int | No
     """
     from transformers import AttentionInterface, PreTrainedModel
 
-    from . import hf
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model: expected a transformers model, got {type(model).__name__}")
     functions = AttentionInterface()
@@ -78,7 +77,7 @@ def capture(model: Any, names: Container[str] | None = None, max_calls: int | No
             out = attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
             if id(module) in layers and (max_calls is None or len(calls) < max_calls):
                 calls.append(_record(layers[id(module)], module, query, key, value, attention_mask, scaling,
-                                     dropout, kwargs, out[0], hf))
+                                     dropout, kwargs, out[0]))
             return out
         return recording
 
@@ -93,8 +92,9 @@ def capture(model: Any, names: Container[str] | None = None, max_calls: int | No
 
 
 def _record(name: str, module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: Any,
-            dropout: float, kwargs: dict[str, Any], out: Any, hf: Any) -> Call:
+            dropout: float, kwargs: dict[str, Any], out: Any) -> Call:
     """A :class:`Call` of the arguments an attention function got and its output."""
+    from . import hf  # (hf imports this module)
     try:
         k, v, opts = hf._options(query, key, value, attention_mask, scaling, dropout, hf.layer_causal(module, kwargs),
                                  kwargs)
