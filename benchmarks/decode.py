@@ -2,8 +2,9 @@
 machine's memory bandwidth and PyTorch's SDPA, in one run.
 
 Decoding reads every cached key and value once, so its speed is bounded by memory
-bandwidth: the script first measures that (a large streaming read, threaded like the
-flash rung), then times, float32 on the CPU, GQA H = 32 / Hkv = 8, D = 128, L = 1:
+bandwidth: the script measures that (a large streaming read, threaded like the flash
+rung) in every case's rounds, interleaved with the calls it is compared to, and times,
+float32 on the CPU, GQA H = 32 / Hkv = 8, D = 128, L = 1:
 
 - ``attnkit``  — ``attnkit.attention_kvcache`` on a contiguous cache (B, Hkv, S, D)
 - ``paged``    — the same on a paged cache (page_size 16, pages shuffled)
@@ -12,7 +13,8 @@ flash rung), then times, float32 on the CPU, GQA H = 32 / Hkv = 8, D = 128, L = 
 Each is checked against the float64 reference first (DESIGN.md §6's rule). Reported:
 seconds (best of --repeats, interleaved in a shuffled order, each timed call right
 after an untimed one: ``settle`` in :func:`attnkit.bench.interleaved`), KV bytes read per second
-(2·B·Hkv·S·D·4 / time), the share of the measured bandwidth, and the ratios. Then a
+(2·B·Hkv·S·D·4 / time), the share of the bandwidth measured in the same rounds, and
+the ratios. Then a
 transformers tiny Llama greedy generation (prompt 32, 20 new tokens) with
 attn_implementation="attnkit" against "sdpa" on one model switched between them (best of
 --generate-rounds), and "sdpa" timed again as a control (the ratio two identical
@@ -40,9 +42,10 @@ CASES = [(1, 32768), (8, 4096)]
 TARGETS = {"bandwidth share": 0.6, "vs torch": 2.0, "paged vs contiguous": 0.9, "generate vs sdpa": 1.0}
 
 
-def bandwidth(repeats: int) -> float:
-    """GB/s of a threaded streaming read of 1 GiB (float32 sums of the halves on the
-    flash rung's workers, the way its tasks read a cache)."""
+def reader():
+    """(read, bytes): a threaded streaming read of 1 GiB (float32 sums of its parts on the
+    flash rung's workers, the way its tasks read a cache), timed next to each case's
+    calls so that the share compares times of the same rounds."""
     x = np.ones(1 << 28, dtype=np.float32)
     parts = np.array_split(x, 2 * flash.get_threads())
     sums = [0.0] * len(parts)
@@ -51,9 +54,7 @@ def bandwidth(repeats: int) -> float:
         def task(i):
             sums[i] = float(np.add.reduce(parts[i]))
         flash.runtime.run(list(range(len(parts))), task)
-
-    t = interleaved({"read": read}, repeats, gap_s=0.2)["read"]
-    return x.nbytes / min(t) / 1e9
+    return read, x.nbytes
 
 
 def make(B, S, seed=0):
@@ -95,14 +96,15 @@ def main(argv=None) -> int:
     if not args.no_torch:
         import torch
         torch.set_num_threads(flash.get_threads())
-    bw = bandwidth(args.repeats)
-    print(f"# attnkit decoding benchmark\n\n- memory bandwidth (1 GiB threaded streaming read): {bw:.1f} GB/s")
-    print(f"- {flash.get_threads()} flash workers; H={H}, Hkv={HKV}, D={D}, float32, L=1\n")
-    print("| B | S | provider | ms | KV GB/s | share of bandwidth | attnkit ÷ provider |")
+    read = reader()
+    print("# attnkit decoding benchmark\n")
+    print(f"- {flash.get_threads()} flash workers; H={H}, Hkv={HKV}, D={D}, float32, L=1; \"read\": a 1 GiB "
+          "threaded streaming read (the memory bandwidth), timed in the same rounds\n")
+    print("| B | S | provider | ms | GB/s | share of bandwidth | attnkit ÷ provider |")
     print("|---:|---:|---|---:|---:|---:|---:|")
     failures = []
     for B, S in CASES:
-        res = case(B, S, torch, bw, args.repeats)
+        res = case(B, S, torch, read, args.repeats)
         if res is None:
             return 1
         failures += res
@@ -114,12 +116,12 @@ def main(argv=None) -> int:
     return 0
 
 
-def case(B, S, torch, bw, repeats):
-    """One decoding shape: check, time, print; the names of the missed targets (None
-    when attnkit failed its check)."""
+def case(B, S, torch, read, repeats):
+    """One decoding shape: check, time (with the streaming read, ``reader()``), print;
+    the names of the missed targets (None when attnkit failed its check)."""
     q, k, v, kp, vp, table, lengths = make(B, S)
     runs = {"attnkit": lambda: attnkit.attention_kvcache(q, k, v, lengths),
-            "paged": lambda: attnkit.attention_kvcache(q, kp, vp, lengths, block_table=table)}
+            "paged": lambda: attnkit.attention_kvcache(q, kp, vp, lengths, block_table=table), "read": read[0]}
     torch_out = None
     if torch is not None:
         import torch.nn.functional as F
@@ -135,10 +137,11 @@ def case(B, S, torch, bw, repeats):
         return None
     times = {n: min(t) for n, t in interleaved(runs, repeats, gap_s=0.3, settle=True).items()}
     kv_bytes = 2 * B * HKV * S * D * 4
+    bw = read[1] / times["read"] / 1e9
     for n, t in times.items():
-        ratio = "" if n == "attnkit" else f"{t / times['attnkit']:.2f}×"
-        print(f"| {B} | {S} | {n} | {t * 1e3:.1f} | {kv_bytes / t / 1e9:.1f} | "
-              f"{kv_bytes / t / 1e9 / bw:.0%} | {ratio} |")
+        ratio = "" if n in ("attnkit", "read") else f"{t / times['attnkit']:.2f}×"
+        gbs = (read[1] if n == "read" else kv_bytes) / t / 1e9
+        print(f"| {B} | {S} | {n} | {t * 1e3:.1f} | {gbs:.1f} | {gbs / bw:.0%} | {ratio} |")
     got = {"bandwidth share": kv_bytes / times["attnkit"] / 1e9 / bw,
            "paged vs contiguous": times["attnkit"] / times["paged"]}
     if "torch" in times:
