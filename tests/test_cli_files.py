@@ -131,6 +131,39 @@ def test_masks_and_bias_from_files_follow_head_and_batch(capsys, files):
     assert max_error(steps["out"], want) <= 1e-12
 
 
+@pytest.mark.parametrize("pick", [[], ["--batch", "1"], ["--batch", "1", "--head", "6"]], ids=["all", "batch", "head"])
+def test_per_head_sinks_and_slopes_from_files_follow_head_and_batch(capsys, files, pick):
+    """--sinks @FILE (H,) and --alibi @FILE (B, H), as captured from a model (gpt-oss's
+    sinks, BLOOM's slopes): each head its own, the slices of --batch/--head."""
+    q, k, v = (files[n] for n in "qkv")
+    rng = np.random.default_rng(2)
+    sinks, slopes = rng.standard_normal(H), rng.random((B, H))
+    np.save("sinks.npy", sinks)
+    np.save("slopes.npy", slopes)
+    _, steps = explained(capsys, "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--causal", "--sinks",
+                         "@sinks.npy", "--alibi", "@slopes.npy", *pick)
+    b, h = (slice(None) if n not in pick else int(pick[pick.index(n) + 1]) for n in ("--batch", "--head"))
+    g = h if isinstance(h, slice) else h // (H // HKV)
+    want = attnkit.attention(q[b][..., h, :, :], k[b][..., g, :, :], v[b][..., g, :, :], causal=True,
+                             sinks=np.asarray(sinks[h]), alibi_slopes=np.atleast_1d(slopes[b][..., h]))
+    assert max_error(steps["out"], want) <= 1e-12
+
+
+def test_sinks_from_text_files_per_query_or_per_head(capsys, files, tmp_path):
+    """A text file is a table: one row of L values is one sink per query (as typed), a
+    column of H values one per head (it broadcasts to (H, L))."""
+    q, k, v = (files[n] for n in "qkv")
+    (tmp_path / "row.csv").write_text("0.5,-1,2\n")
+    (tmp_path / "col.csv").write_text("\n".join(str(x) for x in range(H)) + "\n")
+    _, steps = explained(capsys, "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0", "--head", "3",
+                         "--sinks", "@row.csv")
+    want = attnkit.attention(q[0, 3], k[0, 0], v[0, 0], sinks=np.array([[0.5, -1, 2]]))
+    assert max_error(steps["out"], want) <= 1e-12
+    _, steps = explained(capsys, "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0", "--head", "3",
+                         "--sinks", "@col.csv")
+    assert max_error(steps["out"], attnkit.attention(q[0, 3], k[0, 0], v[0, 0], sinks=np.array(3.0))) <= 1e-12
+
+
 def _bad_files(tmp_path):
     np.save("words.npy", np.array(["a", "b"]))
     np.save("empty.npy", np.zeros((0, 2)))
@@ -143,6 +176,7 @@ def _bad_files(tmp_path):
     np.savez("two.npz", a=np.ones((1, 2)), b=np.ones((1, 2)))
     (tmp_path / "q.json").write_text("[[1, 0]]")
     (tmp_path / "broken.npy").write_bytes(b"not numpy")
+    np.save("three.npy", np.ones(3))
 
 
 BAD_FILES = [
@@ -159,6 +193,14 @@ BAD_FILES = [
      "--q: shape (2, 8, 3, 4) holds a batch of 2; pick one with --batch N"),
     (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0", "--head", "1", "--bias", "@bias2.npy"],
      "--bias: shape (2, 3, 5) has 2 heads; expected 1 or q's 8"),
+    (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0", "--head", "1", "--sinks", "@three.npy"],
+     "--sinks: shape (3,) has 3 heads; expected 1 or q's 8"),
+    (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0", "--head", "1", "--alibi", "@bias2.npy"],
+     "--alibi: expected slopes (H,) or (B, H) in bias2.npy, got shape (2, 3, 5)"),
+    (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--sinks", "@five.npy"],
+     "--sinks: expected logits (H,), (H, L) or (B, H, L) in five.npy, got shape (1, 1, 1, 1, 2)"),
+    (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0", "--alibi", "@three.npy"],
+     "--alibi: expected a shape that broadcasts to (..., H) = (8,), got (3,)"),
     (["--q", "@empty.npy", "--k", "1,0", "--v", "1,0"], "--q: expected an array of numbers in empty.npy, got an empty"),
     (["--q", "@none.npz", "--k", "1,0", "--v", "1,0"], "--q: none.npz holds no arrays"),
     (["--q", "@folder.npy", "--k", "1,0", "--v", "1,0"], "--q: 'folder.npy' is a folder, not a file"),

@@ -39,28 +39,30 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _one_head(x, name, head, batch, H, grouped=False):
+def _one_head(x, name, head, batch, H, grouped=False, shape=None):
     """x (…, heads, rows, cols) narrowed to --batch and --head: batch element ``batch``
     of an array (B, heads, rows, cols) (a batch of one: its element), then query head
     ``head`` of q's H (an axis of one head: shared; ``grouped``, k and v: the head of
-    the query head's GQA group, h // (H / heads)). Without --head every head stays."""
+    the query head's GQA group, h // (H / heads)). Without --head every head stays.
+    ``shape``: the file's shape for the errors, where x is a view with axes added."""
+    shape = tuple(x.shape) if shape is None else shape
     if x.ndim == 4 and (x.shape[0] == 1 or batch is not None):
         b = 0 if x.shape[0] == 1 else batch
         if b >= x.shape[0]:
-            raise ValueError(f"--batch: expected a batch index below {x.shape[0]} ({name} {x.shape}), got {b}")
+            raise ValueError(f"--batch: expected a batch index below {x.shape[0]} ({name} {shape}), got {b}")
         x = x[b]
     if head is None or x.ndim < 3:
         return x
     if x.ndim > 3:
-        raise ValueError(f"{name}: shape {x.shape} holds a batch of {x.shape[0]}; pick one with --batch N"
+        raise ValueError(f"{name}: shape {shape} holds a batch of {x.shape[0]}; pick one with --batch N"
                          if x.ndim == 4 else f"{name}: --head picks from arrays (B, H, rows, cols) or "
-                         f"(H, rows, cols), got shape {x.shape}")
+                         f"(H, rows, cols), got shape {shape}")
     n = x.shape[0]
     if n in (1, H):
         return x[0 if n == 1 else head]
     if grouped and H % n == 0:
         return x[head // (H // n)]
-    raise ValueError(f"{name}: shape {x.shape} has {n} heads; expected 1 or q's {H}"
+    raise ValueError(f"{name}: shape {shape} has {n} heads; expected 1 or q's {H}"
                      + (" or a divisor of it (GQA)" if grouped else ""))
 
 
@@ -194,6 +196,7 @@ def _options(args, L, S, heads=(None, None, 1)) -> dict:
     """The masking keywords from the flags (only those given); L, S: the inputs' sizes;
     heads: (--head, --batch, q's heads) for masks read from files."""
     opts = {"causal": args.causal, "align": args.align}
+    head, batch, H = heads
     if args.scale is not None:
         opts["scale"] = _float(args.scale, "--scale")
     if args.softcap is not None:
@@ -203,9 +206,25 @@ def _options(args, L, S, heads=(None, None, 1)) -> dict:
     for name, kind in (("keep", bool), ("drop", bool), ("bias", float)):
         if getattr(args, name) is not None:
             opts[name] = _one_head(read_matrix(getattr(args, name), f"--{name}", kind), f"--{name}", *heads)
-    if args.alibi is not None:
+    if args.alibi is not None and args.alibi.startswith("@"):     # (H,) or (…, H): one slope per head
+        x = read_matrix(args.alibi, "--alibi", vector=True)
+        if x.ndim > 2:
+            raise ValueError(f"--alibi: expected slopes (H,) or (B, H) in {args.alibi[1:]}, got shape {x.shape}")
+        opts["alibi_slopes"] = np.atleast_1d(_one_head(x[..., None, None], "--alibi", head, batch, H,
+                                                       shape=x.shape)[..., 0, 0])
+    elif args.alibi is not None:
         opts["alibi_slopes"] = np.array([_float(args.alibi, "--alibi")])
-    if args.sinks is not None:
+    if args.sinks is not None and args.sinks.startswith("@"):     # (H,) per head, or (…, H, L)
+        x = read_matrix(args.sinks, "--sinks", vector=True)
+        if x.ndim > 3:
+            raise ValueError(f"--sinks: expected logits (H,), (H, L) or (B, H, L) in {args.sinks[1:]}, "
+                             f"got shape {x.shape}")
+        if x.ndim == 1:                                           # one head's logit for all its rows
+            opts["sinks"] = _one_head(x[:, None, None], "--sinks", head, batch, H, shape=x.shape)[..., 0, 0]
+        else:                                                     # (…, H, L) as a mask's rows
+            x = _one_head(x[..., None], "--sinks", head, batch, H, shape=x.shape)[..., 0]
+            opts["sinks"] = x.reshape(1, -1) if x.ndim == 1 else x   # (L,) of one head: per query
+    elif args.sinks is not None:
         x = parse_matrix(args.sinks, "--sinks")
         if x.size == 1:
             opts["sinks"] = x.reshape(())           # one logit for every query (and every head)
@@ -434,10 +453,11 @@ def _explain_parser(sub):
     m.add_argument("--bias", metavar="MATRIX", help="L x S additive bias (-inf allowed)")
     m.add_argument("--scale", metavar="X", help="score scale (default 1/sqrt(D))")
     m.add_argument("--softcap", metavar="X", help="softcap · tanh(scores / softcap)")
-    m.add_argument("--alibi", metavar="SLOPE", help="ALiBi: add -SLOPE · |diag(i) - j| to the scores")
+    m.add_argument("--alibi", metavar="SLOPE", help="ALiBi: add -SLOPE · |diag(i) - j| to the scores "
+                   "(@FILE: one slope per head, (H,) or (B, H))")
     m.add_argument("--sinks", metavar="VALUES",
                    help="a sink logit: 1 value for every query or L values, one per query "
-                        "(the weights then sum to less than 1)")
+                        "(the weights then sum to less than 1; @FILE: (H,) one per head, or (…, H, L))")
     m.add_argument("--packed", nargs="+", metavar="LENGTHS",
                    help='packed sequences side by side, e.g. "2,3" (cu_seqlens); a second list '
                         "gives the key lengths; alone: random inputs of those lengths")

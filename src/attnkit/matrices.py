@@ -67,13 +67,14 @@ def _finite(a, name, where):
 _TEXT_FILES = (".csv", ".tsv", ".txt")
 
 
-def read_matrix(text, name, kind=float):
+def read_matrix(text, name, kind=float, vector=False):
     """The array of a matrix option: text like "1,0;0,1" (:func:`parse_matrix`) or
     ``@PATH``, a file: ``.npy``, ``.npz`` (``@PATH:NAME`` for one of several arrays),
     ``.pt`` (a torch tensor, torch installed), or text (``.csv``, ``.tsv``, ``.txt``:
     rows of values separated by commas, tabs or spaces; blank and ``#`` lines
-    skipped). Files keep their shape, heads and batch included ((…, H, L, D)); values
-    are checked as :func:`parse_matrix` checks them.
+    skipped). Files keep their shape, heads and batch included ((…, H, L, D)), but a
+    1-D array is one row (1, n), or with ``vector`` stays 1-D; values are checked as
+    :func:`parse_matrix` checks them.
 
     >>> import numpy as np, os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "q.npy"); np.save(path, np.eye(2))
@@ -101,7 +102,7 @@ def read_matrix(text, name, kind=float):
             raise ValueError(f"{name}: a mask holds 1/0 (or True/False); {path} holds other values")
         return a.astype(bool)
     a = _finite(a.astype(np.float64), name, path)
-    return a.reshape(1, -1) if a.ndim == 1 else a
+    return a.reshape(1, -1) if a.ndim == 1 and not vector else a
 
 
 def _load(path, name, member, kind):
