@@ -164,6 +164,23 @@ def test_sinks_from_text_files_per_query_or_per_head(capsys, files, tmp_path):
     assert max_error(steps["out"], attnkit.attention(q[0, 3], k[0, 0], v[0, 0], sinks=np.array(3.0))) <= 1e-12
 
 
+def test_slopes_and_sinks_as_numpy_writes_them_to_text_a_scalar_and_no_sink(capsys, files, tmp_path):
+    """np.savetxt of H slopes writes a column: one slope per head, as a row would be; a
+    0-d file is one value for every head; a sink of −inf is no sink."""
+    q, k, v = (files[n] for n in "qkv")
+    slopes = np.random.default_rng(3).random(H)
+    np.savetxt("slopes.txt", slopes)
+    np.save("sink.npy", np.array(0.7))
+    np.save("nosink.npy", np.full(H, -np.inf))
+    _, steps = explained(capsys, "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "1", "--head", "2",
+                         "--alibi", "@slopes.txt", "--sinks", "@sink.npy")
+    want = attnkit.attention(q[1, 2], k[1, 0], v[1, 0], alibi_slopes=slopes[2:3], sinks=np.array(0.7))
+    assert max_error(steps["out"], want) <= 1e-12
+    _, steps = explained(capsys, "--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0",
+                         "--sinks", "@nosink.npy")
+    assert max_error(steps["out"], attnkit.attention(q[0], k[0], v[0])) <= 1e-12
+
+
 def _bad_files(tmp_path):
     np.save("words.npy", np.array(["a", "b"]))
     np.save("empty.npy", np.zeros((0, 2)))
@@ -177,6 +194,8 @@ def _bad_files(tmp_path):
     (tmp_path / "q.json").write_text("[[1, 0]]")
     (tmp_path / "broken.npy").write_bytes(b"not numpy")
     np.save("three.npy", np.ones(3))
+    np.save("sinks3.npy", np.zeros((3, H, L)))
+    np.save("keep3.npy", np.ones((3, H, L, S), dtype=bool))
 
 
 BAD_FILES = [
@@ -198,7 +217,12 @@ BAD_FILES = [
     (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0", "--head", "1", "--alibi", "@bias2.npy"],
      "--alibi: expected slopes (H,) or (B, H) in bias2.npy, got shape (2, 3, 5)"),
     (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--sinks", "@five.npy"],
-     "--sinks: expected logits (H,), (H, L) or (B, H, L) in five.npy, got shape (1, 1, 1, 1, 2)"),
+     "--sinks: expected logits (H,) one per head, or (H, L) or (B, H, L) one per query row (L = 3) in five.npy, "
+     "got shape (1, 1, 1, 1, 2)"),
+    (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "1", "--sinks", "@sinks3.npy"],
+     "--sinks: shape (3, 8, 3) holds a batch of 3, q's is 2"),
+    (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "1", "--keep", "@keep3.npy"],
+     "--keep: shape (3, 8, 3, 5) holds a batch of 3, q's is 2"),
     (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0", "--alibi", "@three.npy"],
      "--alibi: expected a shape that broadcasts to (..., H) = (8,), got (3,)"),
     (["--q", "@empty.npy", "--k", "1,0", "--v", "1,0"], "--q: expected an array of numbers in empty.npy, got an empty"),

@@ -29,8 +29,9 @@ def fa_case(seed):
     lengths = rng.integers(0 if L_new else 1, S - L_new + 1, B)
     starts = np.array([rng.integers(0, n) if n and rng.random() < 0.5 else 0 for n in lengths])
     opts = dict(causal=bool(rng.random() < 0.5))
-    if rng.random() < 0.5:
-        opts["window"] = tuple(int(w) for w in rng.integers(0, S, 2))
+    if rng.random() < 0.6:                               # a side past the rows' reach (right ≥ L − 1) changes
+        left = None if rng.random() < 0.3 else int(rng.integers(0, S))      # nothing: right < L mostly
+        opts["window"] = (left, None if left is not None and rng.random() < 0.2 else int(rng.integers(0, L + 1)))
     if rng.random() < 0.5:
         opts["alibi_slopes"] = rng.random((B, H)) * 0.3
     call = dict(q=rng.standard_normal((B, L, H, D)), lengths=lengths, starts=starts, opts=opts,

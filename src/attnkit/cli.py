@@ -29,7 +29,7 @@ import sys
 
 import numpy as np
 
-from .matrices import parse_matrix, read_matrix
+from .matrices import TEXT_FILES, parse_matrix, read_matrix
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,13 +39,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _one_head(x, name, head, batch, H, grouped=False, shape=None):
+def _one_head(x, name, head, batch, H, B, grouped=False, shape=None):
     """x (…, heads, rows, cols) narrowed to --batch and --head: batch element ``batch``
-    of an array (B, heads, rows, cols) (a batch of one: its element), then query head
-    ``head`` of q's H (an axis of one head: shared; ``grouped``, k and v: the head of
-    the query head's GQA group, h // (H / heads)). Without --head every head stays.
-    ``shape``: the file's shape for the errors, where x is a view with axes added."""
+    of an array (B, heads, rows, cols) (a batch of one: its element; another batch
+    than q's B refused), then query head ``head`` of q's H (an axis of one head:
+    shared; ``grouped``, k and v: the head of the query head's GQA group, h // (H /
+    heads)). Without --head every head stays. ``shape``: the file's shape for the
+    errors, where x is a view with axes added."""
     shape = tuple(x.shape) if shape is None else shape
+    if x.ndim == 4 and x.shape[0] not in (1, B):
+        raise ValueError(f"{name}: shape {shape} holds a batch of {x.shape[0]}, "
+                         + (f"q's is {B}" if B else "q has no batch axis"))
     if x.ndim == 4 and (x.shape[0] == 1 or batch is not None):
         b = 0 if x.shape[0] == 1 else batch
         if b >= x.shape[0]:
@@ -67,8 +71,8 @@ def _one_head(x, name, head, batch, H, grouped=False, shape=None):
 
 
 def _head(args, q):
-    """(head, batch, H) for :func:`_one_head`: --head and --batch checked against q
-    (…, H, L, D) (read before it is narrowed)."""
+    """(head, batch, H, B) for :func:`_one_head`: --head and --batch checked against q
+    (…, H, L, D) (read before it is narrowed); B its batch (None: no batch axis)."""
     H = q.shape[-3] if q.ndim >= 3 else 1
     head = None if args.head is None else _int(args.head, "--head")
     batch = None if args.batch is None else _int(args.batch, "--batch")
@@ -78,7 +82,7 @@ def _head(args, q):
         raise ValueError(f"--head: expected a head below q's {H} (shape {q.shape}), got {head}")
     if batch is not None and q.ndim != 4:
         raise ValueError(f"--batch: picks from q of shape (B, H, L, D), got shape {q.shape}")
-    return head, batch, H
+    return head, batch, H, (q.shape[0] if q.ndim == 4 else None)
 
 
 def _int(text, name, lo=0, none_ok=False, hi=None):
@@ -141,7 +145,7 @@ def _inputs(args):
     :func:`_head`'s (for masks read from files); note: what was read from files, or None."""
     from .explain import EXAMPLE, check_size
     given = [x is not None for x in (args.q, args.k, args.v)]
-    heads, note = (None, None, 1), None
+    heads, note = (None, None, 1, None), None
     if args.random is not None and any(given):
         raise ValueError("--random: give either --random L S D or --q/--k/--v, not both")
     seed = _int(args.seed, "--seed", lo=0)
@@ -164,7 +168,7 @@ def _inputs(args):
         heads = _head(args, q)
         shapes = [f"{n[2:]} {x.shape} from {t[1:]}" for x, n, t in ((q, "--q", args.q), (k, "--k", args.k),
                                                                     (v, "--v", args.v)) if t.startswith("@")]
-        head, batch, H = heads
+        head, batch, H, _ = heads
         picks = ([f"batch element {batch}"] if batch is not None else []) + \
             ([f"query head {head}"] if head is not None else [])
         if head is not None and k.ndim >= 3 and 1 < k.shape[-3] < H and H % k.shape[-3] == 0:
@@ -192,11 +196,11 @@ def _inputs(args):
     return q, k, v, labels, qlabels, kind, heads, note
 
 
-def _options(args, L, S, heads=(None, None, 1)) -> dict:
+def _options(args, L, S, heads=(None, None, 1, None)) -> dict:
     """The masking keywords from the flags (only those given); L, S: the inputs' sizes;
-    heads: (--head, --batch, q's heads) for masks read from files."""
+    heads: (--head, --batch, q's heads, q's batch) for masks read from files."""
     opts = {"causal": args.causal, "align": args.align}
-    head, batch, H = heads
+    head, batch, H, B = heads
     if args.scale is not None:
         opts["scale"] = _float(args.scale, "--scale")
     if args.softcap is not None:
@@ -208,22 +212,26 @@ def _options(args, L, S, heads=(None, None, 1)) -> dict:
             opts[name] = _one_head(read_matrix(getattr(args, name), f"--{name}", kind), f"--{name}", *heads)
     if args.alibi is not None and args.alibi.startswith("@"):     # (H,) or (…, H): one slope per head
         x = read_matrix(args.alibi, "--alibi", vector=True)
+        if args.alibi.lower().endswith(TEXT_FILES) and 1 in x.shape:   # a table's row or column
+            x = x.reshape(-1)
         if x.ndim > 2:
             raise ValueError(f"--alibi: expected slopes (H,) or (B, H) in {args.alibi[1:]}, got shape {x.shape}")
-        opts["alibi_slopes"] = np.atleast_1d(_one_head(x[..., None, None], "--alibi", head, batch, H,
+        opts["alibi_slopes"] = np.atleast_1d(_one_head(x[..., None, None], "--alibi", head, batch, H, B,
                                                        shape=x.shape)[..., 0, 0])
     elif args.alibi is not None:
         opts["alibi_slopes"] = np.array([_float(args.alibi, "--alibi")])
     if args.sinks is not None and args.sinks.startswith("@"):     # (H,) per head, or (…, H, L)
         x = read_matrix(args.sinks, "--sinks", vector=True)
-        if x.ndim > 3:
-            raise ValueError(f"--sinks: expected logits (H,), (H, L) or (B, H, L) in {args.sinks[1:]}, "
-                             f"got shape {x.shape}")
+        if x.ndim > 3 or x.ndim > 1 and x.shape[-1] not in (1, L):
+            raise ValueError(f"--sinks: expected logits (H,) one per head, or (H, L) or (B, H, L) one per "
+                             f"query row (L = {L}) in {args.sinks[1:]}, got shape {x.shape}")
         if x.ndim == 1:                                           # one head's logit for all its rows
-            opts["sinks"] = _one_head(x[:, None, None], "--sinks", head, batch, H, shape=x.shape)[..., 0, 0]
-        else:                                                     # (…, H, L) as a mask's rows
-            x = _one_head(x[..., None], "--sinks", head, batch, H, shape=x.shape)[..., 0]
+            opts["sinks"] = _one_head(x[:, None, None], "--sinks", head, batch, H, B, shape=x.shape)[..., 0, 0]
+        elif x.ndim > 1:                                          # (…, H, L) as a mask's rows
+            x = _one_head(x[..., None], "--sinks", head, batch, H, B, shape=x.shape)[..., 0]
             opts["sinks"] = x.reshape(1, -1) if x.ndim == 1 else x   # (L,) of one head: per query
+        else:
+            opts["sinks"] = x                                     # one logit for every row
     elif args.sinks is not None:
         x = parse_matrix(args.sinks, "--sinks")
         if x.size == 1:

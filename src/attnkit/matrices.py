@@ -55,16 +55,17 @@ def parse_matrix(text, name, kind=float, source=None):
 
 def _finite(a, name, where):
     """a (float64), its values checked: finite, or −inf for --bias (a term that
-    excludes the key)."""
-    ok = np.isfinite(a) | (np.isneginf(a) if name == "--bias" else False)
+    excludes the key) and --sinks (no sink)."""
+    inf_ok = name in ("--bias", "--sinks")                    # (a sink of −inf: no sink)
+    ok = np.isfinite(a) | (np.isneginf(a) if inf_ok else False)
     if not ok.all():
-        raise ValueError(f"{name}: values must be finite{' (or -inf)' if name == '--bias' else ''}, got "
+        raise ValueError(f"{name}: values must be finite{' (or -inf)' if inf_ok else ''}, got "
                          f"{int((~ok).sum())} that {'is' if (~ok).sum() == 1 else 'are'} not in {where}")
     return a
 
 
 # files a matrix option reads (@PATH): NumPy's own formats, text, and torch's
-_TEXT_FILES = (".csv", ".tsv", ".txt")
+TEXT_FILES = (".csv", ".tsv", ".txt")
 
 
 def read_matrix(text, name, kind=float, vector=False):
@@ -73,8 +74,8 @@ def read_matrix(text, name, kind=float, vector=False):
     ``.pt`` (a torch tensor, torch installed), or text (``.csv``, ``.tsv``, ``.txt``:
     rows of values separated by commas, tabs or spaces; blank and ``#`` lines
     skipped). Files keep their shape, heads and batch included ((…, H, L, D)), but a
-    1-D array is one row (1, n), or with ``vector`` stays 1-D; values are checked as
-    :func:`parse_matrix` checks them.
+    1-D array is one row (1, n), or with ``vector`` stays 1-D (and a 0-d one is
+    taken); values are checked as :func:`parse_matrix` checks them.
 
     >>> import numpy as np, os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "q.npy"); np.save(path, np.eye(2))
@@ -93,7 +94,7 @@ def read_matrix(text, name, kind=float, vector=False):
     if not os.path.isfile(path):
         raise ValueError(f"{name}: no file {path!r}")
     a = _load(path, name, member, kind)
-    if not isinstance(a, np.ndarray) or a.dtype.kind not in "biuf" or a.ndim == 0 or a.size == 0:
+    if not isinstance(a, np.ndarray) or a.dtype.kind not in "biuf" or a.ndim == 0 and not vector or a.size == 0:
         what = ("not a tensor" if not isinstance(a, np.ndarray) else
                 f"{'an empty' if a.size == 0 else 'a'} {a.dtype} array of shape {a.shape}")
         raise ValueError(f"{name}: expected an array of numbers in {path}, got {what}")
@@ -129,7 +130,7 @@ def _load(path, name, member, kind):
                 if (member or names[0]) not in names:
                     raise ValueError(f"{name}: {path} has no array {member!r} (it holds {names})")
                 return data[member or names[0]]
-        if ext in _TEXT_FILES:
+        if ext in TEXT_FILES:
             with open(path, encoding="utf-8-sig") as f:
                 rows = [r for r in f.read().splitlines() if r.strip() and not r.lstrip().startswith("#")]
             return parse_matrix(";".join(rows), name, kind, source=path)
