@@ -194,6 +194,7 @@ def _bad_files(tmp_path):
     (tmp_path / "q.json").write_text("[[1, 0]]")
     (tmp_path / "broken.npy").write_bytes(b"not numpy")
     np.save("three.npy", np.ones(3))
+    np.save("q3.npy", np.ones((H, L, D)))
     np.save("sinks3.npy", np.zeros((3, H, L)))
     np.save("keep3.npy", np.ones((3, H, L, S), dtype=bool))
 
@@ -223,6 +224,8 @@ BAD_FILES = [
      "--sinks: shape (3, 8, 3) holds a batch of 3, q's is 2"),
     (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "1", "--keep", "@keep3.npy"],
      "--keep: shape (3, 8, 3, 5) holds a batch of 3, q's is 2"),
+    (["--q", "@q3.npy", "--k", "@k.npy", "--v", "@v.npy", "--head", "1"],
+     "--k: shape (2, 2, 5, 4) holds a batch of 2; q has none to pick it from with --batch"),
     (["--q", "@q.npy", "--k", "@k.npy", "--v", "@v.npy", "--batch", "0", "--alibi", "@three.npy"],
      "--alibi: expected a shape that broadcasts to (..., H) = (8,), got (3,)"),
     (["--q", "@empty.npy", "--k", "1,0", "--v", "1,0"], "--q: expected an array of numbers in empty.npy, got an empty"),

@@ -42,14 +42,13 @@ class _Parser(argparse.ArgumentParser):
 def _one_head(x, name, head, batch, H, B, grouped=False, shape=None):
     """x (…, heads, rows, cols) narrowed to --batch and --head: batch element ``batch``
     of an array (B, heads, rows, cols) (a batch of one: its element; another batch
-    than q's B refused), then query head ``head`` of q's H (an axis of one head:
+    than q's B, where q has one, refused), then query head ``head`` of q's H (an axis of one head:
     shared; ``grouped``, k and v: the head of the query head's GQA group, h // (H /
     heads)). Without --head every head stays. ``shape``: the file's shape for the
     errors, where x is a view with axes added."""
     shape = tuple(x.shape) if shape is None else shape
-    if x.ndim == 4 and x.shape[0] not in (1, B):
-        raise ValueError(f"{name}: shape {shape} holds a batch of {x.shape[0]}, "
-                         + (f"q's is {B}" if B else "q has no batch axis"))
+    if x.ndim == 4 and B is not None and x.shape[0] not in (1, B):
+        raise ValueError(f"{name}: shape {shape} holds a batch of {x.shape[0]}, q's is {B}")
     if x.ndim == 4 and (x.shape[0] == 1 or batch is not None):
         b = 0 if x.shape[0] == 1 else batch
         if b >= x.shape[0]:
@@ -58,7 +57,8 @@ def _one_head(x, name, head, batch, H, B, grouped=False, shape=None):
     if head is None or x.ndim < 3:
         return x
     if x.ndim > 3:
-        raise ValueError(f"{name}: shape {shape} holds a batch of {x.shape[0]}; pick one with --batch N"
+        raise ValueError(f"{name}: shape {shape} holds a batch of {x.shape[0]}; "
+                         + ("pick one with --batch N" if B else "q has none to pick it from with --batch")
                          if x.ndim == 4 else f"{name}: --head picks from arrays (B, H, rows, cols) or "
                          f"(H, rows, cols), got shape {shape}")
     n = x.shape[0]
