@@ -517,13 +517,13 @@ def compile_only(caps):
     memory to the target's per-block limit (exit status 1 when over), and report
     spilled registers above SPILL_LIMIT (no GPU needed): both variants (plain and
     careful, see attnkit.torch.triton.launch) with every feature on and per-sequence
-    lengths, for bf16 and fp32 at D = 64, 128, 256; packed sequences at bf16 D = 128;
-    the KV-cache decode kernels (contiguous and paged, every term) at bf16 and fp32,
-    D = 64, 128, 256."""
+    lengths and starts, for bf16 and fp32 at D = 64, 128, 256; packed sequences at
+    bf16 D = 128; the KV-cache decode kernels (contiguous and paged, every term) at
+    bf16 and fp32, D = 64, 128, 256."""
     from attnkit.torch.triton import aot
     bad = 0
     for cap in caps:
-        configs = [(dt, D, "lengths") for dt in ("bfloat16", "float32") for D in (64, 128, 256)]
+        configs = [(dt, D, "starts") for dt in ("bfloat16", "float32") for D in (64, 128, 256)]
         configs.append(("bfloat16", 128, "packed"))  # float16 tiles are bfloat16's size
         configs += [(dt, D, "decode") for dt in ("bfloat16", "float32") for D in (64, 128, 256)]
         for dt, D, varlen in configs:

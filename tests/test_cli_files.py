@@ -193,6 +193,7 @@ def _bad_files(tmp_path):
     np.savez("two.npz", a=np.ones((1, 2)), b=np.ones((1, 2)))
     (tmp_path / "q.json").write_text("[[1, 0]]")
     (tmp_path / "broken.npy").write_bytes(b"not numpy")
+    (tmp_path / "brokenzip.npz").write_bytes(b"PK\x03\x04 not a zip")   # a zip's magic, then nothing
     np.save("three.npy", np.ones(3))
     np.save("q3.npy", np.ones((H, L, D)))
     np.save("sinks3.npy", np.zeros((3, H, L)))
@@ -204,6 +205,7 @@ BAD_FILES = [
     (["--q", "@", "--k", "1,0", "--v", "1,0"], "--q: expected a file name after '@'"),
     (["--q", "@q.json", "--k", "1,0", "--v", "1,0"], "--q: cannot read 'q.json': expected .npy, .npz, .pt"),
     (["--q", "@broken.npy", "--k", "1,0", "--v", "1,0"], "--q: cannot read broken.npy"),
+    (["--q", "@brokenzip.npz", "--k", "1,0", "--v", "1,0"], "--q: cannot read brokenzip.npz"),
     (["--q", "@words.npy", "--k", "1,0", "--v", "1,0"], "--q: expected an array of numbers in words.npy"),
     (["--q", "@nan.npy", "--k", "1,0", "--v", "1,0"], "--q: values must be finite"),
     (["--q", "1,0", "--k", "1,0", "--v", "1,0", "--keep", "@twos.npy"], "--keep: a mask holds 1/0"),
@@ -266,3 +268,36 @@ def test_pt_files_of_other_tensors(capsys, tmp_path, monkeypatch):
         assert rc == 1 and f"--q: expected an array of numbers in {path}, {msg}" in err, err
     inputs, _ = explained(capsys, "--q", "@b.pt", "--k", "@s.pt", "--v", "@s.pt")
     assert inputs["q"].tolist() == [[0.5, 0.25]] and inputs["k"].tolist() == [[1.0, 0.0], [0.0, 1.0]]
+
+
+def test_files_over_the_size_limit_are_refused_before_they_are_read(capsys, files, monkeypatch):
+    """Arrays over matrices.MAX_FILE_BYTES get a one-line error before they are read: a
+    .npy by its header (a sparse 2 GiB file, refused at once with the real limit), an
+    .npz member by its unpacked size (a small file can hold a huge array) while a small
+    member of the same archive is read, a .pt and a text file (a 16th of the limit) by
+    their sizes; an array at the limit is read."""
+    from attnkit import matrices
+    with open("huge.npy", "wb") as f:                    # (2 GiB of float64 declared, no disk used)
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f8", "fortran_order": False, "shape": (1 << 14, 1 << 14)})
+        f.truncate(f.tell() + (1 << 31))
+    np.savez_compressed("big.npz", q=np.zeros((4, 1000)), k=np.ones((1, 2)))   # q: 32 KB in a ~1 KB file
+    np.save("big.npy", np.zeros((2, 500)))               # 8,000 bytes of values
+    np.savetxt("big.csv", np.zeros((3, 100)), delimiter=",")
+    cases = [("@huge.npy", "huge.npy holds 2,048.0 MiB, over the 1,024.0 MiB")]
+    torch = pytest.importorskip("torch")
+    torch.save(torch.zeros(2, 1000, dtype=torch.float64), "big.pt")
+    for limit, more in ((None, cases), (7999, [("@big.npz:q", "big.npz:q holds 32,128 bytes, over the 7,999 bytes"),
+                                               ("@big.npy", "big.npy holds 8,000 bytes, over the 7,999 bytes"),
+                                               ("@big.csv", "big.csv holds 7,500 bytes, over the 499 bytes"),
+                                               ("@big.pt", "big.pt holds")])):
+        if limit is not None:
+            monkeypatch.setattr(matrices, "MAX_FILE_BYTES", limit)
+        for arg, what in more:
+            rc, out, err = run(capsys, "explain", "--q", arg, "--k", "1,0", "--v", "1,0")
+            assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+            assert f"--q: {what}" in err and "explain reads; save the heads you want" in err, err
+    rc, out, err = run(capsys, "explain", "--q", "@big.npz:k", "--k", "1,0", "--v", "1,0")   # a small member
+    assert rc == 0, err
+    monkeypatch.setattr(matrices, "MAX_FILE_BYTES", 8000)   # the .npy's values exactly: read
+    rc, out, err = run(capsys, "explain", "--q", "@big.npy", "--k", "@big.npy", "--v", "@big.npy")
+    assert rc == 0, err

@@ -166,10 +166,12 @@ def _padding(mask: Any, square: bool) -> dict[str, Any]:
     """What a 2-D padding mask (1 = token) says, as keywords: nothing (no padding: every
     decoding step of an unpadded batch), ``kv_lengths`` (right padding, L == S: ones,
     then zeros), ``kv_starts`` (left padding: zeros, then ones — batched generation's
-    prompts; each sequence's first key; in CPU memory, as the Triton kernels have no
-    kv_starts) or a (B, 1, 1, S) key-padding ``keep``. Read once per mask: every layer
-    of a forward gets the same tensor (an in-place change bumps its version; tensors
-    made under ``torch.inference_mode`` have no version counter and are read every time)."""
+    prompts; each sequence's first key; in CPU memory: on a GPU validation would copy
+    the starts to the host in every layer, a sync the ``keep`` mask does not need —
+    untimed, docs/decisions.md) or a (B, 1, 1, S) key-padding ``keep``. Read once per
+    mask: every layer of a forward gets the same tensor (an in-place change bumps its
+    version; tensors made under ``torch.inference_mode`` have no version counter and
+    are read every time)."""
     return dict(_padded(mask, square)[0])
 
 
@@ -189,8 +191,8 @@ def _padded(mask: Any, square: bool) -> tuple[dict[str, Any], tuple[Any, ...] | 
         steps = pad.int().diff(dim=-1)
         if square and bool((steps <= 0).all()):
             res = dict(kv_lengths=pad.sum(-1), align="top_left")
-        elif mask.device.type == "cpu" and bool((steps >= 0).all()):   # (the Triton kernels have no
-            res = dict(kv_starts=(~pad).sum(-1))                         # kv_starts: keep on a GPU)
+        elif mask.device.type == "cpu" and bool((steps >= 0).all()):   # (a GPU: keep, no host
+            res = dict(kv_starts=(~pad).sum(-1))                         # read per layer)
         else:
             res = dict(keep=pad[:, None, None, :])
     token: tuple[Any, ...] | None = None

@@ -6,9 +6,15 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import zipfile
 
 import numpy as np
 
+# the largest array explain reads from a file (.npy and .npz by their arrays' sizes, .pt
+# by the file's; text files a 16th of it, as parsing takes ~8 times a file's size): a
+# model's layer at a few thousand tokens is tens of MB, and one head of it is what a
+# trace shows
+MAX_FILE_BYTES = 1 << 30
 TRUE = {"1", "t", "true", "x", "y", "yes"}
 FALSE = {"0", "f", "false", ".", "n", "no"}
 
@@ -75,7 +81,8 @@ def read_matrix(text, name, kind=float, vector=False):
     rows of values separated by commas, tabs or spaces; blank and ``#`` lines
     skipped). Files keep their shape, heads and batch included ((…, H, L, D)), but a
     1-D array is one row (1, n), or with ``vector`` stays 1-D (and a 0-d one is
-    taken); values are checked as :func:`parse_matrix` checks them.
+    taken); values are checked as :func:`parse_matrix` checks them. Arrays over
+    MAX_FILE_BYTES (1 GiB; text files over 64 MiB) are refused before they are read.
 
     >>> import numpy as np, os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "q.npy"); np.save(path, np.eye(2))
@@ -112,15 +119,18 @@ def _load(path, name, member, kind):
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext == ".pt":
+            _check_bytes(os.path.getsize(path), name, path)
             import torch
             t = torch.load(path, map_location="cpu", weights_only=True)
             if not isinstance(t, torch.Tensor) or t.is_complex():
                 return t if not isinstance(t, torch.Tensor) else t.resolve_conj().numpy()
             return t.detach().to_dense().double().numpy()       # (every float exactly, bfloat16 too)
         if ext in (".npy", ".npz"):
-            data = np.load(path, allow_pickle=False)            # (the contents decide, not the name)
+            # (the contents decide, not the name; a .npy is mapped: its size read from its header)
+            data = np.load(path, allow_pickle=False, mmap_mode="r")
             if isinstance(data, np.ndarray):
-                return data
+                _check_bytes(data.nbytes, name, path)
+                return np.array(data)
             with data:
                 names = list(data.files)
                 if not names:
@@ -129,8 +139,13 @@ def _load(path, name, member, kind):
                     raise ValueError(f"{name}: {path} holds {len(names)} arrays {names}; pick one: @{path}:NAME")
                 if (member or names[0]) not in names:
                     raise ValueError(f"{name}: {path} has no array {member!r} (it holds {names})")
-                return data[member or names[0]]
+                key = member or names[0]                    # (its file in the zip: NAME.npy or NAME,
+                files = data.zip.namelist()                 # unpacked: either may be read)
+                _check_bytes(max(data.zip.getinfo(n).file_size for n in (key, key + ".npy") if n in files), name,
+                             f"{path}:{key}")
+                return data[key]
         if ext in TEXT_FILES:
+            _check_bytes(os.path.getsize(path), name, path, MAX_FILE_BYTES // 16)
             with open(path, encoding="utf-8-sig") as f:
                 rows = [r for r in f.read().splitlines() if r.strip() and not r.lstrip().startswith("#")]
             return parse_matrix(";".join(rows), name, kind, source=path)
@@ -140,9 +155,21 @@ def _load(path, name, member, kind):
         if str(e).startswith(name):
             raise
         raise ValueError(f"{name}: cannot read {path}: {' '.join(str(e).split())[:200]}") from None
-    except (OSError, EOFError, RuntimeError, TypeError, UnicodeDecodeError, pickle.UnpicklingError) as e:
+    except (OSError, EOFError, RuntimeError, TypeError, UnicodeDecodeError, pickle.UnpicklingError,
+            zipfile.BadZipFile) as e:
         raise ValueError(f"{name}: cannot read {path}: {' '.join(str(e).split())[:200]}") from None
     raise ValueError(f"{name}: cannot read {path!r}: expected .npy, .npz, .pt, .csv, .tsv or .txt")
+
+
+def _check_bytes(n, name, what, limit=None):
+    """Refuse an array (or file) of n bytes over ``limit`` (MAX_FILE_BYTES), before it is read."""
+    limit = MAX_FILE_BYTES if limit is None else limit
+
+    def size(n):
+        return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
+    if n > limit:
+        raise ValueError(f"{name}: {what} holds {size(n)}, over the {size(limit)} explain reads; "
+                         "save the heads you want to see (e.g. np.save('q0.npy', q[0, :2]))")
 
 
 def _is_float(c):

@@ -1,6 +1,6 @@
 """The Triton kernels (``attnkit.torch.triton.launch``) against the reference rung by
-DESIGN.md §6's 2× rule: every mask kind, sequences (q_lengths / kv_lengths, packed),
-sinks, ALiBi and dropout (bit-for-bit the Philox mask of attnkit.philox), and blocks
+DESIGN.md §6's 2× rule: every mask kind, sequences (q_lengths / kv_lengths / kv_starts,
+packed), sinks, ALiBi and dropout (bit-for-bit the Philox mask of attnkit.philox), and blocks
 of a larger problem (Spec.origin / extent) merged to the whole. The torch op path
 and the NaN rule are in test_triton_op.py, KV-cache decoding in
 test_triton_kvcache.py.
@@ -259,14 +259,16 @@ def test_compiles_for_hopper_without_a_gpu():
     bias, softcap and GQA, compiled for sm_90 by Triton's bundled ptxas, within
     H100/H200 shared memory; and the first compile stage (Python to Triton IR, where
     a kernel's Python-level errors show) of both variants of every kernel with every
-    feature, for q_lengths/kv_lengths and for packed sequences. (A full compile of
-    everything takes minutes: ``benchmarks/gpu.py --compile-only 8.0,9.0``.)"""
+    feature, for q_lengths/kv_lengths, with kv_starts too (both alignments) and for
+    packed sequences. (A full compile of everything takes minutes:
+    ``benchmarks/gpu.py --compile-only 8.0,9.0``.)"""
     from attnkit.torch.triton import aot
     shared = aot.compile_only((9, 0), "bfloat16", 128, 96, terms=False, varlen=None, careful=(False,))
     assert set(shared) == {"forward", "backward_preprocess", "backward_dkdv", "backward_dq"}
     assert all(0 < v <= 232448 for v in shared.values()), shared
-    for varlen in ("lengths", "packed"):
-        kinds = aot.compile_only((9, 0), "float16", 64, 40, varlen=varlen, frontend_only=True)
+    for varlen, bottom_right in (("lengths", True), ("starts", True), ("starts", False), ("packed", True)):
+        kinds = aot.compile_only((9, 0), "float16", 64, 40, varlen=varlen, bottom_right=bottom_right,
+                                 frontend_only=True)
         assert len(kinds) == 7 and "backward_dq/careful" in kinds
 
 
@@ -322,6 +324,7 @@ def test_not_supported_reasons(monkeypatch):
     assert tk.not_supported_reasons(validate(q, k, v, q_lengths=torch.tensor(3), **terms)) == []
     packed = dict(cu_seqlens_q=torch.tensor([0, 8]), cu_seqlens_k=torch.tensor([0, 8]))
     assert tk.not_supported_reasons(validate(q, k, v, **packed, **terms)) == []
+    assert tk.not_supported_reasons(validate(q, k, v, kv_starts=torch.tensor(3), **terms)) == []
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert any("TRITON_INTERPRET" in r for r in tk.not_supported_reasons(validate(q, k, v)))
     assert tk.not_supported_reasons(validate(q.numpy(), k.numpy(), v.numpy())) == ["takes torch tensors"]
@@ -356,6 +359,42 @@ def test_lengths(which, kw):
         pad = torch.arange(40) >= torch.from_numpy(lens["q_lengths"])[:, None, None]   # (3, 1, 40)
         pad = pad.expand(3, 2, 40)
         assert torch.all(out[pad] == 0) and torch.all(lse[pad] == float("-inf")) and torch.all(dq[pad] == 0)
+
+
+STARTS = {  # kv_starts with kv_lengths (a sequence without keys: start == length)
+    "plain": {}, "causal": dict(causal=True), "top_left": dict(causal=True, align="top_left"),
+    "window": dict(window=(6, 3)), "top_left-window-qlen": dict(window=(5, 0), align="top_left",
+                                                                 q_lengths=np.array([40, 13, 7, 0])),
+    "alibi-softcap": dict(alibi_slopes=np.array([0.3, 0.7]), softcap=2.0, causal=True, align="top_left"),
+    "dropout-keep": dict(dropout=0.3, seed=77, causal=True, keep=rng_mask(9, (40, 50), 0.8)),
+    "no-kv_lengths": dict(kv_lengths=None),
+}
+
+
+@pytest.mark.parametrize("kw", list(STARTS.values()), ids=list(STARTS))
+def test_kv_starts(kw):
+    """kv_starts read on the device: keys before a sequence's first are excluded (and
+    get zero gradients), top-left puts the first query on it, ALiBi and the window
+    measure from it; starts inside, at and between 16-key tiles, and one sequence with
+    no key (out 0, lse -inf); starts without kv_lengths too. The keys before each
+    start hold NaN: excluded keys are never read into a result."""
+    blocks(16)
+    starts = np.array([0, 19, 32, 33])
+    kw = {n: x for n, x in dict(dict(kv_lengths=np.array([50, 48, 45, 33])), **kw).items() if x is not None}
+    spec, spec64, spec32 = case((4, 2, 40, 16), (4, 1, 50, 16), 24, kv_starts=starts, **kw)
+    before = torch.arange(50) < torch.from_numpy(starts)[:, None, None]      # (4, 1, 50)
+    k, v = spec.k.clone(), spec.v.clone()
+    k[before], v[before] = float("nan"), float("nan")
+    spec, spec64, spec32 = (sp.replace(k=k.to(sp.k.dtype) if i == 0 else k.numpy().astype(sp.k.dtype),
+                                       v=v.to(sp.v.dtype) if i == 0 else v.numpy().astype(sp.v.dtype))
+                            for i, sp in enumerate((spec, spec64, spec32)))
+    assert tk.not_supported_reasons(spec) == []
+    out, lse, (dq, dk, dv, *_) = run_and_check(spec, spec64, spec32)
+    assert torch.isfinite(out).all() and torch.isfinite(dq).all()
+    if "kv_lengths" in kw:
+        assert torch.all(out[3] == 0) and torch.all(lse[3] == float("-inf"))
+    for b, s in enumerate(starts):
+        assert not dk[b, :, :s].any() and not dv[b, :, :s].any()
 
 
 def packed_kw(cq, ck, **kw):
@@ -510,6 +549,9 @@ BLOCK_CASES = {
                                        dropout=0.25, seed=(1 << 40) + 9),
     "window-top_left-qlen-kvlen": dict(window=(9, 4), align="top_left", q_lengths=np.array([30, 17]),
                                        kv_lengths=np.array([33, 25]), alibi_slopes=np.array([0.2, 0.5])),
+    "starts-top_left-causal-alibi": dict(causal=True, align="top_left", kv_starts=np.array([7, 15]),
+                                         kv_lengths=np.array([33, 30]), alibi_slopes=np.array([0.2, 0.5])),
+    "starts-window-no-kv_lengths": dict(window=(6, 2), kv_starts=np.array([16, 3]), q_lengths=np.array([35, 20])),
 }
 
 
@@ -532,7 +574,7 @@ def test_blocks_of_a_larger_problem_merge_to_the_whole(kw):
     g64 = reference.backward(spec64, dout.double().numpy(), o32.astype(np.float64), l32.astype(np.float64))
     g32 = reference.backward(spec32, dout.numpy(), o32, l32)
     opts = {n: getattr(spec, n) for n in ("scale", "causal", "window", "align", "alibi_slopes", "q_lengths",
-                                          "kv_lengths", "dropout", "seed")}
+                                          "kv_lengths", "kv_starts", "dropout", "seed")}
     rows, cols = [(0, 18), (18, L)], [(0, 13), (13, S)]
     q, k, v = spec.q, spec.k, spec.v
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -610,6 +652,8 @@ GPU_TERMS = {
     "sinks": dict(sinks=np.linspace(-1, 1, 4).astype(np.float32), window=(64, 64)),
     "alibi": dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]), causal=True, align="top_left"),
     "dropout": dict(dropout=0.1, seed=(1 << 40) + 7, causal=True),
+    "starts": dict(kv_starts=np.array([0, 333]), kv_lengths=np.array([600, 599]), causal=True, align="top_left",
+                   window=(100, None)),
 }
 
 

@@ -90,7 +90,8 @@ def check(q, cache, lengths, L_new=0, new_seed=1, device="cpu", **kw):
     out, lse, kc, vc = decode("triton", *on(device, q, k_cache, v_cache, lengths, table), **dnew, **dkw)
     out, lse, kc, vc = on("cpu", out, lse, kc, vc)
     same, same_lse, kc2, vc2 = decode("reference", q, k_cache, v_cache, lengths, table, **new, **kw)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    for got, want in ((kc, kc2), (vc, vc2)):          # (NaN where a test put it)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
     wide = {n: x.double() for n, x in new.items()}
     oracle, oracle_lse, _, _ = decode("reference", q.double(), k_cache.double(), v_cache.double(), lengths, table,
                                       **wide, **kw)
@@ -171,6 +172,35 @@ def test_ragged_queries(layout, terms):
     out, lse = check(queries(3, 4, 3, 16, "float32"), cache, torch.tensor([5, 40, 90]), 3, **kw)
     assert (out[1] == 0).all() and (lse[1] == -INF).all()
     assert (out[2, :, 1:] == 0).all() and (lse[2, :, 1:] == -INF).all() and (lse[2, :, 0] > -INF).all()
+
+
+STARTS = {"causal": dict(causal=True),
+          "top_left-window-alibi": dict(window=(9, 2), align="top_left",
+                                        alibi_slopes=torch.tensor([0.2, 0.4, 0.1, 0.3])),
+          "dropout-top_left-causal": dict(dropout=0.3, seed=5, causal=True, align="top_left")}
+
+
+@pytest.mark.parametrize("terms", list(STARTS))
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_kv_starts(layout, terms, device="cpu"):
+    """kv_starts (FlashAttention's cache_leftpad): sequence b's keys are [kv_starts[b],
+    cache_lengths[b] + L_new); top-left puts the first query on the start, the window
+    and ALiBi count from it; starts inside, at and past 16-key tiles (so in a later
+    split), and a sequence whose only keys are the new ones. The keys before each
+    start hold NaN: they are never read."""
+    cache = (paged(4, 2, 6, 16, 16, 16, "float32", seed=13) if layout == "paged" else
+             contiguous(4, 2, 96, 16, 16, "float32", seed=13))
+    k_cache, v_cache, table = cache
+    starts, lengths = torch.tensor([0, 17, 64, 40]), torch.tensor([30, 60, 93, 40])
+    for b, n in enumerate(starts.tolist()):
+        for j in range(n):
+            page, slot = (b, j) if table is None else (int(table[b, j // 16]), j % 16)
+            k_cache[page, :, slot] = NAN
+            v_cache[page, :, slot] = NAN
+    kw = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in STARTS[terms].items()}
+    out, lse = check(queries(4, 4, 3, 16, "float32"), cache, lengths, 3, device=device,
+                     kv_starts=starts.to(device), **kw)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
 
 
 @pytest.mark.parametrize("kw", [{}, dict(causal=True)], ids=["plain", "causal"])
@@ -347,10 +377,12 @@ def test_not_supported_reasons_are_the_rungs():
 
 def test_compiles_for_hopper_without_a_gpu():
     """The decode kernels' first compile stage (Python to Triton IR), contiguous and
-    paged, every term, for sm_90 (``benchmarks/gpu.py --compile-only`` runs the rest)."""
+    paged, every term (kv_starts too), both alignments, for sm_90 (``benchmarks/gpu.py
+    --compile-only`` runs the rest)."""
     from attnkit.torch.triton import aot
-    kinds = aot.compile_decode_only((9, 0), "bfloat16", 128, frontend_only=True)
-    assert set(kinds) == {"decode", "decode/paged", "decode_combine"}
+    for bottom_right in (True, False):
+        kinds = aot.compile_decode_only((9, 0), "bfloat16", 128, bottom_right=bottom_right, frontend_only=True)
+        assert set(kinds) == {"decode", "decode/paged", "decode_combine"}
 
 
 # ---- GPU, compiled with the tuning table ------------------------------------------------
@@ -401,6 +433,13 @@ def test_gpu_nan_rule_in_tiles_every_row_sees(L, kw, dtype):
 @pytest.mark.parametrize("L,kw", [(1, {}), (3, dict(causal=True))], ids=["decode", "chunk-causal"])
 def test_gpu_a_minus_inf_score_excludes_its_key(L, kw):
     test_a_minus_inf_score_excludes_its_key("triton", L, kw, device="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("terms", list(STARTS))
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_gpu_kv_starts(layout, terms):
+    test_kv_starts(layout, terms, device="cuda")
 
 
 @gpu

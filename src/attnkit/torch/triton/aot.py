@@ -20,6 +20,7 @@ _OPERANDS = dict(q_op=("Q", 4), k_op=("K", 4), v_op=("V", 4), out_op=("Out", 4),
                  dq_op=("DQ", 4), dk_op=("DK", 4), dv_op=("DV", 4), ds_op=("DS", 4), lse_op=("Lse", 3),
                  delta_op=("Delta", 3), keep_op=("Keep", 4), drop_op=("Drop", 4), bias_op=("Bias", 4),
                  slopes_op=("Slopes", 2), sinks_op=("Sinks", 3), qlen_op=("QLen", 1), klen_op=("KLen", 1),
+                 kstart_op=("KStart", 1),
                  table_op=("Table", 2), lens_op=("Lens", 1), part_o_op=("PartO", 4), part_m_op=("PartM", 3))
 
 
@@ -31,7 +32,7 @@ def _signature(kern, consts, dtype, bias_dtype):
     t, b = _TRITON_TYPES[dtype], _TRITON_TYPES[bias_dtype]
     ptrs = {n: f"*{t}" for n in ("Q", "K", "V", "Out", "DO", "DK", "DV", "DQ")}
     ptrs.update({n: "*fp32" for n in ("Lse", "Delta", "Slopes", "Sinks", "Finite", "PartO", "PartM", "PartL")})
-    ptrs.update({n: "*i32" for n in ("QLen", "KLen", "CuQ", "CuK", "Table", "Lens")})
+    ptrs.update({n: "*i32" for n in ("QLen", "KLen", "KStart", "CuQ", "CuK", "Table", "Lens")})
     ptrs.update(Keep="*u8", Drop="*u8", Bias=f"*{b}", DS=f"*{b}")
     floats = ("sm_scale", "softcap", "drop_scale")
     sig, unit = {}, {}
@@ -61,12 +62,13 @@ def _frontend(src, target, options):
 
 def compile_only(capability, dtype, D, Dv=None, *, group=2, causal=True, window=False, masks=True,
                  softcap=True, terms=True, varlen="lengths", bias_dtype="float32", careful=(False, True),
-                 frontend_only=False, usage=False) -> dict:
+                 bottom_right=True, frontend_only=False, usage=False) -> dict:
     """Compile the kernels for a CUDA target without a GPU (Triton's bundled ptxas)
     with the tuning table's configuration and every feature asked for (``terms``:
-    ALiBi, sinks and dropout; ``varlen``: None, "lengths" or "packed"); the three
-    attention kernels in the variants ``careful`` names (plain: kind "forward", ...;
-    careful: "forward/careful", ...).
+    ALiBi, sinks and dropout; ``varlen``: None, "lengths" (q_lengths and kv_lengths),
+    "starts" (those and kv_starts) or "packed"; ``bottom_right`` the alignment); the
+    three attention kernels in the variants ``careful`` names (plain: kind "forward",
+    ...; careful: "forward/careful", ...).
     Returns {kind: shared memory bytes}: catches compile errors and shared-memory
     overruns of table entries on machines without a GPU (``benchmarks/gpu.py
     --compile-only`` sweeps targets). ``frontend_only``: only the first stage (Python
@@ -87,8 +89,9 @@ def compile_only(capability, dtype, D, Dv=None, *, group=2, causal=True, window=
                 cfg = triton_tuning.config(max(D, Dv), dtype, cap, kind)
                 consts = _constexprs(cfg, kind, group=group, D=D, Dv=Dv, dtype=dtype, band=(window, causal or window),
                                      keep=masks, drop=masks, bias=masks, softcap=softcap, alibi=terms, sinks=terms,
-                                     dropout=terms, lengths=(varlen == "lengths",) * 2, packed=varlen == "packed",
-                                     bottom_right=True, interpret=False, precision="ieee")
+                                     dropout=terms, lengths=(varlen in ("lengths", "starts"),) * 2,
+                                     starts=varlen == "starts", packed=varlen == "packed",
+                                     bottom_right=bottom_right, interpret=False, precision="ieee")
                 consts["CAREFUL"] = variant
                 if kind == "backward_dq":
                     consts["WRITE_DS"] = masks
@@ -97,12 +100,13 @@ def compile_only(capability, dtype, D, Dv=None, *, group=2, causal=True, window=
 
 
 def compile_decode_only(capability, dtype, D, Dv=None, *, group=4, rows=None, causal=True, window=True,
-                        softcap=True, terms=True, frontend_only=False, usage=False) -> dict:
+                        softcap=True, terms=True, bottom_right=True, frontend_only=False, usage=False) -> dict:
     """The KV-cache decode kernels (``decode.py``) for a CUDA target, as
     :func:`compile_only`: the split kernel for a contiguous ("decode") and a paged
-    ("decode/paged") cache with the band, softcap, ALiBi and dropout asked for, and the combine
-    kernel ("decode_combine", with sinks when ``terms``); ``rows`` (a GQA group's
-    heads × L, default the table's BLOCK_M) sizes the row block."""
+    ("decode/paged") cache with the band and softcap asked for (``terms``: ALiBi,
+    dropout, q_lengths and kv_starts), and the combine kernel ("decode_combine", with
+    sinks when ``terms``); ``rows`` (a GQA group's heads × L, default the table's
+    BLOCK_M) sizes the row block."""
     from .kvcache import combine_constexprs, split_constexprs
     Dv = D if Dv is None else Dv
     cap = tuple(capability)
@@ -114,8 +118,8 @@ def compile_decode_only(capability, dtype, D, Dv=None, *, group=4, rows=None, ca
     for paged in (False, True):
         _, consts = split_constexprs(cfg, group=group, D=D, Dv=Dv, dtype=dtype, rows=rows,
                                      band=(window, causal or window), softcap=softcap, alibi=terms,
-                                     dropout=terms, paged=paged,
-                                     bottom_right=True, qlens=terms, interpret=False, precision="ieee")
+                                     dropout=terms, paged=paged, bottom_right=bottom_right, qlens=terms,
+                                     starts=terms, interpret=False, precision="ieee")
         kernels_.append(("decode/paged" if paged else "decode", k._decode_split, cfg, consts))
     _, consts = combine_constexprs(ccfg, group=group, Dv=Dv, rows=rows, sinks=terms, qlens=terms, interpret=False)
     kernels_.append(("decode_combine", k._decode_combine, ccfg, consts))

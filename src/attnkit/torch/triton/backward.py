@@ -64,7 +64,8 @@ def _dkdv_inner(dk, dv, k, v, q_tile, do_tile, lse_ptr, delta_ptr, stride_lm, co
                 HEAD_D: constexpr, HEAD_DV: constexpr, BLOCK_M: constexpr, INDEX_MASK: constexpr,
                 HAS_LEFT: constexpr, HAS_RIGHT: constexpr, HAS_KEEP: constexpr, HAS_DROP: constexpr,
                 HAS_BIAS: constexpr, HAS_SOFTCAP: constexpr, HAS_ALIBI: constexpr, HAS_DROPOUT: constexpr,
-                CAREFUL: constexpr, SPLIT: constexpr, INTERPRET: constexpr, PRECISION: constexpr):
+                HAS_KSTART: constexpr, CAREFUL: constexpr, SPLIT: constexpr, INTERPRET: constexpr,
+                PRECISION: constexpr):
     """dk, dv of one key block from query tiles [start, end), in (keys, rows) layout."""
     q_ptr, stride_qm, stride_qd = q_tile
     do_ptr, stride_dom, stride_dod = do_tile
@@ -77,7 +78,7 @@ def _dkdv_inner(dk, dv, k, v, q_tile, do_tile, lse_ptr, delta_ptr, stride_lm, co
                      mask=row_ok[None, :] & (offs_d[:, None] < HEAD_D), other=0.0)
         qkT = _mm(k, qT, None, INTERPRET, PRECISION)
         sT, tT = _tile_scores(qkT, rows[None, :], cols[:, None], geo, masks, scal, INDEX_MASK, HAS_LEFT,
-                              HAS_RIGHT, HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, HAS_ALIBI)
+                              HAS_RIGHT, HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, HAS_ALIBI, HAS_KSTART)
         lse = tl.load(lse_ptr + rows * stride_lm, mask=row_ok, other=float("inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # lse -inf: weights 0
         visT = sT != float("-inf")
@@ -114,15 +115,15 @@ def _dkdv_inner(dk, dv, k, v, q_tile, do_tile, lse_ptr, delta_ptr, stride_lm, co
 
 
 def _attn_bwd_dkdv(q_op, k_op, v_op, do_op, lse_op, Delta, dk_op, dv_op, keep_op, drop_op, bias_op, slopes_op,
-                   qlen_op, klen_op, CuQ, CuK, Finite, HKV, L, S, N0, SEQ0,
+                   qlen_op, klen_op, kstart_op, CuQ, CuK, Finite, HKV, L, S, N0, SEQ0,
                    sm_scale, softcap, OFFSET, ROW0, COL0, LEFT, RIGHT, seed_lo, seed_hi, drop_threshold, drop_scale,
                    GROUP: constexpr, HEAD_D: constexpr, HEAD_DV: constexpr,
                    BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
                    HAS_LEFT: constexpr, HAS_RIGHT: constexpr, HAS_KEEP: constexpr, HAS_DROP: constexpr,
                    HAS_BIAS: constexpr, HAS_SOFTCAP: constexpr, HAS_ALIBI: constexpr,
-                   HAS_DROPOUT: constexpr, HAS_QLEN: constexpr, HAS_KLEN: constexpr, PACKED: constexpr,
-                   BOTTOM_RIGHT: constexpr, CAREFUL: constexpr, SPLIT: constexpr, INTERPRET: constexpr,
-                   PRECISION: constexpr):
+                   HAS_DROPOUT: constexpr, HAS_QLEN: constexpr, HAS_KLEN: constexpr, HAS_KSTART: constexpr,
+                   PACKED: constexpr, BOTTOM_RIGHT: constexpr, CAREFUL: constexpr, SPLIT: constexpr,
+                   INTERPRET: constexpr, PRECISION: constexpr):
     """dk, dv for one key block of one (batch element or sequence, kv head), summed
     over its GQA group. Each ``*_op`` is a tensor's (pointer, strides) (``launch.op``)."""
     Q, stride_qb, stride_qh, stride_qm, stride_qd = q_op
@@ -138,12 +139,14 @@ def _attn_bwd_dkdv(q_op, k_op, v_op, do_op, lse_op, Delta, dk_op, dv_op, keep_op
     Slopes, stride_slope_b, stride_slope_h = slopes_op
     QLen, stride_qlen = qlen_op
     KLen, stride_klen = klen_op
+    KStart, stride_kstart = kstart_op
     if _finite_skip(Finite, CAREFUL):
         return
     start_n = tl.program_id(0)
-    off_b, off_hk, q0, k0, Lq, Lk, offset = _sequence(
-        tl.program_id(1), HKV, L, S, OFFSET, (ROW0, COL0), ((QLen, stride_qlen), (KLen, stride_klen)), (CuQ, CuK),
-        SEQ0, HAS_QLEN, HAS_KLEN, PACKED, BOTTOM_RIGHT)
+    off_b, off_hk, q0, k0, Lq, Lk, offset, ks = _sequence(
+        tl.program_id(1), HKV, L, S, OFFSET, (ROW0, COL0),
+        ((QLen, stride_qlen), (KLen, stride_klen), (KStart, stride_kstart)), (CuQ, CuK), SEQ0,
+        HAS_QLEN, HAS_KLEN, HAS_KSTART, PACKED, BOTTOM_RIGHT)
     c0 = start_n * BLOCK_N
     if PACKED:
         if c0 >= Lk:                                # a shorter sequence than the grid's longest
@@ -152,6 +155,8 @@ def _attn_bwd_dkdv(q_op, k_op, v_op, do_op, lse_op, Delta, dk_op, dv_op, keep_op
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = cols < Lk
+    if HAS_KSTART:
+        col_ok = col_ok & (cols >= ks)              # the sequence's keys start at ks
     k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + k0 * stride_kn
                 + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=col_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
@@ -160,8 +165,8 @@ def _attn_bwd_dkdv(q_op, k_op, v_op, do_op, lse_op, Delta, dk_op, dv_op, keep_op
                 mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.0)
     dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
     dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
-    geo = (Lq, Lk, offset, LEFT, RIGHT)
-    lo, mid_lo, mid_hi, hi = _query_range(c0, geo, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    geo = (Lq, Lk, offset, LEFT, RIGHT, ks)
+    lo, mid_lo, mid_hi, hi = _query_range(c0, geo, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_KSTART)
     for g in range(GROUP):                          # the query heads sharing this kv head, in order
         off_h = off_hk * GROUP + g
         q_tile = (Q + off_b * stride_qb + off_h * stride_qh + q0 * stride_qm, stride_qm, stride_qd)
@@ -183,10 +188,10 @@ def _attn_bwd_dkdv(q_op, k_op, v_op, do_op, lse_op, Delta, dk_op, dv_op, keep_op
             dk, dv = _dkdv_inner(dk, dv, k, v, q_tile, do_tile, lse_ptr, delta_ptr, stride_lm, cols, offs_d,
                                  offs_dv, geo, masks, scal, rng, start, end, HEAD_D, HEAD_DV, BLOCK_M,
                                  part != 1, HAS_LEFT, HAS_RIGHT, HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP,
-                                 HAS_ALIBI, HAS_DROPOUT, CAREFUL, SPLIT, INTERPRET, PRECISION)
+                                 HAS_ALIBI, HAS_DROPOUT, HAS_KSTART, CAREFUL, SPLIT, INTERPRET, PRECISION)
     dk = dk * sm_scale                              # scores = scale · q kᵀ
-    keys = cols < S                                 # dense: keys past kv_lengths[b] get zeros
-    if HAS_KLEN:
+    keys = cols < S                                 # dense: keys outside [kv_starts[b], kv_lengths[b]) get zeros
+    if HAS_KLEN or HAS_KSTART:
         dk = tl.where(col_ok[:, None], dk, 0.0)
         dv = tl.where(col_ok[:, None], dv, 0.0)
     if PACKED:
@@ -204,8 +209,8 @@ def _dq_inner(dq, q, do, lse2, Di, k_tile, v_tile, ds_tile, offs_m, offs_d, offs
               HEAD_D: constexpr, HEAD_DV: constexpr, BLOCK_N: constexpr, INDEX_MASK: constexpr,
               HAS_LEFT: constexpr, HAS_RIGHT: constexpr, HAS_KEEP: constexpr, HAS_DROP: constexpr,
               HAS_BIAS: constexpr, HAS_SOFTCAP: constexpr, HAS_ALIBI: constexpr, HAS_DROPOUT: constexpr,
-              WRITE_DS: constexpr, CAREFUL: constexpr, SPLIT: constexpr, INTERPRET: constexpr,
-              PRECISION: constexpr):
+              HAS_KSTART: constexpr, WRITE_DS: constexpr, CAREFUL: constexpr, SPLIT: constexpr,
+              INTERPRET: constexpr, PRECISION: constexpr):
     """dq of one query block from key tiles [start, end); writes dS tiles if asked."""
     k_ptr, stride_kn, stride_kd = k_tile
     v_ptr, stride_vn, stride_vd = v_tile
@@ -222,7 +227,7 @@ def _dq_inner(dq, q, do, lse2, Di, k_tile, v_tile, ds_tile, offs_m, offs_d, offs
                      mask=col_ok[None, :] & (offs_dv[:, None] < HEAD_DV), other=0.0)
         qk = _mm(q, kT, None, INTERPRET, PRECISION)
         s, t = _tile_scores(qk, offs_m[:, None], cols[None, :], geo, masks, scal, INDEX_MASK, HAS_LEFT,
-                            HAS_RIGHT, HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, HAS_ALIBI)
+                            HAS_RIGHT, HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, HAS_ALIBI, HAS_KSTART)
         vis = s != float("-inf")
         p = _weights(s, lse2[:, None], vis)         # weights = exp(scores - lse)
         dp = _mm(do, vT, None, INTERPRET, PRECISION)
@@ -245,14 +250,14 @@ def _dq_inner(dq, q, do, lse2, Di, k_tile, v_tile, ds_tile, offs_m, offs_d, offs
 
 
 def _attn_bwd_dq(q_op, k_op, v_op, do_op, lse_op, Delta, dq_op, ds_op, keep_op, drop_op, bias_op, slopes_op,
-                 qlen_op, klen_op, CuQ, CuK, Finite, H, L, S, N0, SEQ0,
+                 qlen_op, klen_op, kstart_op, CuQ, CuK, Finite, H, L, S, N0, SEQ0,
                  sm_scale, softcap, OFFSET, ROW0, COL0, LEFT, RIGHT, seed_lo, seed_hi, drop_threshold, drop_scale,
                  GROUP: constexpr, HEAD_D: constexpr, HEAD_DV: constexpr,
                  BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
                  HAS_LEFT: constexpr, HAS_RIGHT: constexpr, HAS_KEEP: constexpr, HAS_DROP: constexpr,
                  HAS_BIAS: constexpr, HAS_SOFTCAP: constexpr, HAS_ALIBI: constexpr,
-                 HAS_DROPOUT: constexpr, HAS_QLEN: constexpr, HAS_KLEN: constexpr, PACKED: constexpr,
-                 BOTTOM_RIGHT: constexpr, WRITE_DS: constexpr, CAREFUL: constexpr, SPLIT: constexpr,
+                 HAS_DROPOUT: constexpr, HAS_QLEN: constexpr, HAS_KLEN: constexpr, HAS_KSTART: constexpr,
+                 PACKED: constexpr, BOTTOM_RIGHT: constexpr, WRITE_DS: constexpr, CAREFUL: constexpr, SPLIT: constexpr,
                  INTERPRET: constexpr, PRECISION: constexpr):
     """dq (and dS) for one query block of one (batch element or sequence, head). Each
     ``*_op`` is a tensor's (pointer, strides) (``launch.op``)."""
@@ -269,12 +274,14 @@ def _attn_bwd_dq(q_op, k_op, v_op, do_op, lse_op, Delta, dq_op, ds_op, keep_op, 
     Slopes, stride_slope_b, stride_slope_h = slopes_op
     QLen, stride_qlen = qlen_op
     KLen, stride_klen = klen_op
+    KStart, stride_kstart = kstart_op
     if _finite_skip(Finite, CAREFUL):
         return
     start_m = tl.program_id(0)
-    off_b, off_h, q0, k0, Lq, Lk, offset = _sequence(
-        tl.program_id(1), H, L, S, OFFSET, (ROW0, COL0), ((QLen, stride_qlen), (KLen, stride_klen)), (CuQ, CuK),
-        SEQ0, HAS_QLEN, HAS_KLEN, PACKED, BOTTOM_RIGHT)
+    off_b, off_h, q0, k0, Lq, Lk, offset, ks = _sequence(
+        tl.program_id(1), H, L, S, OFFSET, (ROW0, COL0),
+        ((QLen, stride_qlen), (KLen, stride_klen), (KStart, stride_kstart)), (CuQ, CuK), SEQ0,
+        HAS_QLEN, HAS_KLEN, HAS_KSTART, PACKED, BOTTOM_RIGHT)
     r0 = start_m * BLOCK_M
     if PACKED:
         if r0 >= Lq:                                # a shorter sequence than the grid's longest
@@ -302,21 +309,21 @@ def _attn_bwd_dq(q_op, k_op, v_op, do_op, lse_op, Delta, dq_op, ds_op, keep_op, 
     masks = _mask_tiles(Keep, Drop, Bias, (stride_keep_b, stride_keep_h, stride_keep_m, stride_keep_n),
                         (stride_drop_b, stride_drop_h, stride_drop_m, stride_drop_n),
                         (stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n), off_b, off_h, q0, k0)
-    geo = (Lq, Lk, offset, LEFT, RIGHT)
+    geo = (Lq, Lk, offset, LEFT, RIGHT, ks)
     slope = sm_scale * 0.0
     if HAS_ALIBI:
         slope = tl.load(Slopes + off_b * stride_slope_b + off_h * stride_slope_h) * LOG2E
     scal = (sm_scale, softcap, slope)
     rng = _rng(seed_lo, seed_hi, drop_threshold, drop_scale, (N0 + off_b) * H + off_h, q0 + ROW0, k0 + COL0)
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
-    lo, mid_lo, mid_hi, hi = _key_range(r0, geo, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, mid_lo, mid_hi, hi = _key_range(r0, geo, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_KSTART)
     for part in tl.static_range(3):                 # edge tiles, tiles inside the band, edge tiles
         start = lo if part == 0 else (mid_lo if part == 1 else mid_hi)
         end = mid_lo if part == 0 else (mid_hi if part == 1 else hi)
         dq = _dq_inner(dq, q, do, lse2, Di, k_tile, v_tile, ds_tile, offs_m, offs_d, offs_dv, geo, masks, scal,
                        rng, start, end, HEAD_D, HEAD_DV, BLOCK_N, part != 1, HAS_LEFT, HAS_RIGHT, HAS_KEEP,
-                       HAS_DROP, HAS_BIAS, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, WRITE_DS, CAREFUL, SPLIT,
-                       INTERPRET, PRECISION)
+                       HAS_DROP, HAS_BIAS, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HAS_KSTART, WRITE_DS, CAREFUL,
+                       SPLIT, INTERPRET, PRECISION)
     dq = dq * sm_scale                              # scores = scale · q kᵀ
     rows = offs_m < L                               # dense: padding rows get zeros
     if HAS_QLEN:

@@ -15,9 +15,9 @@ The cache is contiguous, K (B, Hkv, S_max, D), or paged, K (num_pages, Hkv,
 page_size, D) with a block table (B, max_pages): key position j of sequence b is
 slot j % PAGE of page table[b, j // PAGE], gathered per key, so any page size works.
 Keys at or past the sequence's length (read on the device) are never loaded, nor are
-their block-table entries. Partial sums: acc = Σ_j exp2(s_j − m) v_j (not
-normalised), m the split's running max of the scores in log2 units (−inf when the
-split saw no visible key), l = Σ_j exp2(s_j − m).
+their block-table entries, nor keys before its first (``kv_starts``). Partial sums:
+acc = Σ_j exp2(s_j − m) v_j (not normalised), m the split's running max of the scores
+in log2 units (−inf when the split saw no visible key), l = Σ_j exp2(s_j − m).
 
 The split of a sequence's keys is computed on the device from its length: the key
 tiles the band leaves visible to the block's rows are dealt out in NUM_SPLITS
@@ -90,14 +90,14 @@ def _query_length(QLen, stride_qlen, b, L, HAS_QLENS: constexpr):
     return Lq
 
 
-def _decode_split(q_op, k_op, v_op, table_op, lens_op, qlen_op, slopes_op, part_o_op, part_m_op, PartL,
+def _decode_split(q_op, k_op, v_op, table_op, lens_op, qlen_op, kstart_op, slopes_op, part_o_op, part_m_op, PartL,
                   HKV, L, BH, PAGE, NUM_SPLITS, sm_scale, softcap, LEFT, RIGHT,
                   seed_lo, seed_hi, drop_threshold, drop_scale,
                   GROUP: constexpr, HEAD_D: constexpr, HEAD_DV: constexpr,
                   BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
                   HAS_LEFT: constexpr, HAS_RIGHT: constexpr, HAS_SOFTCAP: constexpr, HAS_ALIBI: constexpr,
                   HAS_DROPOUT: constexpr, PAGED: constexpr, BOTTOM_RIGHT: constexpr, SPLIT: constexpr,
-                  HAS_QLENS: constexpr, INTERPRET: constexpr, PRECISION: constexpr):
+                  HAS_QLENS: constexpr, HAS_KSTART: constexpr, INTERPRET: constexpr, PRECISION: constexpr):
     """The partial (acc, m, l) of one key split for one block of a GQA group's rows.
     Each ``*_op`` is a tensor's (pointer, strides) (``launch.op``); PartL has PartM's."""
     Q, stride_qb, stride_qh, stride_qm, stride_qd = q_op
@@ -106,6 +106,7 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, qlen_op, slopes_op, part_
     Table, stride_tb, stride_tp = table_op
     Lens, stride_len = lens_op
     QLen, stride_qlen = qlen_op
+    KStart, stride_kstart = kstart_op
     Slopes, stride_slope_b, stride_slope_h = slopes_op
     PartO, stride_pb, stride_ps, stride_pm, stride_pd = part_o_op
     PartM, stride_mb, stride_ms, stride_mm = part_m_op
@@ -125,14 +126,19 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, qlen_op, slopes_op, part_
     q = tl.load(Q + b * stride_qb + h[:, None] * stride_qh + i[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
     Lk = tl.load(Lens + b * stride_len)             # the sequence's keys, on the device
+    ks = Lk * 0                                     # and its first (kv_starts: left padding)
+    if HAS_KSTART:
+        ks = tl.load(KStart + b * stride_kstart).to(Lk.dtype)
     Lq = _query_length(QLen, stride_qlen, b, L, HAS_QLENS)   # its query rows (past them: padding)
     real = row_ok
     if HAS_QLENS:                                   # (without q_lengths every row is real: the same code)
         real = row_ok & (i < Lq)
     offset = pid * 0                                # diag(i) = i + offset (geometry.Segment)
+    if HAS_KSTART:
+        offset = ks                                 # top-left: the first query on the first key
     if BOTTOM_RIGHT:
         offset = Lk - Lq
-    geo = (Lq, Lk, offset, LEFT, RIGHT)
+    geo = (Lq, Lk, offset, LEFT, RIGHT, ks)
     masks = ((Q, 0, 0), (Q, 0, 0), (Q, 0, 0))      # no keep / drop / bias for a cache
     slope = sm_scale * 0.0
     if HAS_ALIBI:                                   # one slope per row's head, in log2 units
@@ -148,6 +154,8 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, qlen_op, slopes_op, part_
     hi = Lk + pid * 0
     if HAS_LEFT:
         lo = tl.maximum(i_lo + offset - LEFT, 0) // BLOCK_N * BLOCK_N
+    if HAS_KSTART:
+        lo = tl.maximum(lo, ks // BLOCK_N * BLOCK_N)
     if HAS_RIGHT:
         hi = tl.minimum(tl.maximum(i_hi + offset + RIGHT + 1, 0), Lk)
     hi = tl.maximum(hi, lo)
@@ -159,6 +167,8 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, qlen_op, slopes_op, part_
     full_hi = end
     if HAS_LEFT:
         full_lo = (tl.maximum(i_hi + offset - LEFT, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    if HAS_KSTART:
+        full_lo = tl.maximum(full_lo, (ks + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
     if HAS_RIGHT:
         full_hi = tl.maximum(i_lo + offset + RIGHT + 1, 0) // BLOCK_N * BLOCK_N
     mid_lo = tl.minimum(tl.maximum(full_lo, start), end)
@@ -180,12 +190,14 @@ def _decode_split(q_op, k_op, v_op, table_op, lens_op, qlen_op, slopes_op, part_
             part_lo = tl.where(redo, start, end)
         for start_n in range(_bound(part_lo, INTERPRET), _bound(part_hi, INTERPRET), BLOCK_N):
             cols = start_n + offs_n
-            col_ok = cols < Lk                      # keys past the length: never read
+            col_ok = cols < Lk                      # keys outside the sequence: never read
+            if HAS_KSTART:
+                col_ok = col_ok & (cols >= ks)
             kT = _cache_tile(K, Table, b, hk, cols, col_ok, offs_d, stride_kp, stride_kh, stride_kn, stride_kd,
                              stride_tb, stride_tp, PAGE, HEAD_D, False, PAGED)
             qk = _mm(q, kT, None, INTERPRET, PRECISION)
             s, _ = _tile_scores(qk, i[:, None], cols[None, :], geo, masks, scal, True, HAS_LEFT, HAS_RIGHT,
-                                False, False, False, HAS_SOFTCAP, HAS_ALIBI)
+                                False, False, False, HAS_SOFTCAP, HAS_ALIBI, HAS_KSTART)
             p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
             v = _cache_tile(V, Table, b, hk, cols, col_ok, offs_dv, stride_vp, stride_vh, stride_vn, stride_vd,
                             stride_tb, stride_tp, PAGE, HEAD_DV, True, PAGED)

@@ -5,9 +5,10 @@ bits, the exempt products of the NaN rule and the rounding helpers.
 Tiles are described by small tuples built inside the kernels, so device functions
 take one argument per concept:
 
-    geo    (Lq, Lk, offset, LEFT, RIGHT): the sequence's query rows and keys (local
+    geo    (Lq, Lk, offset, LEFT, RIGHT, KS): the sequence's query rows and keys (local
            coordinates, row 0 / key 0 = the sequence's first) and its diagonal
-           diag(i) = i + offset with the band diag(i) − LEFT <= j <= diag(i) + RIGHT
+           diag(i) = i + offset with the band diag(i) − LEFT <= j <= diag(i) + RIGHT;
+           keys j < KS are not the sequence's (kv_starts: left padding; 0 without)
     masks  ((keep, m, n), (drop, m, n), (bias, m, n)): each a pointer to the tile's
            (0, 0) entry and its row and key strides
     scal   (sm_scale, softcap, slope): slope is ALiBi's, already in log2 units
@@ -218,14 +219,14 @@ def _rng(seed_lo, seed_hi, drop_threshold, drop_scale, head, q0, k0):
 # ---- scores and tile ranges ------------------------------------------------------------
 def _tile_scores(qk, i, j, geo, masks, scal, INDEX_MASK: constexpr, HAS_LEFT: constexpr,
                  HAS_RIGHT: constexpr, HAS_KEEP: constexpr, HAS_DROP: constexpr, HAS_BIAS: constexpr,
-                 HAS_SOFTCAP: constexpr, HAS_ALIBI: constexpr):
+                 HAS_SOFTCAP: constexpr, HAS_ALIBI: constexpr, HAS_KSTART: constexpr):
     """Final scores of one tile in log2 units (exp2(s) = exp(score)), -inf where
     excluded, and tanh(scale·qk/softcap) for the softcap backward (qk without softcap).
 
     ``i`` (query rows) and ``j`` (keys) are 2-D local index tensors that broadcast to
     qk's shape, so the same code serves (rows, keys) and (keys, rows) tiles. Order
     of DESIGN.md §2: scale, softcap, bias, ALiBi, then keep / drop / band / lengths."""
-    Lq, Lk, offset, left, right = geo
+    Lq, Lk, offset, left, right, ks = geo
     keep, drop, bias = masks
     sm_scale, softcap, slope = scal
     if HAS_SOFTCAP:
@@ -243,6 +244,8 @@ def _tile_scores(qk, i, j, geo, masks, scal, INDEX_MASK: constexpr, HAS_LEFT: co
         s = s - slope * tl.abs(i + offset - j).to(tl.float32)   # −slope·|diag(i) − j|, per tile
     if INDEX_MASK:
         out = (i >= Lq) | (j >= Lk)                 # rows / keys past the sequence or the tile
+        if HAS_KSTART:
+            out = out | (j < ks)                    # keys before the sequence's first
         if HAS_RIGHT:
             out = out | (j > i + offset + right)    # causal / window right edge
         if HAS_LEFT:
@@ -258,14 +261,15 @@ def _tile_scores(qk, i, j, geo, masks, scal, INDEX_MASK: constexpr, HAS_LEFT: co
 
 
 def _key_range(r0, geo, BLOCK_M: constexpr, BLOCK_N: constexpr, HAS_LEFT: constexpr,
-               HAS_RIGHT: constexpr):
+               HAS_RIGHT: constexpr, HAS_KSTART: constexpr):
     """For query rows [r0, r0 + BLOCK_M): key tiles [lo, hi) that the band can leave
     visible, split as [lo, mid_lo) edge, [mid_lo, mid_hi) wholly inside the band and
     the key range (no index mask), [mid_hi, hi) edge. lo, mid_lo, mid_hi are
     multiples of BLOCK_N (or hi); empty when no row of the block is in the sequence
     (r0 >= Lq). Values are clamped at 0 before dividing because integer division of
-    negatives differs between Triton and Python."""
-    Lq, Lk, offset, left, right = geo
+    negatives differs between Triton and Python. Keys before the sequence's first (KS)
+    lie in edge tiles or in none."""
+    Lq, Lk, offset, left, right, ks = geo
     zero = r0 * 0
     lo = zero
     hi = zero + Lk
@@ -274,6 +278,9 @@ def _key_range(r0, geo, BLOCK_M: constexpr, BLOCK_N: constexpr, HAS_LEFT: conste
     if HAS_LEFT:
         lo = tl.maximum(r0 + offset - left, 0) // BLOCK_N * BLOCK_N
         full_lo = (tl.maximum(r0 + BLOCK_M - 1 + offset - left, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    if HAS_KSTART:
+        lo = tl.maximum(lo, ks // BLOCK_N * BLOCK_N)
+        full_lo = tl.maximum(full_lo, (ks + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
     if HAS_RIGHT:
         hi = tl.minimum(tl.maximum(r0 + BLOCK_M + offset + right, 0), Lk)
         full_hi = tl.minimum(full_hi, tl.maximum(r0 + offset + right + 1, 0) // BLOCK_N * BLOCK_N)
@@ -284,11 +291,13 @@ def _key_range(r0, geo, BLOCK_M: constexpr, BLOCK_N: constexpr, HAS_LEFT: conste
 
 
 def _query_range(c0, geo, BLOCK_M: constexpr, BLOCK_N: constexpr, HAS_LEFT: constexpr,
-                 HAS_RIGHT: constexpr):
+                 HAS_RIGHT: constexpr, HAS_KSTART: constexpr):
     """For keys [c0, c0 + BLOCK_N): query tiles [lo, hi) that can see any of them,
     split like _key_range; the middle part is inside the band and the row range;
-    empty when no key of the block is in the sequence (c0 >= Lk)."""
-    Lq, Lk, offset, left, right = geo
+    empty when no key of the block is in the sequence (c0 >= Lk, or c0 + BLOCK_N <= KS).
+    The block's keys before KS are not the sequence's: the kernel writes their
+    gradients as 0, whatever the rows added to them."""
+    Lq, Lk, offset, left, right, ks = geo
     zero = c0 * 0
     lo = zero
     hi = zero + Lq
@@ -301,6 +310,8 @@ def _query_range(c0, geo, BLOCK_M: constexpr, BLOCK_N: constexpr, HAS_LEFT: cons
         hi = tl.minimum(tl.maximum(c0 + BLOCK_N - offset + left, 0), Lq)
         full_hi = tl.minimum(full_hi, tl.maximum(c0 - offset + left + 1, 0) // BLOCK_M * BLOCK_M)
     hi = tl.where(c0 < Lk, hi, lo)                  # keys past the sequence only: nothing to read
+    if HAS_KSTART:
+        hi = tl.where(c0 + BLOCK_N > ks, hi, lo)    # keys before its first only: nothing either
     mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), hi)
     return lo, mid_lo, mid_hi, hi
@@ -319,13 +330,15 @@ def _mask_tiles(Keep, Drop, Bias, keep_st, drop_st, bias_st, off_b, off_h, q0, k
 
 
 def _sequence(pid, heads, L, S, OFFSET, ORIGIN, lengths, cu, SEQ0, HAS_QLEN: constexpr, HAS_KLEN: constexpr,
-              PACKED: constexpr, BOTTOM_RIGHT: constexpr):
-    """(off_b, off_h, q0, k0, Lq, Lk, offset) of program axis-1 index ``pid`` over
+              HAS_KSTART: constexpr, PACKED: constexpr, BOTTOM_RIGHT: constexpr):
+    """(off_b, off_h, q0, k0, Lq, Lk, offset, ks) of program axis-1 index ``pid`` over
     (batch element or sequence, head) with ``heads`` heads: the sequence's query rows
-    [q0, q0 + Lq) and keys [k0, k0 + Lk), read on the device (q_lengths / kv_lengths:
-    one length per batch element; packed: cu_seqlens offsets of sequence SEQ0 + pid //
-    heads). ``offset`` is attnkit.spec.geometry.Segment's diagonal in sequence-local
-    coordinates, q0 + sigma − k0.
+    [q0, q0 + Lq) and keys [k0 + ks, k0 + Lk), read on the device (q_lengths /
+    kv_lengths / kv_starts: one per batch element; packed: cu_seqlens offsets of
+    sequence SEQ0 + pid // heads, ks = 0). ``offset`` is
+    attnkit.spec.geometry.Segment's diagonal in sequence-local coordinates, q0 + sigma
+    − k0. A dense call's keys keep their places (k0 = 0): its first key ks =
+    kv_starts[b] is a bound, so the keys before it get gradients of 0 in place.
 
     Dense calls may be a block of a larger problem (``Spec.origin`` = ORIGIN = (ROW0,
     COL0), geometry.segments): lengths are the global ones, translated here to the
@@ -333,8 +346,8 @@ def _sequence(pid, heads, L, S, OFFSET, ORIGIN, lengths, cu, SEQ0, HAS_QLEN: con
     diagonal is the global sequence's shifted by ROW0 − COL0. OFFSET (host, from the
     same Segment) holds every part of it not read here: the whole diagonal without
     lengths; with them, bottom-right, offset = OFFSET + kv_len − q_len (a length not
-    given is a global size, counted in OFFSET). Packed: Lk − Lq bottom-right, 0
-    top-left (no blocks)."""
+    given is a global size, counted in OFFSET); top-left, the kernels add kv_starts[b]
+    (the global diagonal's sigma). Packed: Lk − Lq bottom-right, 0 top-left (no blocks)."""
     off_h = (pid % heads).to(tl.int64)
     if PACKED:
         cu_q, cu_k = cu
@@ -347,10 +360,11 @@ def _sequence(pid, heads, L, S, OFFSET, ORIGIN, lengths, cu, SEQ0, HAS_QLEN: con
         q0 = q0.to(tl.int64)
         k0 = k0.to(tl.int64)
         offset = pid * 0
+        ks = pid * 0
         if BOTTOM_RIGHT:
             offset = Lk - Lq
     else:
-        qlen, klen = lengths
+        qlen, klen, kstart = lengths
         row0, col0 = ORIGIN
         off_b = (pid // heads).to(tl.int64)
         q0 = off_b * 0
@@ -368,4 +382,10 @@ def _sequence(pid, heads, L, S, OFFSET, ORIGIN, lengths, cu, SEQ0, HAS_QLEN: con
             Lk = tl.minimum(tl.maximum(kv_len - col0, 0), S)    # the block's keys of the sequence
             if BOTTOM_RIGHT:
                 offset = offset + kv_len
-    return off_b, off_h, q0, k0, Lq, Lk, offset
+        ks = pid * 0
+        if HAS_KSTART:
+            kv_start = tl.load(kstart[0] + off_b * kstart[1])
+            ks = tl.minimum(tl.maximum(kv_start - col0, 0), S)  # the block's first key of the sequence
+            if not BOTTOM_RIGHT:
+                offset = offset + kv_start                     # top-left: the first query on it
+    return off_b, off_h, q0, k0, Lq, Lk, offset, ks

@@ -36,7 +36,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_tile, v_tile, offs_m, offs_d, offs_dv, geo, m
                HEAD_D: constexpr, HEAD_DV: constexpr, BLOCK_N: constexpr, INDEX_MASK: constexpr,
                HAS_LEFT: constexpr, HAS_RIGHT: constexpr, HAS_KEEP: constexpr, HAS_DROP: constexpr,
                HAS_BIAS: constexpr, HAS_SOFTCAP: constexpr, HAS_ALIBI: constexpr, HAS_DROPOUT: constexpr,
-               CAREFUL: constexpr, SPLIT: constexpr, INTERPRET: constexpr, PRECISION: constexpr):
+               HAS_KSTART: constexpr, CAREFUL: constexpr, SPLIT: constexpr, INTERPRET: constexpr,
+               PRECISION: constexpr):
     """Online softmax over key tiles [start, end) (local keys of the sequence)."""
     k_ptr, stride_kn, stride_kd = k_tile
     v_ptr, stride_vn, stride_vd = v_tile
@@ -48,7 +49,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_tile, v_tile, offs_m, offs_d, offs_dv, geo, m
                      mask=(cols[None, :] < Lk) & (offs_d[:, None] < HEAD_D), other=0.0)
         qk = _mm(q, kT, None, INTERPRET, PRECISION)
         s, _ = _tile_scores(qk, offs_m[:, None], cols[None, :], geo, masks, scal, INDEX_MASK, HAS_LEFT,
-                            HAS_RIGHT, HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, HAS_ALIBI)
+                            HAS_RIGHT, HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, HAS_ALIBI, HAS_KSTART)
         p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)   # l_i: normalised before dropout
         if HAS_DROPOUT:
             p = p * _dropout_scale(offs_m[:, None], cols[None, :], rng)
@@ -66,14 +67,14 @@ def _fwd_inner(acc, l_i, m_i, q, k_tile, v_tile, offs_m, offs_d, offs_dv, geo, m
 
 
 def _attn_fwd(q_op, k_op, v_op, out_op, lse_op, keep_op, drop_op, bias_op, slopes_op, sinks_op, qlen_op, klen_op,
-              CuQ, CuK, Finite, H, L, S, N0, SEQ0, sm_scale, softcap, OFFSET, ROW0, COL0, LEFT, RIGHT,
+              kstart_op, CuQ, CuK, Finite, H, L, S, N0, SEQ0, sm_scale, softcap, OFFSET, ROW0, COL0, LEFT, RIGHT,
               seed_lo, seed_hi, drop_threshold, drop_scale,
               GROUP: constexpr, HEAD_D: constexpr, HEAD_DV: constexpr,
               BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr, BLOCK_DV: constexpr,
               HAS_LEFT: constexpr, HAS_RIGHT: constexpr, HAS_KEEP: constexpr, HAS_DROP: constexpr,
               HAS_BIAS: constexpr, HAS_SOFTCAP: constexpr, HAS_ALIBI: constexpr, HAS_SINKS: constexpr,
-              HAS_DROPOUT: constexpr, HAS_QLEN: constexpr, HAS_KLEN: constexpr, PACKED: constexpr,
-              BOTTOM_RIGHT: constexpr, CAREFUL: constexpr, SPLIT: constexpr, INTERPRET: constexpr,
+              HAS_DROPOUT: constexpr, HAS_QLEN: constexpr, HAS_KLEN: constexpr, HAS_KSTART: constexpr,
+              PACKED: constexpr, BOTTOM_RIGHT: constexpr, CAREFUL: constexpr, SPLIT: constexpr, INTERPRET: constexpr,
               PRECISION: constexpr):
     """out and lse for one query block of one (batch element or sequence, head). Each
     ``*_op`` is a tensor's (pointer, strides) (``launch.op``)."""
@@ -89,12 +90,14 @@ def _attn_fwd(q_op, k_op, v_op, out_op, lse_op, keep_op, drop_op, bias_op, slope
     Sinks, stride_sink_b, stride_sink_h, stride_sink_m = sinks_op
     QLen, stride_qlen = qlen_op
     KLen, stride_klen = klen_op
+    KStart, stride_kstart = kstart_op
     if _finite_skip(Finite, CAREFUL):
         return
     start_m = tl.program_id(0)
-    off_b, off_h, q0, k0, Lq, Lk, offset = _sequence(
-        tl.program_id(1), H, L, S, OFFSET, (ROW0, COL0), ((QLen, stride_qlen), (KLen, stride_klen)), (CuQ, CuK),
-        SEQ0, HAS_QLEN, HAS_KLEN, PACKED, BOTTOM_RIGHT)
+    off_b, off_h, q0, k0, Lq, Lk, offset, ks = _sequence(
+        tl.program_id(1), H, L, S, OFFSET, (ROW0, COL0),
+        ((QLen, stride_qlen), (KLen, stride_klen), (KStart, stride_kstart)), (CuQ, CuK), SEQ0,
+        HAS_QLEN, HAS_KLEN, HAS_KSTART, PACKED, BOTTOM_RIGHT)
     r0 = start_m * BLOCK_M
     if PACKED:
         if r0 >= Lq:                                # a shorter sequence than the grid's longest
@@ -112,7 +115,7 @@ def _attn_fwd(q_op, k_op, v_op, out_op, lse_op, keep_op, drop_op, bias_op, slope
     masks = _mask_tiles(Keep, Drop, Bias, (stride_keep_b, stride_keep_h, stride_keep_m, stride_keep_n),
                         (stride_drop_b, stride_drop_h, stride_drop_m, stride_drop_n),
                         (stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n), off_b, off_h, q0, k0)
-    geo = (Lq, Lk, offset, LEFT, RIGHT)
+    geo = (Lq, Lk, offset, LEFT, RIGHT, ks)
     slope = sm_scale * 0.0
     if HAS_ALIBI:
         slope = tl.load(Slopes + off_b * stride_slope_b + off_h * stride_slope_h) * LOG2E
@@ -122,14 +125,14 @@ def _attn_fwd(q_op, k_op, v_op, out_op, lse_op, keep_op, drop_op, bias_op, slope
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
-    lo, mid_lo, mid_hi, hi = _key_range(r0, geo, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, mid_lo, mid_hi, hi = _key_range(r0, geo, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_KSTART)
     for part in tl.static_range(3):                 # edge tiles, tiles inside the band, edge tiles
         start = lo if part == 0 else (mid_lo if part == 1 else mid_hi)
         end = mid_lo if part == 0 else (mid_hi if part == 1 else hi)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_tile, v_tile, offs_m, offs_d, offs_dv, geo, masks,
                                    scal, rng, start, end, HEAD_D, HEAD_DV, BLOCK_N, part != 1, HAS_LEFT,
                                    HAS_RIGHT, HAS_KEEP, HAS_DROP, HAS_BIAS, HAS_SOFTCAP, HAS_ALIBI,
-                                   HAS_DROPOUT, CAREFUL, SPLIT, INTERPRET, PRECISION)
+                                   HAS_DROPOUT, HAS_KSTART, CAREFUL, SPLIT, INTERPRET, PRECISION)
 
     if HAS_SINKS:                                   # one more logit, value 0: the denominator only
         sink = tl.load(Sinks + off_b * stride_sink_b + off_h * stride_sink_h + (q0 + offs_m) * stride_sink_m,

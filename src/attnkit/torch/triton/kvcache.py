@@ -16,6 +16,8 @@ rows, Dv) for acc and two (B·Hkv, splits, rows) arrays for m and l.
 Terms: scale, softcap, ALiBi, sinks, dropout (Philox counters: the flat head, the
 query's row in q and the key's position in its sequence, as every rung), causal /
 window in either alignment (bottom-right per sequence: diag(i) = i + length − L),
+each sequence's first key (``kv_starts``, FlashAttention's ``cache_leftpad``: keys
+before it are never read; top-left puts the first query on it),
 GQA / MQA, any L >= 1, float16, bfloat16, float32. The cache was appended to
 (``attnkit.kvcache.append``) before this runs.
 """
@@ -27,7 +29,7 @@ from .launch import _capability, _device_guard, _dropout_scalars, _next_pow2, _p
 
 
 def split_constexprs(cfg, *, group, D, Dv, dtype, rows, band, softcap, alibi, dropout, paged, bottom_right,
-                     qlens, interpret, precision):
+                     qlens, starts, interpret, precision):
     """(BLOCK_M, the compile-time parameters of _decode_split): BLOCK_M is the table's
     at most, fewer for a small group (rows = H / Hkv · L)."""
     block_m = min(cfg["BLOCK_M"], _next_pow2(rows))
@@ -35,7 +37,7 @@ def split_constexprs(cfg, *, group, D, Dv, dtype, rows, band, softcap, alibi, dr
                          BLOCK_D=_next_pow2(D), BLOCK_DV=_next_pow2(Dv), HAS_LEFT=band[0], HAS_RIGHT=band[1],
                          HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, HAS_DROPOUT=dropout, PAGED=paged,
                          BOTTOM_RIGHT=bottom_right, SPLIT=bool(cfg["SPLIT"]) and dtype != "float32",
-                         HAS_QLENS=qlens, INTERPRET=interpret, PRECISION=precision)
+                         HAS_QLENS=qlens, HAS_KSTART=starts, INTERPRET=interpret, PRECISION=precision)
 
 
 def combine_constexprs(cfg, *, group, Dv, rows, sinks, qlens, interpret):
@@ -70,7 +72,7 @@ def kvcache(kv):
     lse = torch.empty((B, H, L), dtype=torch.float32, device=dev)
     if lse.numel() == 0:
         return out, lse
-    slopes, sinks, qlens, lens = _terms(spec)       # lens: the lengths after the append, int32 on the device
+    slopes, sinks, qlens, lens, starts = _terms(spec)   # lens: the lengths after the append, int32 on the device
     k, v = kv.k_cache, kv.v_cache
     if kv.paged:
         table = kv.block_table if kv.block_table.dtype == torch.int32 else kv.block_table.to(torch.int32)
@@ -84,16 +86,16 @@ def kvcache(kv):
     block_m, consts = split_constexprs(
         cfg, group=spec.group, D=D, Dv=Dv, dtype=spec.dtype, rows=rows, band=(left is not None, right is not None),
         softcap=spec.softcap is not None, alibi=slopes is not None, dropout=spec.dropout > 0, paged=kv.paged,
-        bottom_right=spec.align == "bottom_right", qlens=qlens is not None, interpret=interpreting(),
-        precision=_precision(spec))
+        bottom_right=spec.align == "bottom_right", qlens=qlens is not None, starts=starts is not None,
+        interpret=interpreting(), precision=_precision(spec))
     row_blocks = triton.cdiv(rows, block_m)
     part_o = torch.empty((bh, splits, rows, Dv), dtype=torch.float32, device=dev)
     part_ml = torch.empty((2, bh, splits, rows), dtype=torch.float32, device=dev)
     kern = kernels()
     with _device_guard(q):
         kern._decode_split[(row_blocks * bh * splits,)](
-            op(q), op(k), op(v), (table, *table_strides), op(lens), op(qlens, 1, lens), op(slopes, 2, part_o),
-            op(part_o),
+            op(q), op(k), op(v), (table, *table_strides), op(lens), op(qlens, 1, lens), op(starts, 1, lens),
+            op(slopes, 2, part_o), op(part_o),
             op(part_ml[0]), part_ml[1], Hkv, L, bh, page, splits, spec.scale, spec.softcap or 1.0, left or 0,
             right or 0, *_dropout_scalars(spec), **consts,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **FP_FUSION)

@@ -13,7 +13,9 @@ wholly inside run without the index mask; only the tiles crossing an edge comput
 it. keep / drop / bias are read per tile through their broadcast strides (stride 0
 on broadcast dims): never expanded in memory.
 
-Sequences: ``q_lengths`` / ``kv_lengths`` are read on the device (no host sync).
+Sequences: ``q_lengths`` / ``kv_lengths`` / ``kv_starts`` are read on the device (no
+host sync); a sequence's keys before its start keep their places (they are excluded
+and get gradients of 0).
 A block of a larger problem (``Spec.origin`` / ``extent``, as ring attention makes
 them) uses global positions: the diagonal of ``geometry.segments`` (the global
 sequence's, shifted by origin[0] − origin[1]), the global lengths translated to the
@@ -97,9 +99,6 @@ def not_supported_reasons(spec) -> list:
         why.append(f"head dim D={spec.D}, Dv={spec.Dv} exceeds {MAX_HEAD_DIM}")
     if spec.block:
         why += _block_reasons(spec)
-    if spec.kv_starts is not None:
-        why.append("kv_starts (each sequence's first key) is not supported by the Triton kernels (the CPU rungs "
-                   "take it)")
     kind = spec.q.device.type
     if kind == "cpu":
         if not interpreting():
@@ -168,9 +167,10 @@ def _masks(spec):
 
 
 def _terms(spec):
-    """(slopes, sinks, q_lengths, kv_lengths) as kernel operands, None when absent:
-    float32 slopes broadcast to batch + (H,), float32 sinks to batch + (H, L), int32
-    lengths to batch (the small arrays are converted, never the score-sized ones)."""
+    """(slopes, sinks, q_lengths, kv_lengths, kv_starts) as kernel operands, None when
+    absent: float32 slopes broadcast to batch + (H,), float32 sinks to batch + (H, L),
+    int32 lengths and starts to batch (the small arrays are converted, never the
+    score-sized ones)."""
     import torch
 
     def conv(x, dtype, shape):
@@ -178,7 +178,8 @@ def _terms(spec):
 
     return (conv(spec.alibi_slopes, torch.float32, spec.batch + (spec.H,)),
             conv(spec.sinks, torch.float32, spec.lse_shape),
-            conv(spec.q_lengths, torch.int32, spec.batch), conv(spec.kv_lengths, torch.int32, spec.batch))
+            conv(spec.q_lengths, torch.int32, spec.batch), conv(spec.kv_lengths, torch.int32, spec.batch),
+            conv(spec.kv_starts, torch.int32, spec.batch))
 
 
 class _Packed:
@@ -281,13 +282,13 @@ def _device_guard(x):
 
 # ---- launch parameters ---------------------------------------------------------------
 def _constexprs(cfg, kind, *, group, D, Dv, dtype, band, keep, drop, bias, softcap, alibi, sinks, dropout,
-                lengths, packed, bottom_right, interpret, precision):
+                lengths, starts, packed, bottom_right, interpret, precision):
     """The compile-time parameters of the attention kernels (sinks: the forward's only)."""
     has_left, has_right = band
     consts = dict(GROUP=group, HEAD_D=D, HEAD_DV=Dv, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                   BLOCK_D=_next_pow2(D), BLOCK_DV=_next_pow2(Dv), HAS_LEFT=has_left, HAS_RIGHT=has_right,
                   HAS_KEEP=keep, HAS_DROP=drop, HAS_BIAS=bias, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
-                  HAS_DROPOUT=dropout, HAS_QLEN=lengths[0], HAS_KLEN=lengths[1], PACKED=packed,
+                  HAS_DROPOUT=dropout, HAS_QLEN=lengths[0], HAS_KLEN=lengths[1], HAS_KSTART=starts, PACKED=packed,
                   BOTTOM_RIGHT=bottom_right, SPLIT=bool(cfg["SPLIT"]) and dtype != "float32",
                   INTERPRET=interpret, PRECISION=precision)
     if kind == "forward":
@@ -327,8 +328,9 @@ def _common(spec, kind):
                          softcap=spec.softcap is not None, alibi=spec.alibi_slopes is not None,
                          sinks=spec.sinks is not None, dropout=spec.dropout > 0,
                          lengths=(spec.q_lengths is not None, spec.kv_lengths is not None),
-                         packed=spec.packed, bottom_right=spec.align == "bottom_right",
-                         interpret=interpreting(), precision=_precision(spec))
+                         starts=spec.kv_starts is not None, packed=spec.packed,
+                         bottom_right=spec.align == "bottom_right", interpret=interpreting(),
+                         precision=_precision(spec))
     consts.update(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **FP_FUSION)
     scalars = (spec.scale, spec.softcap or 1.0, _offset(spec), *spec.origin, left or 0, right or 0,
                *_dropout_scalars(spec))
@@ -368,11 +370,11 @@ def forward(spec):
     kern = kernels()._attn_fwd
     tensors = [q, k, v, out, lse, *_masks(spec), *_terms(spec)]
     with _device_guard(spec.q):
-        for n, n0, s0, (q_, k_, v_, o_, l_, kp, dp, bs, sl, sk, ql, kl) in _programs(spec, packed, tensors, H):
+        for n, n0, s0, (q_, k_, v_, o_, l_, kp, dp, bs, sl, sk, ql, kl, ks) in _programs(spec, packed, tensors, H):
             for careful in (False, True):
                 kern[(blocks, n)](
                     op(q_), op(k_), op(v_), op(o_), op(l_), op(kp, 4, q_), op(dp, 4, q_), op(bs, 4, q_),
-                    op(sl, 2, l_), op(sk, 3, l_), op(ql, 1, cu[0]), op(kl, 1, cu[0]), *cu, finite,
+                    op(sl, 2, l_), op(sk, 3, l_), op(ql, 1, cu[0]), op(kl, 1, cu[0]), op(ks, 1, cu[0]), *cu, finite,
                     H, L, S, n0, s0, *scalars, CAREFUL=careful, **consts)
     return out, lse
 
@@ -408,7 +410,7 @@ def backward(spec, dout, out, lse, dlse=None, need_dbias=True):
     lse = lse.to(device=dev, dtype=torch.float32).broadcast_to(spec.lse_shape).contiguous()
     delta = torch.empty(spec.lse_shape, dtype=torch.float32, device=dev)
     masks = _masks(spec)
-    slopes, _, qlen, klen = _terms(spec)
+    slopes, _, qlen, klen, kstart = _terms(spec)
     packed = _Packed(spec) if spec.packed else None
     cu = (packed.cu_q, packed.cu_k) if packed else (q, q)
     f32 = torch.float32
@@ -434,24 +436,25 @@ def backward(spec, dout, out, lse, dlse=None, need_dbias=True):
 
         cfg, consts, scalars = _common(spec, "backward_dkdv")
         blocks = triton.cdiv(packed.max_k if packed else S, cfg["BLOCK_N"])
-        tensors = [q, k, v, dout, lse, delta, dk, dv, *masks, slopes, qlen, klen]
-        for n, n0, s0, (q_, k2, v_, do_, l_, de_, dk_, dv_, kp, dp, bs, sl, ql, kl) in \
+        tensors = [q, k, v, dout, lse, delta, dk, dv, *masks, slopes, qlen, klen, kstart]
+        for n, n0, s0, (q_, k2, v_, do_, l_, de_, dk_, dv_, kp, dp, bs, sl, ql, kl, ks) in \
                 _programs(spec, packed, tensors, Hkv):
             for careful in (False, True):
                 kern._attn_bwd_dkdv[(blocks, n)](
                     op(q_), op(k2), op(v_), op(do_), op(l_), de_, op(dk_), op(dv_), op(kp, 4, q_), op(dp, 4, q_),
-                    op(bs, 4, q_), op(sl, 2, l_), op(ql, 1, cu[0]), op(kl, 1, cu[0]), *cu, finite,
+                    op(bs, 4, q_), op(sl, 2, l_), op(ql, 1, cu[0]), op(kl, 1, cu[0]), op(ks, 1, cu[0]), *cu, finite,
                     Hkv, L, S, n0, s0, *scalars, CAREFUL=careful, **consts)
 
         cfg, consts, scalars = _common(spec, "backward_dq")
         blocks = triton.cdiv(packed.max_q if packed else L, cfg["BLOCK_M"])
-        tensors = [q, k, v, dout, lse, delta, dq, ds, *masks, slopes, qlen, klen]
-        for n, n0, s0, (q_, k2, v_, do_, l_, de_, dq_, ds_, kp, dp, bs, sl, ql, kl) in \
+        tensors = [q, k, v, dout, lse, delta, dq, ds, *masks, slopes, qlen, klen, kstart]
+        for n, n0, s0, (q_, k2, v_, do_, l_, de_, dq_, ds_, kp, dp, bs, sl, ql, kl, ks) in \
                 _programs(spec, packed, tensors, H):
             for careful in (False, True):
                 kern._attn_bwd_dq[(blocks, n)](
                     op(q_), op(k2), op(v_), op(do_), op(l_), de_, op(dq_), op(ds_, 4, dq_), op(kp, 4, q_),
-                    op(dp, 4, q_), op(bs, 4, q_), op(sl, 2, l_), op(ql, 1, cu[0]), op(kl, 1, cu[0]), *cu, finite,
+                    op(dp, 4, q_), op(bs, 4, q_), op(sl, 2, l_), op(ql, 1, cu[0]), op(kl, 1, cu[0]), op(ks, 1, cu[0]),
+                    *cu, finite,
                     H, L, S, n0, s0, *scalars, WRITE_DS=write_ds, CAREFUL=careful, **consts)
 
     def finish(g, x):                               # sum over broadcast dims, back to x's dtype
