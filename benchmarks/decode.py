@@ -20,7 +20,8 @@ attn_implementation="attnkit" against "sdpa" on one model switched between them 
 --generate-rounds), and "sdpa" timed again as a control (the ratio two identical
 providers get in the same run: the noise); then the same with left-padded prompts.
 Before it, a small model's decoding step in a loop of one's own (attention_kvcache
-against torch's index writes and SDPA).
+against torch's index writes and SDPA), and half-precision caches far larger than
+their keys against float32 ones.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/decode.py
 """
@@ -111,6 +112,7 @@ def main(argv=None) -> int:
         failures += res
     if torch is not None:
         small_step(args.repeats)
+        half_caches(args.repeats)
     if torch is not None and not args.no_generate:
         failures += generate(args.generate_rounds)
     print("\nmisses:", ", ".join(failures) if failures else "none")
@@ -192,6 +194,33 @@ def small_step(repeats: int) -> None:
           f"attnkit {times['attnkit'] * 1e6:.0f} µs, torch (index + SDPA with a length mask) "
           f"{times['torch'] * 1e6:.0f} µs: {times['torch'] / times['attnkit']:.2f}× (no target; "
           f"largest difference {err:.1e})")
+
+
+def half_caches(repeats: int) -> None:
+    """Caches of a capacity far past their keys in float16 and bfloat16, which the
+    NumPy rungs convert to float32 (B = 4, H = 32 over Hkv = 8, D = 128, 60, 50, 40 and
+    30 keys, torch CPU tensors): a contiguous cache of 8,192 slots and a pool of 4,096
+    pages of 16 (four pages in use per sequence), against the same calls in float32.
+    What is converted is the keys in use, not the capacity (docs/decisions.md). No
+    target."""
+    import torch
+    B, Hq, Hk, Dh, S, pages = 4, 32, 8, 128, 8192, 4096
+    gen = torch.Generator().manual_seed(3)
+    lengths, table = torch.tensor([60, 50, 40, 30]), torch.randperm(pages, generator=gen)[:16].reshape(4, 4)
+    runs = {}
+    for dt in ("float32", "float16", "bfloat16"):
+        d = getattr(torch, dt)
+        q = torch.randn(B, Hq, 1, Dh, generator=gen).to(d)
+        kc, vc = (torch.randn(B, Hk, S, Dh, generator=gen).to(d) for _ in range(2))
+        kp, vp = (torch.randn(pages, Hk, 16, Dh, generator=gen).to(d) for _ in range(2))
+        runs[dt, "contiguous"] = lambda q=q, kc=kc, vc=vc: attnkit.attention_kvcache(q, kc, vc, lengths)
+        runs[dt, "paged"] = lambda q=q, kp=kp, vp=vp: attnkit.attention_kvcache(q, kp, vp, lengths, block_table=table)
+    with torch.no_grad():
+        times = {n: min(t) for n, t in interleaved(runs, repeats, gap_s=0.05, settle=True).items()}
+    print(f"\n- half-precision caches of {S} slots / a pool of {pages} pages, 30–60 keys in use (B={B}, H={Hq}/{Hk}, "
+          f"D={Dh}, torch CPU tensors; no target): " + "; ".join(
+              f"{kind} float16 {times['float16', kind] * 1e3:.2f} ms, bfloat16 {times['bfloat16', kind] * 1e3:.2f} ms,"
+              f" float32 {times['float32', kind] * 1e3:.2f} ms" for kind in ("contiguous", "paged")))
 
 
 def generate(rounds: int) -> list[str]:

@@ -162,3 +162,141 @@ def test_new_keys_without_their_batch_dim_are_named_with_l_new_unknown():
                                                    "got (1, 3, 4)")):
         attnkit.attention_kvcache(np.zeros((2, 2, 1, 4)), k, k.copy(), 0, k_new=np.ones((1, 3, 4)),
                                   v_new=np.ones((1, 3, 4)))
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("lengths,q_lengths,slot", [
+    ([3, 3], None, "3 of page 5"),                       # a shared part-filled page: both append at 3
+    ([2, 1], [1, 2], "2 of page 5"),                     # ragged: b's second new key on a's new key
+    ([4, 4], None, "0 of page 1"),                       # past the shared page, a page both tables hold
+], ids=["shared page", "ragged", "second page"])
+def test_two_sequences_appending_into_one_slot_are_refused(lib, lengths, q_lengths, slot):
+    """Sequences sharing a page (a common prefix) that append into the same slot: one
+    key would overwrite the other's (the call answered with another sequence's key). A
+    ValueError names block_table and the slot, on the first call of a signature and on
+    a repeated one, and no key in the cache changes; appends into slots of their own
+    pass, up to the last slot of a sequence's pages."""
+    k, v, _ = make_cache(2, 1, 2, 2, 8, 4, True)
+    k[...], v[...] = RNG(1).standard_normal(k.shape), RNG(2).standard_normal(v.shape)
+    table, good = np.array([[5, 1], [5, 1]]), np.array([[5, 1], [0, 2]])
+    L = 2 if q_lengths else 1
+    q, new = np.ones((2, 2, L, 2)), np.full((2, 1, L, 2), 9.0)
+    kw = {} if q_lengths is None else dict(q_lengths=np.array(q_lengths))
+    full = 8 - np.array(q_lengths or [1, 1])                # appends that fill each sequence's last slot
+    args = [q, k, v, np.array(lengths), table, good, new, full]
+    copy = np.copy
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        args = [torch.from_numpy(x) for x in args]
+        kw = {n: torch.from_numpy(x) for n, x in kw.items()}
+
+        def copy(x):
+            return x.numpy().copy()
+    q, k, v, n, table, good, new, full = args
+    for lengths_ok in (n, full):
+        attnkit.attention_kvcache(q, k, v, lengths_ok, block_table=good, k_new=new, v_new=new, **kw)
+    before = [copy(x) for x in (k, v)]
+    for _ in range(2):                                   # (the full check, then the kept one)
+        with pytest.raises(ValueError, match=rf"^block_table: sequences 0 and 1 append into the same slot "
+                                             rf"\({slot}\)"):
+            attnkit.attention_kvcache(q, k, v, n, block_table=table, k_new=new, v_new=new, **kw)
+        assert all(np.array_equal(copy(x), y) for x, y in zip((k, v), before))
+
+
+def test_set_length_rolls_back_drafts_and_counts_keys_written_by_a_call_of_ones_own():
+    """Speculative decoding: four drafts appended, two rejected (set_length), the next
+    step attends over the kept keys and its own (the rejected ones never seen; the
+    pages past the kept keys back in the pool). A loop of one's own: reserve, an
+    append through attention_kvcache, set_length — then attend appends after that key,
+    not over it. Past a sequence's room, a ValueError naming n."""
+    rng = RNG(21)
+    cache = attnkit.PagedCache(num_pages=6, page_size=2, kv_heads=1, head_dim=3, dtype="float64")
+    s = cache.add_sequence()
+    keys, values = rng.standard_normal((1, 1, 7, 3)), rng.standard_normal((1, 1, 7, 3))
+    cache.attend(rng.standard_normal((1, 2, 3, 3)), s, k_new=keys[:, :, :3], v_new=values[:, :, :3])
+    cache.attend(rng.standard_normal((1, 2, 4, 3)), s, k_new=keys[:, :, 3:7], v_new=values[:, :, 3:7])   # drafts
+    assert cache.length(s) == 7 and cache.block_table([s]).shape == (1, 4)
+    cache.set_length(s, 5)                               # drafts 5 and 6 rejected
+    assert cache.length(s) == 5 and cache.block_table([s]).shape == (1, 3)
+    q, k1, v1 = rng.standard_normal((1, 2, 1, 3)), rng.standard_normal((1, 1, 1, 3)), rng.standard_normal((1, 1, 1, 3))
+    out = cache.attend(q, s, k_new=k1, v_new=v1)
+    want = attnkit.attention(q, np.concatenate([keys[:, :, :5], k1], 2), np.concatenate([values[:, :, :5], v1], 2))
+    assert max_error(out, want) < 1e-12
+    cache.reserve(s, 1)                                  # a call of one's own appends key 7
+    k2, v2 = rng.standard_normal((1, 1, 1, 3)), rng.standard_normal((1, 1, 1, 3))
+    attnkit.attention_kvcache(q, cache.k, cache.v, cache.lengths([s]), block_table=cache.block_table([s]),
+                              k_new=k2, v_new=v2)
+    cache.set_length(s, np.int64(7))
+    out = cache.attend(q, s, k_new=k1, v_new=v1)
+    want = attnkit.attention(q, np.concatenate([keys[:, :, :5], k1, k2, k1], 2),
+                             np.concatenate([values[:, :, :5], v1, v2, v1], 2))
+    assert cache.length(s) == 8 and max_error(out, want) < 1e-12
+    for bad in (9, -1, True, 2.0):                       # 4 pages of 2: room for 8
+        with pytest.raises(ValueError, match=rf"^n: expected an int in \[0, 8\].*got {re.escape(repr(bad))}$"):
+            cache.set_length(s, bad)
+    cache.set_length(s, 0)
+    assert cache.block_table([s]).tolist() == [[-1]] and len(cache._free) == 6
+
+
+def test_paged_cache_takes_numpy_sizes_and_ids_of_any_integer_kind():
+    """NumPy integers as sizes (ints in the arrays' shapes); a sequence id as a NumPy
+    integer or a 0-d integer tensor, and ids in an array or tensor; a nested list, a
+    bool or a float is no id. A q of the other array library is named as q's."""
+    cache = attnkit.PagedCache(np.int64(4), np.int32(2), np.uint8(1), np.int16(2), dtype="float64")
+    assert cache.k.shape == (4, 1, 2, 2) and cache.page_size == 2 and type(cache.page_size) is int
+    s = cache.add_sequence()
+    cache.attend(np.ones((1, 1, 1, 2)), np.int64(s), k_new=np.ones((1, 1, 1, 2)), v_new=np.ones((1, 1, 1, 2)))
+    assert cache.length(np.int32(s)) == 1 and cache.lengths(np.array([s])).tolist() == [1]
+    for bad in ([[s]], True, [False]):
+        with pytest.raises(ValueError, match=r"^seq: no sequence"):
+            cache.attend(np.ones((1, 1, 1, 2)), bad)
+    torch = pytest.importorskip("torch")
+    assert cache.length(torch.tensor(s)) == 1 and cache.block_table(torch.tensor([s])).tolist() == [[0]]
+    with pytest.raises(ValueError, match=r"^seq: no sequence tensor\(True\)"):
+        cache.length(torch.tensor(True))                 # (index() reads it as 1: no id)
+    cache.set_length(s, torch.tensor(0))
+    assert cache.length(s) == 0
+    with pytest.raises(TypeError, match=r"^q: a Tensor for a cache of ndarrays"):
+        cache.attend(torch.ones(1, 1, 1, 2, dtype=torch.float64), s)
+    tc = attnkit.PagedCache(4, 2, 1, 2, like=torch.zeros((), dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"^q: a ndarray for a cache of Tensors"):
+        tc.attend(np.ones((1, 1, 1, 2)), tc.add_sequence())
+
+
+@pytest.mark.parametrize("call", ["attention", "attention_kvcache"])
+def test_a_peers_keyword_is_answered_with_attnkits_name(call):
+    """FlashAttention's, PyTorch's and FlashInfer's names for attnkit's keywords are
+    named with attnkit's, and the message lists the function's own masking keywords
+    (attention_kvcache's: those a cache takes)."""
+    q = np.ones((1, 1, 1, 2))
+    f = (lambda **kw: attnkit.attention(q, q, q, **kw)) if call == "attention" else \
+        (lambda **kw: attnkit.attention_kvcache(q, q, q, 1, **kw))
+    mask = "keep or bias" if call == "attention" else None      # (attention_kvcache takes neither)
+    for peer, ours in (("softmax_scale", "scale"), ("cache_leftpad", "kv_starts"), ("is_causal", "causal"),
+                       ("window_size", "window"), ("logits_soft_cap", "softcap"), ("attn_mask", mask),
+                       ("cache_seqlens", "kv_lengths" if call == "attention" else "cache_lengths")):
+        if ours is None:
+            with pytest.raises(TypeError, match=rf"^{peer}: unexpected keyword argument\(s\); the masking"):
+                f(**{peer: 1})
+            continue
+        with pytest.raises(TypeError, match=rf"^{peer}: unexpected keyword argument\(s\) \(attnkit's name: "
+                                            rf"{peer} → {ours}\); the masking keywords are scale, causal"):
+            f(**{peer: 1})
+    with pytest.raises(TypeError, match=r"^foo: unexpected keyword argument\(s\); the masking keywords") as e:
+        f(foo=1)
+    assert ("kv_lengths" in str(e.value)) == (call == "attention") and "kv_starts" in str(e.value)
+    with pytest.raises(ValueError, match=r"^softcap: expected a positive finite number, got 0.0 \(None: no cap"):
+        f(softcap=0.0)
+    with pytest.raises(ValueError, match=r"^softcap: expected a positive finite number, got array\(\[0., 1.\]\)$"):
+        f(softcap=np.array([0.0, 1.0]))
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_a_float_length_is_named_as_not_an_integer(lib):
+    """One length for every sequence is an int; a float is refused as one (with torch
+    tensors it was "expected a torch.Tensor like q, got float")."""
+    q = np.ones((1, 1, 1, 2))
+    if lib == "torch":
+        q = pytest.importorskip("torch").from_numpy(q)
+    with pytest.raises(TypeError, match=r"^cache_lengths: expected integers, got 3.0$"):
+        attnkit.attention_kvcache(q, q, q, 3.0)

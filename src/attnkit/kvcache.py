@@ -20,10 +20,12 @@ generation loop — allocate, append, attend, free; no server, no scheduling.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from .spec.core import as_int
 from .spec.kvcache import KVCall, check_paged_attend, check_paged_config, sequence_ids
 from .spec.validate import host_ints
 
@@ -110,6 +112,56 @@ def append(kv: KVCall) -> None:
             torch.autograd.graph.increment_version(cache)
 
 
+def seen(kv: KVCall) -> KVCall:
+    """kv cut to the keys its sequences see, for a rung that copies the cache: a
+    contiguous cache to the longest sequence's length (views, the Spec's stand-in key
+    axis with them), a block table to the pages that length spans — where that halves
+    them at least (a cut costs a call ~10 µs); else kv itself, as for a traced call (no
+    lengths on the host). A cache a rung converts (float16 and bfloat16 to float32, a D
+    axis without unit stride) or gathers is then copied up to the keys in use, not to
+    its capacity: a bfloat16 cache of 8,192 slots holding 60 keys took a decoding step
+    241 ms, 0.8 in float32 (docs/decisions.md)."""
+    if kv.lengths is None:
+        return kv
+    n = max(int(host_ints("lengths", kv.lengths).max(initial=0)), 1)
+    P = kv.page_size
+    if kv.paged:
+        pages = -(-n // P)
+        if 2 * pages > kv.block_table.shape[1]:
+            return kv
+        return replace(kv, block_table=kv.block_table[:, :pages], spec=_keys_cut(kv.spec, pages * P))
+    if 2 * n > kv.k_cache.shape[-2]:
+        return kv
+    return replace(kv, k_cache=kv.k_cache[:, :, :n], v_cache=kv.v_cache[:, :, :n], page_size=n,
+                   spec=_keys_cut(kv.spec, n))
+
+
+def _keys_cut(spec: Any, n: int) -> Any:
+    """spec with its stand-in key axis cut to n keys (every sequence's lengths fit)."""
+    return spec.replace(k=spec.k[..., :n, :], v=spec.v[..., :n, :], S=n)
+
+
+def compact(kv: KVCall) -> KVCall:
+    """kv with the pages its sequences use copied into a pool of their own (in
+    ascending order) and the block table renumbered (entries past a sequence's
+    pages: page 0): for a rung that would copy the whole pool (the torch op's bfloat16
+    upcast, the flash rung's copy of a pool strided along D), the pages in use only."""
+    table = host_ints("block_table", kv.block_table).astype(np.int64)
+    lengths = host_ints("lengths", kv.lengths).astype(np.int64)
+    used = np.arange(table.shape[1]) < -(-lengths // kv.page_size)[:, None]
+    pages, index = np.unique(table[used], return_inverse=True)
+    renumbered = np.zeros_like(table)
+    renumbered[used] = index
+    if pages.size == 0:                                  # no sequence holds a key: any one page
+        pages = np.zeros(1, dtype=np.int64)
+    if isinstance(kv.k_cache, np.ndarray):
+        return replace(kv, k_cache=kv.k_cache[pages], v_cache=kv.v_cache[pages], block_table=renumbered)
+    import torch
+    rows = torch.from_numpy(pages).to(kv.k_cache.device)
+    return replace(kv, k_cache=kv.k_cache[rows], v_cache=kv.v_cache[rows],
+                   block_table=torch.from_numpy(renumbered).to(kv.block_table.device))
+
+
 def gather(kv: KVCall) -> tuple[Any, Any]:
     """Each sequence's keys and values as contiguous (B, Hkv, S_cap, D[v]) arrays
     (a view for a contiguous cache; positions past a sequence's length hold whatever
@@ -158,7 +210,8 @@ class PagedCache:
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
                  value_dim: int | None = None, dtype: Any = "float32", like: Any = None) -> None:
-        value_dim = check_paged_config(num_pages, page_size, kv_heads, head_dim, value_dim, dtype, like)
+        num_pages, page_size, kv_heads, head_dim, value_dim = check_paged_config(
+            num_pages, page_size, kv_heads, head_dim, value_dim, dtype, like)
         shape_k = (num_pages, kv_heads, page_size, head_dim)
         shape_v = (num_pages, kv_heads, page_size, value_dim)
         if like is None:
@@ -185,31 +238,61 @@ class PagedCache:
 
     def free(self, seq: int) -> None:
         """Return a sequence's pages to the pool."""
-        self._free.extend(reversed(self._pages.pop(self._check(seq))))
+        seq = self._check(seq)
+        self._free.extend(reversed(self._pages.pop(seq)))
         del self._lengths[seq]
 
     def reserve(self, seq: int, n: int) -> None:
         """Make room for ``n`` more keys in sequence ``seq`` (takes pages as needed;
         ValueError naming ``n`` when the pool has too few)."""
+        seq = self._check(seq)
         need = self._need(seq, n)
         if need > len(self._free):
             raise ValueError(f"n: {n} more keys need {need} more pages, {len(self._free)} are free")
         self._pages[seq] += [self._free.pop() for _ in range(need)]
 
+    def set_length(self, seq: int, n: int) -> None:
+        """Set sequence ``seq``'s length to ``n`` keys. Fewer drops its last keys
+        (speculative decoding: the drafts the model rejected) and returns the pages past
+        the keys kept to the pool; more counts keys written by a call of one's own
+        (:meth:`reserve`, then attention_kvcache with :meth:`block_table`, :meth:`lengths`
+        and k_new), up to the room its pages hold.
+
+        >>> import numpy as np
+        >>> cache = PagedCache(num_pages=4, page_size=2, kv_heads=1, head_dim=1, dtype="float64")
+        >>> seq = cache.add_sequence()
+        >>> _ = cache.attend(np.ones((1, 1, 3, 1)), seq, k_new=np.ones((1, 1, 3, 1)), v_new=np.ones((1, 1, 3, 1)))
+        >>> cache.set_length(seq, 1); cache.length(seq), cache.block_table([seq]).shape
+        (1, (1, 1))
+        """
+        seq, count = self._check(seq), as_int(n)
+        room = len(self._pages[seq]) * self.page_size
+        if type(count) is not int or not 0 <= count <= room:
+            raise ValueError(f"n: expected an int in [0, {room}] (the keys sequence {seq}'s pages hold; reserve "
+                             f"makes room), got {n!r}")
+        if count < self._lengths[seq]:
+            keep = -(-count // self.page_size)
+            self._free.extend(reversed(self._pages[seq][keep:]))
+            del self._pages[seq][keep:]
+        self._lengths[seq] = count
+
     def _need(self, seq: int, n: int) -> int:
-        """Pages sequence ``seq`` lacks for ``n`` more keys."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        """Pages sequence ``seq`` (checked) lacks for ``n`` more keys."""
+        count = as_int(n)
+        if type(count) is not int or count < 0:
             raise ValueError(f"n: expected a non-negative int, got {n!r}")
-        return max(-(-(self._lengths[self._check(seq)] + int(n)) // self.page_size) - len(self._pages[seq]), 0)
+        return max(-(-(self._lengths[seq] + count) // self.page_size) - len(self._pages[seq]), 0)
 
     def block_table(self, seqs: list[int]) -> Any:
         """The page table of sequences ``seqs``: (len(seqs), max_pages) int32, in the
         cache's array library. Entries past a sequence's pages are −1, no page: an
         append through attention_kvcache past a sequence's pages (without :meth:`attend`
         or :meth:`reserve` taking them first) is refused with a ValueError, instead of
-        landing in a page another sequence may hold."""
+        landing in a page another sequence may hold; after an append of one's own,
+        :meth:`set_length` counts the keys it wrote."""
         seqs = sequence_ids(seqs)
-        width = max((len(self._pages[self._check(s)]) for s in seqs), default=0)
+        seqs = [self._check(s) for s in seqs]
+        width = max((len(self._pages[s]) for s in seqs), default=0)
         t = np.full((len(seqs), max(width, 1)), -1, dtype=np.int32)
         for i, s in enumerate(seqs):
             t[i, :len(self._pages[s])] = self._pages[s]
@@ -246,7 +329,7 @@ class PagedCache:
             (a batch of prefill chunks and single decoding steps).
         """
         from .api import attention_kvcache
-        seqs = sequence_ids(seqs)
+        seqs = [self._check(s) for s in sequence_ids(seqs)]
         check_paged_attend(q, seqs, self.k)
         n = 0 if k_new is None else int(k_new.shape[-2])
         grow = self._appended(kwargs.get("q_lengths"), n, len(seqs))
@@ -282,7 +365,9 @@ class PagedCache:
         except (TypeError, ValueError):                  # not B lengths: attention_kvcache says so
             return [0] * B
 
-    def _check(self, seq: int) -> int:
-        if seq not in self._pages:
+    def _check(self, seq: Any) -> int:
+        """seq as the id of a sequence of this cache (an int; ValueError naming it)."""
+        sid = as_int(seq)
+        if type(sid) is not int or sid not in self._pages:
             raise ValueError(f"seq: no sequence {seq!r} in this cache")
-        return seq
+        return sid

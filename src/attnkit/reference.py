@@ -267,7 +267,8 @@ def _weights(spec: Spec, lse: Any, rows: Any) -> np.ndarray:
 def gathered(kv: Any) -> Spec:
     """attention_kvcache's call as a plain one: each sequence's keys gathered from the
     cache (:func:`attnkit.kvcache.gather`), excluded past its length."""
-    from .kvcache import gather
+    from .kvcache import gather, seen
+    kv = seen(kv)
     k, v = gather(kv)
     if k.shape[-2] == 0:                                 # a block table without columns: the Spec's
         k, v = kv.spec.k, kv.spec.v                      # stand-in key (excluded: every length is 0)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..backends import Grads
+from ..kvcache import compact, seen
 from ..nonfinite import quiet
 from ..spec import Spec
 from ..spec.kvcache import KVCall
@@ -30,7 +31,7 @@ from . import backward as _backward
 from . import forward as _forward
 from .direct import direct, direct_at
 from .kernels import compiled_kernels
-from .plan import SUB_M, Call, block_sizes
+from .plan import SUB_M, Call, blas_cannot_read, block_sizes
 from .runtime import get_threads, set_threads, threads
 
 __all__ = ["SUB_M", "block_sizes", "compiled_kernels", "direct", "direct_at", "get_threads", "not_supported_reasons",
@@ -74,6 +75,11 @@ def rung_kvcache(kv: KVCall, *, block_m: int | None = None, block_n: int | None 
     """(out, lse) of attention_kvcache's queries against the cache (already appended):
     a contiguous cache is read in place, a paged one page by page; keys past each
     sequence's length are never read."""
+    caches = (kv.k_cache, kv.v_cache)
+    if kv.paged and any(blas_cannot_read(x) for x in caches):
+        kv = compact(kv)                                 # (a pool strided along D is copied: its pages in use)
+    elif not kv.paged and any(x.dtype != kv.spec.acc_dtype or blas_cannot_read(x) for x in caches):
+        kv = seen(kv)                                    # (a cache converted or copied: up to the keys in use)
     with quiet():
         if kv.paged:
             table = np.asarray(kv.block_table, dtype=np.int64)

@@ -14,6 +14,7 @@ Shape letters (DESIGN.md §1)::
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -105,6 +106,17 @@ def empty_out(shape: tuple[int, ...], inner: bool, new: Any) -> Any:
     if not inner:
         return new(shape)
     return new(shape[:-3] + (shape[-2], shape[-3], shape[-1])).swapaxes(-3, -2)
+
+
+def as_int(x: Any) -> Any:
+    """x as an int where ``operator.index`` reads one (NumPy integers, 0-d integer
+    arrays and tensors), else as it came: bools (of any library) are no ints here."""
+    if isinstance(x, (bool, np.bool_)) or str(getattr(x, "dtype", "")) in ("bool", "torch.bool"):
+        return x
+    try:
+        return operator.index(x)
+    except TypeError:
+        return x
 
 
 def prod(shape: tuple[int, ...]) -> int:

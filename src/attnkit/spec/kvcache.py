@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .core import Spec, dtype_name, is_torch
-from .options import BY_NAME, NAMES
+from .core import Spec, as_int, dtype_name, is_torch
+from .options import BY_NAME, NAMES, unexpected
 from .validate import FLOAT_DTYPES, as_array, check_lengths, compiling, dtype_kind, host_ints, signature, validate
 
 
@@ -54,12 +54,14 @@ class KVCall:
 
 
 def check_paged_config(num_pages: Any, page_size: Any, kv_heads: Any, head_dim: Any, value_dim: Any, dtype: Any,
-                       like: Any) -> int:
-    """PagedCache's constructor arguments; its value_dim (head_dim when None)."""
+                       like: Any) -> tuple[int, int, int, int, int]:
+    """PagedCache's constructor arguments; its sizes as ints (value_dim: head_dim when
+    None)."""
     value_dim = head_dim if value_dim is None else value_dim
-    for name, x in (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads),
-                    ("head_dim", head_dim), ("value_dim", value_dim)):
-        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+    sizes = (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads), ("head_dim", head_dim),
+             ("value_dim", value_dim))
+    for name, x in sizes:
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 1:
             raise ValueError(f"{name}: expected a positive int, got {x!r}")
     if like is not None and (not hasattr(like, "new_zeros") or not like.is_floating_point()):
         of = f" of dtype {like.dtype}" if hasattr(like, "dtype") else ""
@@ -73,16 +75,16 @@ def check_paged_config(num_pages: Any, page_size: Any, kv_heads: Any, head_dim: 
         if dt is None or str(dt) not in FLOAT_DTYPES:
             raise TypeError(f"dtype: expected a NumPy float dtype {FLOAT_DTYPES} (torch caches: pass like= "
                             f"a tensor), got {dtype!r}")
-    return value_dim
+    return tuple(int(x) for _, x in sizes)               # type: ignore[return-value]
 
 
 def sequence_ids(seqs: Any) -> list[Any]:
-    """PagedCache's sequence ids as a list: one id (an int, NumPy's too) or an iterable
-    of them."""
-    if isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool):
-        return [seqs]
+    """PagedCache's sequence ids as a list: one id or an iterable of them, each an int
+    where it is one (NumPy's, a 0-d integer tensor's: anything ``__index__`` reads)."""
+    if isinstance(seqs, (int, np.integer)) or getattr(seqs, "ndim", None) == 0:
+        return [as_int(seqs)]
     try:
-        return list(seqs)
+        return [as_int(s) for s in seqs]
     except TypeError:
         raise TypeError(f"seqs: expected a sequence id (int) or a list of them, got {seqs!r}") from None
 
@@ -91,6 +93,9 @@ def check_paged_attend(q: Any, seqs: list[Any], cache: Any) -> None:
     """PagedCache.attend's arguments in its own words (attention_kvcache would name
     k_cache, which the user never passed): q against the cache's dtype and head dim,
     one sequence per row of q, none twice."""
+    if hasattr(q, "dtype") and hasattr(q, "shape") and is_torch(q) != is_torch(cache):
+        raise TypeError(f"q: a {type(q).__name__} for a cache of {type(cache).__name__}s (PagedCache(like=a "
+                        "tensor) makes a torch cache)")
     if hasattr(q, "dtype") and hasattr(q, "shape"):
         if dtype_name(q) != dtype_name(cache):
             raise TypeError(f"q: dtype {dtype_name(q)} differs from the cache's {dtype_name(cache)} "
@@ -106,6 +111,8 @@ def check_paged_attend(q: Any, seqs: list[Any], cache: Any) -> None:
 
 
 def _ints(name: str, x: Any, want_torch: bool, ndim: int, what: str) -> Any:
+    if isinstance(x, (float, complex, np.floating, np.complexfloating)):   # (not "expected a tensor")
+        raise TypeError(f"{name}: expected integers, got {x!r}")
     a = as_array(name, x, want_torch, required=True)
     if dtype_kind(a) not in "iu":
         raise TypeError(f"{name}: expected integers, got dtype {dtype_name(a)}")
@@ -213,7 +220,8 @@ def _validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, bl
                         "which keys each sequence sees)")
     unknown = sorted(set(options) - set(NAMES))
     if unknown:
-        raise TypeError(f"{', '.join(unknown)}: unexpected keyword argument(s)")
+        raise TypeError(unexpected(unknown, tuple(n for n in NAMES if BY_NAME[n].kvcache),
+                                   ("cache_lengths", "return_lse")))
     want_torch = is_torch(q)
     q = as_array("q", q, want_torch, required=True)
     if q.ndim != 4:
@@ -346,7 +354,31 @@ def _check_values(lengths: Any, added: Any, capacity: int, block_table: Any, N: 
             pages = bt[b][used[b]]
             page = int(pages.max() if pages.max() >= N else pages.min())
             raise ValueError(f"block_table: sequence {b} points at page {page} outside [0, num_pages={N})")
+        _check_one_writer(bt, h_len, total, P)
     return total
+
+
+def _check_one_writer(bt: np.ndarray, h_len: np.ndarray, total: np.ndarray, P: int) -> None:
+    """No two new keys of a paged append in one slot (sequences that share a page, a
+    common prefix ending in a part-filled page, and append to it: one key would
+    overwrite the other)."""
+    new = total - h_len
+    m = int(new.max(initial=0))
+    if m == 0 or h_len.size < 2:
+        return
+    pos = h_len[:, None] + np.arange(m)                  # (B, m): the new keys' positions
+    taken = pos < total[:, None]
+    pos = pos * taken                                    # (past a sequence's new keys: position 0, left out)
+    slots = (bt[np.arange(h_len.size)[:, None], pos // P] * P + pos % P)[taken].tolist()
+    if len(set(slots)) == len(slots):
+        return
+    seq, first = np.nonzero(taken)[0], dict[int, int]()
+    for i, x in enumerate(slots):
+        if x in first:
+            raise ValueError(f"block_table: sequences {seq[first[x]]} and {seq[i]} append into the same slot "
+                             f"({x % P} of page {x // P}): a page sequences share takes no new keys (copy it to "
+                             "a page of its own first; padding rows append nothing with q_lengths 0)")
+        first[x] = i
 
 
 def _zeros_view(like: Any, shape: tuple[int, ...]) -> Any:

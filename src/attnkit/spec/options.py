@@ -81,6 +81,29 @@ OPTIONS: tuple[Option, ...] = (
 NAMES: tuple[str, ...] = tuple(o.name for o in OPTIONS)
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
 
+# what peers call attnkit's arguments (FlashAttention, PyTorch's SDPA, FlashInfer): an
+# unexpected keyword among them is answered with those of attnkit's the function takes
+PEER_NAMES = {"softmax_scale": ("scale",), "sm_scale": ("scale",), "is_causal": ("causal",),
+              "window_size": ("window",), "window_left": ("window",), "dropout_p": ("dropout",),
+              "attn_mask": ("keep", "bias"), "logits_soft_cap": ("softcap",), "cache_leftpad": ("kv_starts",),
+              "cache_seqlens": ("cache_lengths", "kv_lengths"), "return_softmax_lse": ("return_lse",),
+              "return_attn_probs": ("return_lse", "return_weights")}
+
+
+def unexpected(names: set[str] | list[str], taken: tuple[str, ...], params: tuple[str, ...] = ()) -> str:
+    """The message for unexpected keyword arguments ``names``: those a peer uses with
+    attnkit's names for them among the masking keywords the function takes (``taken``,
+    which the message lists) and its other arguments (``params``).
+
+    >>> print(unexpected({"sm_scale"}, ("scale",)))
+    sm_scale: unexpected keyword argument(s) (attnkit's name: sm_scale → scale); the masking keywords are scale
+    """
+    hints = [f"{n} → {' or '.join(ours)}" for n in sorted(names)
+             if (ours := [x for x in PEER_NAMES.get(n, ()) if x in taken or x in params])]
+    said = f" (attnkit's name: {', '.join(hints)})" if hints else ""
+    return (f"{', '.join(sorted(names))}: unexpected keyword argument(s){said}; the masking keywords are "
+            f"{', '.join(taken)}")
+
 
 class Masking(TypedDict, total=False):
     """The masking keywords for type checkers (the same list as :data:`OPTIONS`)."""

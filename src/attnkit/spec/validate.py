@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .core import Spec, dtype_name, is_torch, prod
-from .options import BY_NAME, NAMES
+from .options import BY_NAME, NAMES, unexpected
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 INT_KINDS = "iu"
@@ -105,11 +105,11 @@ def host_ints(name: str, x: Any) -> np.ndarray:
 
 
 # ---- scalars -----------------------------------------------------------------------
-def _real(name: str, x: Any, *, positive: bool = False) -> float:
+def _real(name: str, x: Any, *, positive: bool = False, zero: str = "") -> float:   # zero: a 0's hint
     if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(float(x)) \
             or (positive and not float(x) > 0):
         want = "a positive finite number" if positive else "a finite real number"
-        raise ValueError(f"{name}: expected {want}, got {x!r}")
+        raise ValueError(f"{name}: expected {want}, got {x!r}{zero if isinstance(x, numbers.Real) and x == 0 else ''}")
     return float(x)
 
 
@@ -344,8 +344,7 @@ def _validate(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict)
     """:func:`validate` in full."""
     unknown = options.keys() - _DEFAULTS.keys()
     if unknown:
-        raise TypeError(f"{', '.join(sorted(unknown))}: unexpected keyword argument(s); the masking "
-                        f"keywords are {', '.join(NAMES)}")
+        raise TypeError(unexpected(unknown, NAMES))
     opt = {**_DEFAULTS, **options}
     want_torch = is_torch(q)
     q = as_array("q", q, want_torch, required=True)
@@ -401,7 +400,8 @@ def _validate(q: Any, k: Any, v: Any, backend: str, need_v: bool, options: dict)
     arrays = _array_keywords(opt, want_torch, batch, H, L, S, shapes)
 
     scale = 1.0 / math.sqrt(D) if opt["scale"] is None else _real("scale", opt["scale"])
-    softcap = None if opt["softcap"] is None else _real("softcap", opt["softcap"], positive=True)
+    softcap = None if opt["softcap"] is None else _real("softcap", opt["softcap"], positive=True,
+                                                        zero=" (None: no cap, where FlashAttention writes 0.0)")
     causal = opt["causal"]
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal: expected True or False, got {causal!r}")

@@ -49,6 +49,7 @@ import torch
 
 from .. import philox
 from ..backends import RUNGS, Grads, load
+from ..kvcache import compact, seen
 from ..spec import OPTIONS, Spec, dtype_name
 from ..spec import acc_dtype as spec_acc_dtype
 from ..spec.checks import check_sequence_values
@@ -471,9 +472,8 @@ class TorchRung:
                      dsinks.reshape(spec.shapes["sinks"]) if spec.sinks is not None else None)
 
     def rung_kvcache(self, kv: Any) -> tuple[Any, Any]:
-        """attention_kvcache for torch tensors (forward only, no autograd): NumPy
-        views of CPU tensors for the NumPy rungs, the tensors themselves for Triton.
-        Dropout without a seed draws one from torch's default generator, per call."""
+        """attention_kvcache for torch tensors (forward only, no autograd): NumPy views of CPU tensors
+        for the NumPy rungs, the tensors for Triton; dropout without a seed draws one from torch's."""
         check_no_forward_ad(kv.spec)
         drawn = seed_tensor(kv.spec) if kv.spec.dropout > 0 and kv.spec.seed is None else None
         if drawn is not None:
@@ -483,6 +483,8 @@ class TorchRung:
         kept = self._kept_kvcache(kv)
         if kept is not None:
             return kept
+        if kv.k_cache.dtype == torch.bfloat16:           # _np's upcast: the keys, or pages, in use only
+            kv = compact(kv) if kv.paged else seen(kv)
         with torch.no_grad():
             names = ("k_cache", "v_cache", "cache_lengths", "lengths", "block_table", "k_new", "v_new")
             npkv = replace(kv, spec=numpy_spec(kv.spec), **{n: _np(getattr(kv, n)) for n in names})
