@@ -482,6 +482,36 @@ def test_sparse_attention_indexers_choose_the_keys(name):
     assert (outs[0] - outs[1])[mask.bool()].abs().max() <= 1e-10
 
 
+def test_a_block_sparse_indexer_chooses_the_key_blocks():
+    """MiniMax-M3's sparse layers pass the indexer's top-k key blocks per query and
+    index head as ``block_indices`` to every implementation but eager and sdpa (which
+    get them built into the mask): attnkit keeps the same keys as sdpa (2 of up to 5
+    blocks of 4 here, an index head for each pair of query heads), with left padding,
+    and generates its tokens with a cache. (Eager is no reference here: its softmax is
+    float32, and in float64 its padded rows overflow the model's mask to NaN. A padded
+    batch's generate is not compared: the indexer scores padding keys too, from the
+    outputs of fully masked rows — the mean of v in sdpa, 0 in attnkit.)"""
+    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
+    cfg = m3.MiniMaxM3VLTextConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=64, dense_intermediate_size=128,
+        shared_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rotary_dim=8, num_local_experts=4, num_experts_per_tok=2, mlp_layer_types=["dense", "dense"],
+        index_n_heads=2, index_head_dim=16, index_block_size=4, index_topk_blocks=2, index_local_blocks=1,
+        layer_types=["minimax_m3_sparse", "full_attention"], initializer_range=0.15, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = m3.MiniMaxM3VLForCausalLM._from_config(cfg, attn_implementation="eager").double().eval()
+    ids, mask = batch(2, 17)
+    out = {}
+    for impl in ("sdpa", "attnkit"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out[impl] = (logits(model, input_ids=ids, attention_mask=mask),
+                         model.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
+    assert (out["sdpa"][0] - out["attnkit"][0])[mask.bool()].abs().max() <= 1e-10
+    assert torch.equal(out["sdpa"][1], out["attnkit"][1])
+
+
 @pytest.mark.parametrize("name", ["bert", "gpt2", "t5"])
 def test_training_with_dropout_runs_and_is_reproducible(name, calls):
     ids, mask = batch()

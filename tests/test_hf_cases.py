@@ -93,6 +93,29 @@ def test_indices_fold_into_a_float_mask_as_into_a_boolean_one():
     assert (a - b).abs().max() <= 1e-12
 
 
+
+@pytest.mark.parametrize("mask", ["4-D boolean", "4-D float", "none"])
+def test_block_indices_keep_the_chosen_blocks_with_the_mask(mask):
+    """MiniMax-M3's ``block_indices`` (B, index heads, L, topk; −1 none) against blocks
+    of the layer's ``indexer.block_size``: each query sees the keys of its blocks that
+    the mask lets it see, the index head's choice shared by its query heads (two of
+    four here), whatever form the mask has."""
+    q, k, v = qkv(H=4, L=7, S=9)
+    causal = bottom_right(7, 9)[None, None]
+    blocks = torch.tensor([[[[2, -1]] * 7, [[0, 1]] * 7]])          # 9 keys in blocks of 3: 0–2, 3–5, 6–8
+    chosen = torch.zeros(1, 2, 7, 9, dtype=torch.bool)
+    chosen[:, 0, :, 6:], chosen[:, 1, :, :6] = True, True
+    want = sdpa(q, k, v, causal & chosen.repeat_interleave(2, dim=1))
+    module = layer()
+    module.indexer = types.SimpleNamespace(block_size=3)
+    given = {"4-D boolean": causal, "4-D float": torch.zeros(causal.shape, dtype=torch.float64).masked_fill(
+        ~causal, float("-inf")), "none": None}[mask]
+    out, _ = attnkit.hf.attention_forward(module, q, k, v, given, block_indices=blocks)
+    assert (out - want).abs().max() <= 1e-12
+    with pytest.raises(ValueError, match=r"^block_indices: the layer's indexer.block_size must be a positive int"):
+        attnkit.hf.attention_forward(layer(), q, k, v, given, block_indices=blocks)
+
+
 # --- packed sequences: only where the mask is exactly the packed one
 
 def block_causal(lengths):

@@ -97,7 +97,7 @@ def _record(name: str, module: Any, query: Any, key: Any, value: Any, attention_
     from . import hf  # (hf imports this module)
     try:
         k, v, opts = hf._options(query, key, value, attention_mask, scaling, dropout, hf.layer_causal(module, kwargs),
-                                 kwargs)
+                                 kwargs, hf.indexer_block_size(module))
         why = None
     except ValueError as e:                                  # a keyword attnkit cannot honour: recorded
         k, v, opts, why = key, value, None, str(e)

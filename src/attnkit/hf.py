@@ -37,7 +37,9 @@ How the model's arguments map:
   cache: it packs only then) run as packed sequences (``cu_seqlens_q/k``).
 - GQA: key and value keep their Hkv heads (no ``repeat_kv`` copy).
 - ``indices`` (a sparse-attention indexer's top-k keys per query: DeepSeek-V3.2,
-  GLM-MoE-DSA) are folded into the layer's mask, as those models fold them for sdpa.
+  GLM-MoE-DSA) are folded into the layer's mask, as those models fold them for sdpa;
+  ``block_indices`` (MiniMax-M3: top-k key blocks of the layer's ``indexer.block_size``
+  per query and index head) join the mask's terms as a keep.
 - ``softcap`` (Gemma 2), ``position_bias`` (T5: added to the scores), ``s_aux``
   (gpt-oss: one sink logit per head) and ``sinks`` (per-token sink logits,
   (B, H, L, 1)) are supported; ``dropout`` (training) uses attnkit's dropout with a
@@ -66,6 +68,7 @@ import weakref
 from typing import Any
 
 from . import api
+from .hfmasks import _chosen_blocks, _is_block_causal, _packed_offsets, _with_selected_keys
 from .spec.validate import tensor_key
 
 NAME = "attnkit"
@@ -76,7 +79,8 @@ HARMLESS = frozenset({
     "max_length_q", "max_length_k", "position_embeddings", "token_type_ids", "seq_idx",
 })
 HANDLED = frozenset({"is_causal", "softcap", "s_aux", "sinks", "position_bias", "sliding_window",
-                     "cu_seq_lens_q", "cu_seq_lens_k", "position_ids", "head_mask", "layer_head_mask", "indices"})
+                     "cu_seq_lens_q", "cu_seq_lens_k", "position_ids", "head_mask", "layer_head_mask", "indices",
+                     "block_indices"})
 _KNOWN = HARMLESS | HANDLED
 # keywords that, without a mask, leave the call as causality and scale make it (a
 # sliding_window alone changes nothing: see the module's doc; position_ids only with a
@@ -109,48 +113,6 @@ def _recording_attentions() -> bool:
         return False
     collected = _COLLECTOR[0].get()
     return bool(collected) and any(k.endswith("attentions") for k in collected)   # cross_, mask_decoder_, ...
-
-
-def _packed_offsets(torch: Any, position_ids: Any) -> Any:
-    """cu_seqlens from one row of position_ids that restarts (a new sequence wherever
-    a position does not follow the previous one by 1), or None."""
-    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] < 2:
-        return None
-    p = position_ids[0]
-    starts = torch.nonzero(p[1:] - p[:-1] != 1).reshape(-1) + 1
-    if starts.numel() == 0:
-        return None
-    zero = torch.zeros(1, dtype=starts.dtype, device=starts.device)
-    end = torch.full((1,), p.numel(), dtype=starts.dtype, device=starts.device)
-    return torch.cat([zero, starts, end])
-
-
-def _is_block_causal(torch: Any, mask: Any, cu: Any, causal: bool, window: tuple[int, int] | None) -> bool:
-    """Whether a (1, 1|H, T, T) boolean mask is exactly packed sequences cu (causal
-    inside each when ``causal``, keys at most ``window[0]`` back and ``window[1]``
-    ahead when given)."""
-    T = int(cu[-1])
-    seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=mask.device), torch.diff(cu))
-    want = seq[:, None] == seq[None, :]
-    if causal:
-        want &= torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
-    if window is not None:
-        want &= torch.ones(T, T, dtype=torch.bool, device=mask.device).triu(-window[0]).tril(window[1])
-    return bool((mask == want).all())
-
-
-def _with_selected_keys(torch: Any, mask: Any, indices: Any, S: int) -> Any:
-    """A sparse-attention indexer's choice (DeepSeek-V3.2, GLM-MoE-DSA: ``indices``
-    (B, L, topk), the keys each query may see) folded into the layer's 4-D mask, as
-    those models fold it themselves for eager and sdpa."""
-    if mask is None or mask.dim() != 4:
-        raise ValueError(f"indices: a sparse-attention indexer's keys need the layer's 4-D mask, got "
-                         f"{None if mask is None else tuple(mask.shape)}")
-    picked = torch.zeros(indices.shape[:-1] + (S,), dtype=torch.bool, device=indices.device)
-    picked = picked.scatter(-1, indices.long(), True).unsqueeze(1)          # (B, 1, L, S)
-    if mask.dtype == torch.bool:
-        return mask & picked
-    return mask.masked_fill(~picked, torch.finfo(mask.dtype).min)
 
 
 def _compiling() -> bool:
@@ -305,9 +267,10 @@ def _no_mask(causal: bool, L: int) -> dict[str, Any]:
 
 
 def _options(query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None, dropout: float,
-             causal: bool, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+             causal: bool, kwargs: dict[str, Any], block_size: Any = None) -> tuple[Any, Any, dict[str, Any]]:
     """(key, value, attnkit's keywords) for a call with a mask or keywords other than
-    :data:`_COMMON` (:func:`attention_forward`'s parameters)."""
+    :data:`_COMMON` (:func:`attention_forward`'s parameters; ``block_size``: the
+    layer's indexer's, for ``block_indices``)."""
     torch = _torch_required()
     unknown = [] if kwargs.keys() <= _KNOWN else sorted(n for n, x in kwargs.items()
                                                          if n not in _KNOWN and x is not None)
@@ -363,6 +326,9 @@ def _options(query: Any, key: Any, value: Any, attention_mask: Any, scaling: flo
         opts["bias"] = attention_mask if opts.get("bias") is None else opts["bias"] + attention_mask
     else:
         opts["keep"] = attention_mask
+    if kwargs.get("block_indices") is not None:          # the keys a block-sparse indexer chose
+        chosen = _chosen_blocks(torch, kwargs["block_indices"], query.shape[-3], key.shape[-2], block_size)
+        opts["keep"] = chosen if opts.get("keep") is None else opts["keep"] & chosen
     return key, value, opts
 
 
@@ -477,7 +443,8 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
                 out = _rerun(module, layer, query, key, value)
                 if out is not None:
                     return out, None
-        key, value, opts = _options(query, key, value, attention_mask, scaling, dropout, causal, kwargs)
+        key, value, opts = _options(query, key, value, attention_mask, scaling, dropout, causal, kwargs,
+                                    indexer_block_size(module))
     res = api.attention(query, key, value, return_weights=want, **opts)
     if layer is not None:
         _keep_layer(module, layer, query, key, value, api.kept_call(query, key, value, "auto", opts)[1])
@@ -485,6 +452,11 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     if weights is not None and weights.shape[-1] < S_all:  # a static cache's empty slots: weight 0,
         weights = _torch_required().nn.functional.pad(weights, (0, S_all - weights.shape[-1]))   # as eager's
     return out.transpose(1, 2).contiguous(), weights
+
+
+def indexer_block_size(module: Any) -> Any:
+    """The key-block size of a layer's sparse-attention indexer (MiniMax-M3's), or None."""
+    return getattr(getattr(module, "indexer", None), "block_size", None)
 
 
 def layer_causal(module: Any, kwargs: dict[str, Any]) -> bool:
