@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .spec.core import as_int
-from .spec.kvcache import KVCall, check_paged_attend, check_paged_config, sequence_ids
+from .spec.kvcache import KVCall, check_paged_attend, check_paged_config, new_key_places, sequence_ids
 from .spec.validate import host_ints
 
 
@@ -38,13 +38,10 @@ def _xp_arange(like: Any, n: int) -> Any:
 
 
 def _positions(kv: KVCall) -> tuple[Any, Any, Any]:
-    """(row index, slot index, taken) of the new keys: arrays (B, L_new) indexing the
-    cache's first and third axes, and None (every new key is written) or a boolean
-    (B, L_new) of the keys written (the first new_lengths[b] of each sequence; the
-    others' positions are 0, inside the first page). For NumPy arrays and CPU tensors
-    they are NumPy arrays made on int64 copies of the lengths and the table (each torch
-    op costs a small model's decoding step microseconds: the append took 87 µs, 8 of
-    them the write); on other devices int64 tensors."""
+    """:func:`~attnkit.spec.kvcache.new_key_places` of kv's append. For NumPy arrays and
+    CPU tensors they are NumPy arrays made on int64 copies of the lengths and the table
+    (each torch op costs a small model's decoding step microseconds: the append took 87
+    µs, 8 of them the write); on other devices int64 tensors."""
     host = not isinstance(kv.k_new, np.ndarray) and kv.k_new.device.type == "cpu"
 
     def index(x: Any) -> Any:                            # as int64: any integer dtype validation takes
@@ -54,16 +51,8 @@ def _positions(kv: KVCall) -> tuple[Any, Any, Any]:
             return np.asarray(x.numpy() if host else x, dtype=np.int64)
         return x.long()
     lengths, table, new_lengths = (index(x) for x in (kv.cache_lengths, kv.block_table, kv.new_lengths))
-    L_new = kv.k_new.shape[-2]
-    t = _xp_arange(lengths, L_new).reshape(1, -1)
-    pos = lengths.reshape(-1, 1) + t                     # (B, L_new)
-    taken = None if new_lengths is None else t < new_lengths.reshape(-1, 1)
-    if taken is not None:
-        pos = pos * taken
-    B, P = pos.shape[0], kv.page_size
-    rows, slots = ((_xp_arange(lengths, B).reshape(-1, 1) + 0 * pos, pos) if table is None else
-                   (table[_xp_arange(lengths, B).reshape(-1, 1), pos // P], pos % P))
-    return rows, slots, taken
+    return new_key_places(lengths, kv.k_new.shape[-2], new_lengths, table, kv.page_size,
+                          lambda n: _xp_arange(lengths, n))
 
 
 def _numpy_views(xs: tuple[Any, ...]) -> tuple[Any, ...] | None:

@@ -75,7 +75,8 @@ def check_paged_config(num_pages: Any, page_size: Any, kv_heads: Any, head_dim: 
         if dt is None or str(dt) not in FLOAT_DTYPES:
             raise TypeError(f"dtype: expected a NumPy float dtype {FLOAT_DTYPES} (torch caches: pass like= "
                             f"a tensor), got {dtype!r}")
-    return tuple(int(x) for _, x in sizes)               # type: ignore[return-value]
+    n, page, heads, d, dv = (int(x) for _, x in sizes)
+    return n, page, heads, d, dv
 
 
 def sequence_ids(seqs: Any) -> list[Any]:
@@ -366,10 +367,8 @@ def _check_one_writer(bt: np.ndarray, h_len: np.ndarray, total: np.ndarray, P: i
     m = int(new.max(initial=0))
     if m == 0 or h_len.size < 2:
         return
-    pos = h_len[:, None] + np.arange(m)                  # (B, m): the new keys' positions
-    taken = pos < total[:, None]
-    pos = pos * taken                                    # (past a sequence's new keys: position 0, left out)
-    slots = (bt[np.arange(h_len.size)[:, None], pos // P] * P + pos % P)[taken].tolist()
+    pages, at, taken = new_key_places(h_len, m, new, bt, P, np.arange)
+    slots = (pages * P + at)[taken].tolist()
     if len(set(slots)) == len(slots):
         return
     seq, first = np.nonzero(taken)[0], dict[int, int]()
@@ -379,6 +378,24 @@ def _check_one_writer(bt: np.ndarray, h_len: np.ndarray, total: np.ndarray, P: i
                              f"({x % P} of page {x // P}): a page sequences share takes no new keys (copy it to "
                              "a page of its own first; padding rows append nothing with q_lengths 0)")
         first[x] = i
+
+
+def new_key_places(lengths: Any, L_new: int, new_lengths: Any, table: Any, P: int,
+                   arange: Any) -> tuple[Any, Any, Any]:
+    """(row index, slot index, taken) of an append's new keys: int64 arrays (B, L_new)
+    indexing the cache's first and third axes (a contiguous cache's row b, or a paged
+    one's page ``table[b, p // P]``; P its page size), and None (all L_new keys of every
+    sequence are written) or a boolean (B, L_new) of the keys written (the first
+    new_lengths[b]; the others' positions are 0, inside the first page). ``lengths``,
+    ``new_lengths`` and ``table`` are int64 arrays of one library, ``arange(n)`` its."""
+    t = arange(L_new).reshape(1, -1)
+    pos = lengths.reshape(-1, 1) + t                     # (B, L_new)
+    taken = None if new_lengths is None else t < new_lengths.reshape(-1, 1)
+    if taken is not None:
+        pos = pos * taken
+    b = arange(pos.shape[0]).reshape(-1, 1)
+    rows, slots = (b + 0 * pos, pos) if table is None else (table[b, pos // P], pos % P)
+    return rows, slots, taken
 
 
 def _zeros_view(like: Any, shape: tuple[int, ...]) -> Any:
