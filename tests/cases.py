@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from attnkit import reference
-from attnkit.flash.numba_simd import compiles_avx512
 from attnkit.testing import make_qkv
 
 
@@ -103,15 +102,31 @@ def peak_bytes(fn):
         tracemalloc.stop()
 
 
-# Two properties of the compiled tile loops that hold where numba compiles for AVX-512
-# (the Intel Xeon and Zen 5 hosts they were written on) and not on a Zen 3 (AVX2) host
-# (twenty-third session; docs/decisions.md "Found on an AVX2 host"): known gaps, not
-# hidden ones — strict where AVX-512 is, expected to fail elsewhere.
-AVX2_LAYOUT_BITS = pytest.mark.xfail(
-    not compiles_avx512(), strict=False,
-    reason="AVX2 host: the compiled loop's products of q (B, S, H, D) views (a query head's rows a block) "
-           "and of C-ordered q (a kv head's group of rows a block) round differently (≤ 3e-7)")
-AVX2_PEAKED_BACKWARD = pytest.mark.xfail(
-    not compiles_avx512(), strict=False,
-    reason="AVX2 host: with peaked scores the compiled backward's dv (and at D = 128 dq, dk) is 2.2–4.8× "
-           "the float32 reference's error (exp(s − lse) with lse rounded to float32), past DESIGN's 2×")
+def sgemm_rounds_by_place() -> bool:
+    """Whether NumPy's sgemm (the one the flash rung calls) gives an element other bits
+    by its place in the product: a slice of rows or columns, or the transposed product,
+    against the whole. OpenBLAS's Haswell kernels do (its choice on AVX2 hosts, and on
+    any host under OPENBLAS_CORETYPE=Haswell); its SkylakeX kernels did not."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((96, 80), dtype=np.float32), rng.standard_normal((80, 160), dtype=np.float32)
+    s = a @ b
+    return not (np.array_equal(s[:16], a[:16] @ b) and np.array_equal(s[:, :32], a @ b[:, :32])
+                and np.array_equal(s.T, b.T @ a.T))
+
+
+# Two properties of the compiled tile loops that hold where sgemm's bits do not depend on
+# an element's place in the product (the SkylakeX kernels of the Intel Xeon and Zen 5
+# hosts they were written on) and not under OpenBLAS's Haswell kernels (a Zen 3 host's,
+# and a Zen 5 host's under OPENBLAS_CORETYPE=Haswell; docs/decisions.md "Found on an AVX2
+# host"): known gaps, not hidden ones — strict where sgemm keeps an element's bits,
+# expected to fail elsewhere.
+PLACED_SGEMM = sgemm_rounds_by_place()
+SGEMM_LAYOUT_BITS = pytest.mark.xfail(
+    PLACED_SGEMM, strict=False,
+    reason="sgemm rounds by place: the compiled loop's products of q (B, S, H, D) views (a query head's rows a "
+           "block) and of C-ordered q (a kv head's group of rows a block) round differently (≤ 3e-7)")
+SGEMM_PEAKED_BACKWARD = pytest.mark.xfail(
+    PLACED_SGEMM, strict=False,
+    reason="sgemm rounds by place: with peaked scores the compiled backward's dv (and at D = 128 dq, dk) is "
+           "2.2–4.8× the float32 reference's error (its scores k qᵀ lack the bits of the forward's q kᵀ that lse "
+           "was made from), past DESIGN's 2×")

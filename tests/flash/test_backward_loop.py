@@ -10,7 +10,7 @@ from attnkit import flash, reference
 from attnkit.flash import blas, kernels
 from attnkit.spec import validate
 from attnkit.testing import error_budget, make_qkv, max_error
-from cases import AVX2_PEAKED_BACKWARD
+from cases import SGEMM_PEAKED_BACKWARD
 
 from .test_loop import CASES
 
@@ -87,7 +87,7 @@ def test_compiled_backward_is_as_close_as_the_reference(monkeypatch, case, small
         assert max_error(a, o) <= budget and max_error(b, o) <= budget and max_error(a, b) <= budget
 
 
-@AVX2_PEAKED_BACKWARD
+@SGEMM_PEAKED_BACKWARD
 @pytest.mark.parametrize("D", [80, 128])
 @pytest.mark.parametrize("small", [0, 10**6], ids=["whole tiles", "AVX-512 chunks"])
 def test_compiled_backward_of_peaked_scores_is_as_close_as_the_reference(monkeypatch, small, D):

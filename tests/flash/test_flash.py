@@ -11,7 +11,7 @@ from attnkit.flash import plan
 from attnkit.spec import geometry as geo
 from attnkit.spec import validate
 from attnkit.testing import error_budget, make_qkv, max_error
-from cases import AVX2_LAYOUT_BITS, assert_grads_close, both, peak_bytes, random_case
+from cases import SGEMM_LAYOUT_BITS, assert_grads_close, both, peak_bytes, random_case
 
 F = dict(backend="flash")
 
@@ -537,7 +537,7 @@ def test_decoding_with_half_precision_or_strided_caches(layout):
         assert np.array_equal(got, attnkit.attention(q, k, v, causal=True, backend="flash"))
 
 
-@pytest.mark.parametrize("L", [1, pytest.param(100, marks=AVX2_LAYOUT_BITS)], ids=["decoding", "tiles"])
+@pytest.mark.parametrize("L", [1, pytest.param(100, marks=SGEMM_LAYOUT_BITS)], ids=["decoding", "tiles"])
 def test_a_transposed_layout_gives_the_bits_of_its_contiguous_copy(L):
     """q, k, v in a (B, S, H, D) layout seen as (B, H, S, D) (what transformers hands
     over; read in place by the tiles) give the same bits as the C-ordered arrays."""
