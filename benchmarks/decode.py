@@ -230,7 +230,9 @@ def generate(rounds: int) -> list[str]:
     before each run: the same weights in the same memory for every provider (where a
     model's tensors lie moved a generate by a percent or two: docs/decisions.md).
     "control" is "sdpa" again, timed as a third provider: how far two identical
-    providers' ratio strays in this run."""
+    providers' ratio strays in this run. Each timed generate directly follows an
+    untimed one (``settle``): after the idle gap the host's second core took 4–8 ms to
+    come back, for torch's ops as for attnkit's (docs/decisions.md)."""
     import torch
     import transformers
 
@@ -263,7 +265,7 @@ def generate(rounds: int) -> list[str]:
     run("sdpa")
     assert calls == 4 * 20, f"attnkit's attention ran {calls} times in a generate, not 80"
 
-    times = interleaved({n: (lambda n=n: run(n)) for n in impls}, rounds, gap_s=0.3,
+    times = interleaved({n: (lambda n=n: run(n)) for n in impls}, rounds, gap_s=0.3, settle=True,
                         prepare={n: (lambda n=n: switch(n)) for n in impls})
     best = {n: min(t) for n, t in times.items()}
     same = torch.equal(tokens["sdpa", False], tokens["attnkit", False])
@@ -273,7 +275,7 @@ def generate(rounds: int) -> list[str]:
           f"(target ≥ {TARGETS['generate vs sdpa']}), same tokens: {same}; control (sdpa against sdpa): "
           f"{best['sdpa'] / best['control']:.2f}×")
     two = ("sdpa", "attnkit")                             # left-padded prompts (batched generation's)
-    padded_times = interleaved({n: (lambda n=n: run(n, True)) for n in two}, rounds, gap_s=0.3,
+    padded_times = interleaved({n: (lambda n=n: run(n, True)) for n in two}, rounds, gap_s=0.3, settle=True,
                                prepare={n: (lambda n=n: switch(n)) for n in two})
     pb = {n: min(t) for n, t in padded_times.items()}
     print(f"- the same, prompts left-padded (32, 20, 27 and 12 tokens; no target): attnkit {pb['attnkit'] * 1e3:.0f}"

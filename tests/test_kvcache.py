@@ -331,6 +331,8 @@ BAD = [
     (dict(cache_lengths=np.array([1, 2, 3])), ValueError, "cache_lengths"),
     (dict(cache_lengths=41), ValueError, "cache_lengths"),                           # one int: each sequence's
     (dict(cache_lengths=-1), ValueError, "cache_lengths"),
+    (dict(cache_lengths=2**64), ValueError, "cache_lengths"),                        # past int64 (no OverflowError)
+    (dict(q_lengths=2**63), ValueError, "q_lengths"),
     (dict(cache_lengths=True), TypeError, "cache_lengths"),                          # not an int
     (dict(cache_lengths=2.0), TypeError, "cache_lengths"),
     (dict(cache_lengths=np.array(2.0)), TypeError, "cache_lengths"),
@@ -423,6 +425,28 @@ def test_overflow_messages_say_whether_the_append_overflows():
     with pytest.raises(ValueError,
                        match=r"^cache_lengths: sequence 1 holds 39 keys \+ 2 new = 41, the append overflows"):
         attnkit.attention_kvcache(q, k, v, np.array([0, 39]), k_new=np.ones((2, 1, 2, 4)), v_new=np.ones((2, 1, 2, 4)))
+    assert not k.any() and not v.any()
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("held", [np.int64(2**63 - 1), np.uint64(2**63), np.uint64(2**64 - 1)],
+                         ids=["int64 max", "uint64 past int64", "uint64 max"])
+def test_lengths_near_the_integer_limit_are_quoted_and_refused(paged, held):
+    """A length near its dtype's limit plus the new keys wrapped to a negative total: a
+    contiguous cache was refused under kv_lengths (an argument not given) with the
+    wrapped value, a paged one with an IndexError from inside the check. The length is
+    beyond the capacity, quoted as given; a page past int64 likewise."""
+    k, v = np.zeros((2, 1, 8, 4)), np.zeros((2, 1, 8, 4))
+    lengths = np.array([held, 3], dtype=np.asarray(held).dtype)
+    new = np.ones((2, 1, 1, 4))
+    table = dict(block_table=np.array([[0], [1]])) if paged else {}
+    with pytest.raises(ValueError, match=rf"^cache_lengths: sequence 0 holds {int(held)} keys \+ 1 new = "
+                                         rf"{int(held) + 1}, beyond its capacity of 8 keys"):
+        attnkit.attention_kvcache(np.zeros((2, 1, 1, 4)), k, v, lengths, k_new=new, v_new=new, **table)
+    if paged:
+        with pytest.raises(ValueError, match=rf"^block_table: sequence 1 points at page {2**64 - 1} outside"):
+            attnkit.attention_kvcache(np.zeros((2, 1, 1, 4)), k, v, np.array([3, 3], dtype=np.uint64), k_new=new,
+                                      v_new=new, block_table=np.array([[0], [2**64 - 1]], dtype=np.uint64))
     assert not k.any() and not v.any()
 
 

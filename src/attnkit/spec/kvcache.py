@@ -122,16 +122,19 @@ def _ints(name: str, x: Any, want_torch: bool, ndim: int, what: str) -> Any:
     return a
 
 
-def _one_per_sequence(x: Any, B: int, q: Any, want_torch: bool) -> Any:
+def _one_per_sequence(x: Any, B: int, q: Any, want_torch: bool, name: str = "cache_lengths") -> Any:
     """cache_lengths given as one length for every sequence — a Python int, a NumPy
     integer, or a 0-d array or tensor of the call's library (FlashAttention's
     ``cache_seqlens`` takes an int) — as (B,); anything else as it came (the checks
     after this name what is wrong with it)."""
     if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        n = int(x)
+        if not -2**63 <= n < 2**63:
+            raise ValueError(f"{name}: expected a length in int64's range, got {n}")
         if want_torch:                                   # (torch.full: traceable by torch.compile)
             import torch
-            return torch.full((B,), int(x), dtype=torch.int64, device=q.device)
-        return np.full(B, int(x), dtype=np.int64)
+            return torch.full((B,), n, dtype=torch.int64, device=q.device)
+        return np.full(B, n, dtype=np.int64)
     if getattr(x, "ndim", None) == 0 and is_torch(x) == want_torch:
         return x.reshape(1).expand(B) if want_torch else np.broadcast_to(x, (B,))
     return x
@@ -267,8 +270,8 @@ def _validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, bl
         capacity = int(block_table.shape[1]) * P
     q_lengths = options.pop("q_lengths", None)
     if q_lengths is not None:                            # (B,), checked as attention checks it
-        q_lengths = check_lengths("q_lengths", _one_per_sequence(q_lengths, B, q, want_torch), want_torch, (B,),
-                                  L, "L")
+        q_lengths = check_lengths("q_lengths", _one_per_sequence(q_lengths, B, q, want_torch, "q_lengths"),
+                                  want_torch, (B,), L, "L")
     L_new = 0
     if (k_new is None) != (v_new is None):
         raise ValueError(f"{'v_new' if v_new is None else 'k_new'}: k_new and v_new come together")
@@ -337,26 +340,39 @@ def _check_values(lengths: Any, added: Any, capacity: int, block_table: Any, N: 
     """The lengths after the append, int64 (B,) on the host: each non-negative and within
     the sequence's capacity, and the block-table entries of the pages they use in
     [0, num_pages N) (pages of P keys)."""
-    h_len = host_ints("cache_lengths", lengths).astype(np.int64)
-    if h_len.size and h_len.min() < 0:
-        raise ValueError(f"cache_lengths: expected non-negative lengths, got {h_len.tolist()[:16]}")
+    raw = host_ints("cache_lengths", lengths)
+    if raw.size and raw.min() < 0:
+        raise ValueError(f"cache_lengths: expected non-negative lengths, got {raw.tolist()[:16]}")
+    # held to capacity + 1 before the sum (which lengths near the integer limit would wrap
+    # past the check) and the cast (uint64 past int64's); the messages quote raw's values
+    h_len = _at_most(raw, capacity + 1)
     total = h_len + added
     if total.size and total.max() > capacity:
         b = int(np.flatnonzero(total > capacity)[0])
-        what = "the append overflows" if total[b] > h_len[b] else "beyond"
-        raise ValueError(f"cache_lengths: sequence {b} holds {int(h_len[b])} keys + {int(total[b] - h_len[b])} new = "
-                         f"{int(total[b])}, {what} its capacity of {capacity} keys")
+        held, new = int(raw[b]), int(total[b] - h_len[b])
+        what = "the append overflows" if new > 0 and held <= capacity else "beyond"
+        raise ValueError(f"cache_lengths: sequence {b} holds {held} keys + {new} new = {held + new}, {what} its "
+                         f"capacity of {capacity} keys")
     if block_table is not None:
-        bt = host_ints("block_table", block_table).astype(np.int64)
+        raw_bt = host_ints("block_table", block_table)
+        bt = _at_most(raw_bt, N)
         used = np.arange(bt.shape[1]) < -(-total // P)[:, None]     # the pages each sequence touches
         outside = used & ((bt < 0) | (bt >= N))
         if outside.any():
             b = int(np.flatnonzero(outside.any(axis=1))[0])
-            pages = bt[b][used[b]]
+            pages = raw_bt[b][used[b]]
             page = int(pages.max() if pages.max() >= N else pages.min())
             raise ValueError(f"block_table: sequence {b} points at page {page} outside [0, num_pages={N})")
         _check_one_writer(bt, h_len, total, P)
     return total
+
+
+def _at_most(x: np.ndarray, cap: int) -> np.ndarray:
+    """x as int64 with its values above ``cap`` (≥ 0) made ``cap``: an integer array of
+    any dtype, uint64 past int64's range included."""
+    if x.dtype == np.uint64:
+        x = np.minimum(x, np.uint64(cap))
+    return np.minimum(x.astype(np.int64), cap)
 
 
 def _check_one_writer(bt: np.ndarray, h_len: np.ndarray, total: np.ndarray, P: int) -> None:
