@@ -363,7 +363,7 @@ def _check_values(lengths: Any, added: Any, capacity: int, block_table: Any, N: 
             pages = raw_bt[b][used[b]]
             page = int(pages.max() if pages.max() >= N else pages.min())
             raise ValueError(f"block_table: sequence {b} points at page {page} outside [0, num_pages={N})")
-        _check_one_writer(bt, h_len, total, P)
+        _check_writes(bt, used, h_len, total, P)
     return total
 
 
@@ -375,25 +375,45 @@ def _at_most(x: np.ndarray, cap: int) -> np.ndarray:
     return np.minimum(x.astype(np.int64), cap)
 
 
-def _check_one_writer(bt: np.ndarray, h_len: np.ndarray, total: np.ndarray, P: int) -> None:
-    """No two new keys of a paged append in one slot (sequences that share a page, a
-    common prefix ending in a part-filled page, and append to it: one key would
-    overwrite the other)."""
+def _check_writes(bt: np.ndarray, used: np.ndarray, h_len: np.ndarray, total: np.ndarray, P: int) -> None:
+    """No new key of a paged append in a slot that another entry of the table reads:
+    sequences sharing a page (a common prefix, a forked beam) whose append lands in a
+    slot the other sees — as its own new key (two writers: one key would overwrite the
+    other) or as an old key (it would read the other's key in place of its own) — or a
+    table that lists a page twice. ``used`` (B, max_pages): the entries the sequences'
+    keys after the append span. An append past a shared prefix's keys, into slots no
+    other sequence reads, passes."""
     new = total - h_len
     m = int(new.max(initial=0))
-    if m == 0 or h_len.size < 2:
+    if m == 0:
         return
+    held = np.sort(bt[used])
+    if not (held[1:] == held[:-1]).any():               # no page held twice: nothing shared
+        return
+    written = bt[used & (np.arange(bt.shape[1]) >= (h_len // P)[:, None]) & (new > 0)[:, None]]
+    if (np.searchsorted(held, written, "right") - np.searchsorted(held, written, "left") == 1).all():
+        return                                           # the pages written to: held by their writers alone
     pages, at, taken = new_key_places(h_len, m, new, bt, P, np.arange)
-    slots = (pages * P + at)[taken].tolist()
-    if len(set(slots)) == len(slots):
+    seq = np.nonzero(taken)[0]
+    wp, ws = pages[taken], at[taken]
+    wj = ((h_len[:, None] + np.arange(m)) // P)[taken]  # each new key's entry in its row
+    ub, uj = np.nonzero(used)
+    up = bt[ub, uj]
+    near = np.isin(up, wp)                               # the entries holding a page written to
+    ec, ej, ep = ub[near], uj[near], up[near]
+    reads = ws[:, None] < (total[ec] - ej * P)[None, :]  # entry e sees slot ws[i] of its page
+    bad = (wp[:, None] == ep[None, :]) & reads & ~((seq[:, None] == ec[None, :]) & (wj[:, None] == ej[None, :]))
+    if not bad.any():
         return
-    seq, first = np.nonzero(taken)[0], dict[int, int]()
-    for i, x in enumerate(slots):
-        if x in first:
-            raise ValueError(f"block_table: sequences {seq[first[x]]} and {seq[i]} append into the same slot "
-                             f"({x % P} of page {x // P}): a page sequences share takes no new keys (copy it to "
-                             "a page of its own first; padding rows append nothing with q_lengths 0)")
-        first[x] = i
+    i, e = (int(x) for x in np.argwhere(bad)[0])
+    b, c, slot, page = int(seq[i]), int(ec[e]), int(ws[i]), int(wp[i])
+    writes = c != b and bool(((seq == c) & (wp == page) & (ws == slot)).any())
+    what = (f"sequences {min(b, c)} and {max(b, c)} append into the same slot ({slot} of page {page})" if writes
+            else f"sequence {b} appends into slot {slot} of page {page}, which sequence {c} reads as its key "
+                 f"{int(ej[e]) * P + slot}" if b != c
+            else f"sequence {b} appends into slot {slot} of page {page}, which its row lists twice")
+    raise ValueError(f"block_table: {what}: a page sequences share takes no new keys (copy it to a page of its own "
+                     "first; padding rows append nothing with q_lengths 0)")
 
 
 def new_key_places(lengths: Any, L_new: int, new_lengths: Any, table: Any, P: int,
