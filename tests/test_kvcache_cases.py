@@ -342,3 +342,80 @@ def test_a_float_length_is_named_as_not_an_integer(lib):
         q = pytest.importorskip("torch").from_numpy(q)
     with pytest.raises(TypeError, match=r"^cache_lengths: expected integers, got 3.0$"):
         attnkit.attention_kvcache(q, q, q, 3.0)
+
+
+def test_set_length_takes_exactly_the_room_its_pages_hold():
+    """set_length(seq, n) accepts n equal to the room (pages * page_size), the bound of
+    its [0, room] range: reserve two pages of 2, write 4 keys with a call of one's own,
+    count all 4 (kills `count < room`)."""
+    rng = np.random.default_rng(0)
+    cache = attnkit.PagedCache(num_pages=4, page_size=2, kv_heads=1, head_dim=3, dtype="float64")
+    s = cache.add_sequence()
+    cache.reserve(s, 4)
+    assert cache.block_table([s]).shape == (1, 2)
+    k, v = rng.standard_normal((1, 1, 4, 3)), rng.standard_normal((1, 1, 4, 3))
+    q = rng.standard_normal((1, 1, 4, 3))
+    attnkit.attention_kvcache(q, cache.k, cache.v, cache.lengths([s]), block_table=cache.block_table([s]),
+                              k_new=k, v_new=v)
+    cache.set_length(s, 4)                               # the whole room: allowed
+    assert cache.length(s) == 4 and cache.block_table([s]).shape == (1, 2)
+    q1 = rng.standard_normal((1, 1, 1, 3))
+    out = cache.attend(q1, s)                            # attends over the 4 keys written
+    assert np.allclose(out, attnkit.attention(q1, k, v), atol=1e-12)
+
+
+def test_set_length_to_the_current_length_keeps_reserved_pages():
+    """set_length with the length a sequence already holds changes nothing: pages
+    reserve took ahead stay with the sequence (only fewer keys return pages), so a
+    call of one's own can still write into them (kills `count <= length`)."""
+    cache = attnkit.PagedCache(num_pages=6, page_size=2, kv_heads=1, head_dim=1, dtype="float64")
+    s = cache.add_sequence()
+    x = np.ones((1, 1, 3, 1))
+    cache.attend(x, s, k_new=x, v_new=x)                 # 3 keys: 2 pages
+    cache.reserve(s, 4)                                  # room for 7: 4 pages
+    table = cache.block_table([s]).tolist()
+    assert len(table[0]) == 4
+    cache.set_length(s, 3)                               # no change
+    assert cache.length(s) == 3 and cache.block_table([s]).tolist() == table
+
+
+def test_paged_cache_names_a_negative_q_length_as_q_lengths():
+    """A negative q_lengths entry through PagedCache.attend is attention_kvcache's to
+    name (ValueError starting 'q_lengths'), not the page count's 'n:' error; nothing
+    is reserved or appended (kills dropping the clip to [0, n] in _appended)."""
+    cache = attnkit.PagedCache(num_pages=4, page_size=2, kv_heads=1, head_dim=2, dtype="float64")
+    seqs = [cache.add_sequence() for _ in range(2)]
+    x = np.ones((2, 1, 2, 2))
+    with pytest.raises(ValueError, match="^q_lengths"):
+        cache.attend(x, seqs, k_new=x, v_new=x, q_lengths=np.array([-1, 2]))
+    assert [cache.length(s) for s in seqs] == [0, 0] and (cache.block_table(seqs) == -1).all()   # no page taken
+
+
+def test_set_length_returns_pages_so_regrowing_takes_them_back_in_order():
+    """Pages set_length returns go back to the pool like free's and a refused attend's
+    (the lowest page handed out first): dropping drafts and regrowing gives the
+    sequence its old block table again (kills dropping `reversed` in set_length)."""
+    cache = attnkit.PagedCache(num_pages=6, page_size=2, kv_heads=1, head_dim=1, dtype="float64")
+    s = cache.add_sequence()
+    x = np.ones((1, 1, 7, 1))
+    cache.attend(x, s, k_new=x, v_new=x)                 # 7 keys: pages 0..3
+    before = cache.block_table([s]).tolist()
+    assert before == [[0, 1, 2, 3]]
+    cache.set_length(s, 2)                               # keeps page 0, returns 1, 2, 3
+    assert cache.block_table([s]).tolist() == [[0]]
+    cache.reserve(s, 5)
+    assert cache.block_table([s]).tolist() == before
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_block_table_with_the_wrong_number_of_rows_is_named(rows):
+    """A block table needs one row per sequence of q: 1 or 3 rows for a batch of 2 is a
+    ValueError naming block_table and q's batch, and the cache is left as it was
+    (kills dropping the `block_table.shape[0] != B` check)."""
+    q = np.ones((2, 1, 1, 2))
+    kc, vc = np.zeros((4, 1, 2, 2)), np.zeros((4, 1, 2, 2))
+    new = np.ones((2, 1, 1, 2))
+    table = np.arange(rows * 2).reshape(rows, 2) % 4
+    with pytest.raises(ValueError, match=r"^block_table: expected 2 rows \(q's batch\)"):
+        attnkit.attention_kvcache(q, kc, vc, np.array([1, 1]), block_table=table, k_new=new, v_new=new)
+    assert not kc.any() and not vc.any()
