@@ -206,43 +206,71 @@ def test_two_sequences_appending_into_one_slot_are_refused(lib, lengths, q_lengt
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 @pytest.mark.parametrize("table,lengths,q_lengths,message", [
     ([[5, 1], [5, 2]], [3, 4], None, "sequence 0 appends into slot 3 of page 5, which sequence 1 reads as its key 3"),
-    ([[5, 5]], [5], None, "sequence 0 appends into slot 1 of page 5, which its row lists twice"),
+    ([[5, 5]], [5], None, "sequence 0 appends into slot 1 of page 5, which its row also lists for its key 1, "
+                          "still in view"),
     ([[5, 1], [5, 2]], [4, 4], None, None),              # a whole page shared: the appends go to pages of their own
     ([[5, 1], [5, 2]], [3, 3], [1, 0], None),            # a slot of the shared page that only sequence 0 sees
-], ids=["another reads it", "a page listed twice", "shared, appends apart", "past a shared prefix"])
+    ([[5, 1, 5]], [9], dict(window=(3, 0)), None),        # a ring of pages: keys 0-3 out of the window's view
+    ([[5, 1, 5]], [9], dict(window=(8, 0)), "sequence 0 appends into slot 1 of page 5, which its row also lists for "
+                                            "its key 1, still in view"),
+    ([[5, 1], [5, 2]], [3, 5], dict(kv_starts=np.array([0, 4])), None),   # a shared padding page under kv_starts
+    ([[5, 1], [5, 2]], [3, 5], dict(kv_starts=np.array([0, 3])),
+     "sequence 0 appends into slot 3 of page 5, which sequence 1 reads as its key 3"),
+], ids=["another reads it", "a page listed twice", "shared, appends apart", "past a shared prefix", "ring, window",
+        "ring, window too wide", "padding page, kv_starts", "kv_starts too low"])
 def test_an_append_into_a_slot_another_entry_reads_is_refused(lib, table, lengths, q_lengths, message):
     """A page two sequences share (a common prefix, a forked beam): an append into a
     slot the other reads as an old key would answer it with this sequence's key, as a
     row that lists one page twice would answer itself. A ValueError names block_table,
     the slot and the reader, on the first call of a signature and on a repeated one,
     and no key changes. Appends that no other sequence sees pass, each sequence
-    attending to its own keys."""
+    attending to its own keys; so do appends over keys out of every row's view (a
+    ring of pages under a window, a padding page shared under kv_starts). A dict in
+    place of q_lengths: the call's other keywords."""
     B = len(table)
     k, v = RNG(1).standard_normal((6, 1, 4, 2)), RNG(2).standard_normal((6, 1, 4, 2))
     q, new = RNG(3).standard_normal((B, 2, 1, 2)), np.full((B, 1, 1, 2), 9.0)
-    kw = {} if q_lengths is None else dict(q_lengths=np.array(q_lengths))
+    kw = q_lengths if isinstance(q_lengths, dict) else {} if q_lengths is None else dict(q_lengths=np.array(q_lengths))
+    q_lengths = None if isinstance(q_lengths, dict) else q_lengths
     before = [k.copy(), v.copy()]
-    args = [q, k, v, np.array(lengths), np.array(table), new]
+    args, call_kw = [q, k, v, np.array(lengths), np.array(table), new], kw
     if lib == "torch":
         torch = pytest.importorskip("torch")
         args = [torch.from_numpy(x) for x in args]
-        kw = {n: torch.from_numpy(x) for n, x in kw.items()}
+        call_kw = {n: torch.from_numpy(x) if isinstance(x, np.ndarray) else x for n, x in kw.items()}
     tq, tk, tv, n, tt, tn = args
     if message is None:
-        out = np.asarray(attnkit.attention_kvcache(tq, tk, tv, n, block_table=tt, k_new=tn, v_new=tn, **kw))
+        out = np.asarray(attnkit.attention_kvcache(tq, tk, tv, n, block_table=tt, k_new=tn, v_new=tn, **call_kw))
         for b, row in enumerate(table):
             total = lengths[b] + (1 if q_lengths is None else q_lengths[b])
             keys, values = (np.concatenate([c[p] for p in row], axis=1)[None, :, :total] for c in (k, v))
             appended = total > lengths[b]                # (a sequence with q_lengths 0: no rows, no key)
             assert not appended or keys[0, 0, total - 1].tolist() == [9.0, 9.0]
-            want = attnkit.attention(q[b:b + 1], keys, values) if appended else np.zeros((1, 2, 1, 2))
+            seen = {n: x[b:b + 1] if n == "kv_starts" else x for n, x in kw.items() if n != "q_lengths"}
+            want = attnkit.attention(q[b:b + 1], keys, values, **seen) if appended else np.zeros((1, 2, 1, 2))
             assert max_error(out[b:b + 1], want) < 1e-12
         assert np.array_equal(k[5], before[0][5]) == (lengths[0] == 4)   # the shared page: only 0's slot 3 written
         return
     for _ in range(2):                                   # (the full check, then the kept one)
-        with pytest.raises(ValueError, match=rf"^block_table: {re.escape(message)}: a page sequences share"):
-            attnkit.attention_kvcache(tq, tk, tv, n, block_table=tt, k_new=tn, v_new=tn, **kw)
+        with pytest.raises(ValueError, match=rf"^block_table: {re.escape(message)}: "):
+            attnkit.attention_kvcache(tq, tk, tv, n, block_table=tt, k_new=tn, v_new=tn, **call_kw)
         assert np.array_equal(k, before[0]) and np.array_equal(v, before[1])
+
+
+def test_a_ring_of_pages_is_read_by_its_first_query_rows_view():
+    """A row's view starts at the lowest key any of its rows sees: two new keys into a
+    ring of one page (keys 5 and 6 over the slots of keys 1 and 2) under a window of 3
+    are refused, as the first query row (position 5) still sees key 2; a window of 2
+    leaves keys 1 and 2 out of both rows' view, and the call is written."""
+    k, v = RNG(1).standard_normal((6, 1, 4, 2)), RNG(2).standard_normal((6, 1, 4, 2))
+    q, new = RNG(3).standard_normal((1, 2, 2, 2)), np.full((1, 1, 2, 2), 9.0)
+    table, before = np.array([[5, 5]]), k.copy()
+    with pytest.raises(ValueError, match=r"^block_table: sequence 0 appends into slot 2 of page 5, which its row "
+                                         r"also lists for its key 2, still in view"):
+        attnkit.attention_kvcache(q, k, v, np.array([5]), block_table=table, k_new=new, v_new=new, window=(3, 0))
+    assert np.array_equal(k, before)
+    attnkit.attention_kvcache(q, k, v, np.array([5]), block_table=table, k_new=new, v_new=new, window=(2, 0))
+    assert k[5, 0, 1:3].tolist() == [[9.0, 9.0]] * 2
 
 
 def test_set_length_rolls_back_drafts_and_counts_keys_written_by_a_call_of_ones_own():
