@@ -216,7 +216,7 @@ def half_caches(repeats: int) -> None:
         runs[dt, "contiguous"] = lambda q=q, kc=kc, vc=vc: attnkit.attention_kvcache(q, kc, vc, lengths)
         runs[dt, "paged"] = lambda q=q, kp=kp, vp=vp: attnkit.attention_kvcache(q, kp, vp, lengths, block_table=table)
     with torch.no_grad():
-        times = {n: min(t) for n, t in interleaved(runs, repeats, gap_s=0.05, settle=True).items()}
+        times = {n: min(t) for n, t in interleaved(runs, repeats, gap_s=0.005, settle=True).items()}
     print(f"\n- half-precision caches of {S} slots / a pool of {pages} pages, 30–60 keys in use (B={B}, H={Hq}/{Hk}, "
           f"D={Dh}, torch CPU tensors; no target): " + "; ".join(
               f"{kind} float16 {times['float16', kind] * 1e3:.2f} ms, bfloat16 {times['bfloat16', kind] * 1e3:.2f} ms,"
