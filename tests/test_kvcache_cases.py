@@ -205,7 +205,7 @@ def test_two_sequences_appending_into_one_slot_are_refused(lib, lengths, q_lengt
 
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 @pytest.mark.parametrize("table,lengths,q_lengths,message", [
-    ([[5, 1], [5, 2]], [3, 4], None, "sequence 0 appends into slot 3 of page 5, which sequence 1 reads as its key 3"),
+    ([[5, 1], [5, 2]], [3, 4], None, "sequence 0 appends into slot 3 of page 5, which sequence 1 holds as its key 3"),
     ([[5, 5]], [5], None, "sequence 0 appends into slot 1 of page 5, which its row also lists for its key 1, "
                           "still in view"),
     ([[5, 1], [5, 2]], [4, 4], None, None),              # a whole page shared: the appends go to pages of their own
@@ -215,7 +215,7 @@ def test_two_sequences_appending_into_one_slot_are_refused(lib, lengths, q_lengt
                                             "its key 1, still in view"),
     ([[5, 1], [5, 2]], [3, 5], dict(kv_starts=np.array([0, 4])), None),   # a shared padding page under kv_starts
     ([[5, 1], [5, 2]], [3, 5], dict(kv_starts=np.array([0, 3])),
-     "sequence 0 appends into slot 3 of page 5, which sequence 1 reads as its key 3"),
+     "sequence 0 appends into slot 3 of page 5, which sequence 1 holds as its key 3"),
 ], ids=["another reads it", "a page listed twice", "shared, appends apart", "past a shared prefix", "ring, window",
         "ring, window too wide", "padding page, kv_starts", "kv_starts too low"])
 def test_an_append_into_a_slot_another_entry_reads_is_refused(lib, table, lengths, q_lengths, message):

@@ -441,7 +441,7 @@ def _check_writes(spec: Spec, bt: np.ndarray, used: np.ndarray, h_len: np.ndarra
         raise ValueError(f"block_table: sequence {b_} appends into {where}, which its row also lists for its key "
                          f"{key}, still in view: a row lists a page again only once the keys it holds there are "
                          "out of view (under a window or kv_starts)")
-    what = (f"sequence {b_} appends into {where}, which sequence {c_} reads as its key {key}" if key < h_len[c_]
+    what = (f"sequence {b_} appends into {where}, which sequence {c_} holds as its key {key}" if key < h_len[c_]
             else f"sequences {min(b_, c_)} and {max(b_, c_)} append into the same slot ({at_slot} of page {pg})")
     raise ValueError(f"block_table: {what}: a page sequences share takes no new keys (copy it to a page of its own "
                      "first; padding rows append nothing with q_lengths 0)")
