@@ -179,3 +179,37 @@ def test_the_append_takes_every_integer_dtype_validation_takes(dtype, lib):
         results.append([np.asarray(x) for x in (out, args[1], args[2])])
     for a, b in zip(*results):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_a_kept_call_with_q_lengths_and_kv_starts_reads_this_calls_arrays(paged):
+    """Calls with q_lengths and kv_starts are kept by those arrays' values: a repeated
+    call reads its own arrays, not the first call's (changed in place since: their
+    old values would be attended with), and checks each kv_starts against the lengths
+    after this call's append (a first key past them: kv_starts' error, nothing
+    written)."""
+    rng = RNG(31)
+    k, v, table = caches(paged, rng)
+    q = rng.standard_normal((2, 2, 2, 4))
+    new = dict(k_new=rng.standard_normal((2, 1, 2, 4)), v_new=rng.standard_normal((2, 1, 2, 4)))
+    kw = {} if table is None else dict(block_table=table)
+    first_q, first_s = np.array([2, 1]), np.array([1, 3])
+    kvspec._SEEN.clear()
+    attnkit.attention_kvcache(q, k.copy(), v.copy(), np.array([5, 9]), q_lengths=first_q, kv_starts=first_s,
+                              causal=True, **kw, **new)
+    first_q[:], first_s[:] = [1, 2], [0, 0]              # the first call's arrays, changed in place
+    kc, vc = k.copy(), v.copy()
+    got = attnkit.attention_kvcache(q, kc, vc, np.array([5, 9]), q_lengths=np.array([2, 1]),
+                                    kv_starts=np.array([1, 3]), causal=True, **kw, **new)
+    kvspec._SEEN.clear()
+    kc2, vc2 = k.copy(), v.copy()
+    want = attnkit.attention_kvcache(q, kc2, vc2, np.array([5, 9]), q_lengths=np.array([2, 1]),
+                                     kv_starts=np.array([1, 3]), causal=True, **kw, **new)
+    assert np.array_equal(got, want) and np.array_equal(kc, kc2) and np.array_equal(vc, vc2)
+    attnkit.attention_kvcache(q, kc, vc, np.array([5, 9]), q_lengths=np.array([2, 1]),
+                              kv_starts=np.array([1, 3]), causal=True, **kw, **new)     # kept again
+    before = kc.copy()
+    with pytest.raises(ValueError, match=r"^kv_starts: sequence 1 starts at key 3, past"):
+        attnkit.attention_kvcache(q, kc, vc, np.array([5, 1]), q_lengths=np.array([2, 1]),
+                                  kv_starts=np.array([1, 3]), causal=True, **kw, **new)
+    assert np.array_equal(kc, before)

@@ -24,7 +24,18 @@ import numpy as np
 from .core import Spec, as_int, dtype_name, is_torch
 from .geometry import dense_row_bounds
 from .options import BY_NAME, NAMES, unexpected
-from .validate import FLOAT_DTYPES, as_array, check_lengths, compiling, dtype_kind, host_ints, signature, validate
+from .validate import (
+    FLOAT_DTYPES,
+    as_array,
+    check_lengths,
+    check_sequence_lengths,
+    compiling,
+    dtype_kind,
+    geometry_key,
+    host_ints,
+    signature,
+    validate,
+)
 
 
 @dataclass(frozen=True)
@@ -147,6 +158,7 @@ def _one_per_sequence(x: Any, B: int, q: Any, want_torch: bool, name: str = "cac
 # step, and the full checks cost a small model's step (B = 4, 8 heads, 64 slots) 140 µs
 _SEEN: dict[tuple[Any, ...], tuple[Spec, int, dict[Any, Any]]] = {}
 _SEEN_MAX = 256
+_KEYED_ARRAYS = frozenset(("q_lengths", "kv_starts"))
 _UNKEYED = object()
 
 
@@ -168,15 +180,25 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
         _check_grad(q, k_cache, v_cache, k_new, v_new, want_torch)
         _check_writable(k_cache, v_cache, L_new, want_torch)
         lengths = _one_per_sequence(cache_lengths, spec.batch[0], q, want_torch)
-        total, shared = _check_values(lengths, L_new, capacity, block_table, int(k_cache.shape[0]),
+        q_lengths, starts = options.get("q_lengths"), options.get("kv_starts")
+        ragged = q_lengths is not None and L_new > 0
+        added = host_ints("q_lengths", q_lengths).astype(np.int64) if ragged else L_new
+        total, shared = _check_values(lengths, added, capacity, block_table, int(k_cache.shape[0]),
                                       int(k_cache.shape[2]))
         total_arr = total if not want_torch else _torch_ints(total, q)
-        spec = spec.replace(q=q, kv_lengths=total_arr, chosen=spec.chosen)
+        arrays = {}
+        if q_lengths is not None or starts is not None:  # values in the key; each first key checked
+            checked = check_sequence_lengths(            # against the lengths after the append again
+                dict(q_lengths=q_lengths, kv_lengths=total_arr, kv_starts=starts), want_torch, spec.batch, spec.L,
+                spec.S, {})
+            arrays = dict(q_lengths=checked[0], kv_starts=checked[2])
+        spec = spec.replace(q=q, kv_lengths=total_arr, chosen=spec.chosen, **arrays)
         if shared is not None:
             _check_writes(spec, *shared, total, int(k_cache.shape[2]))
         return KVCall(spec=spec, k_cache=k_cache,
                       v_cache=v_cache, cache_lengths=lengths, lengths=total_arr, block_table=block_table,
-                      page_size=int(k_cache.shape[2]), k_new=k_new, v_new=v_new, memo=memo)
+                      page_size=int(k_cache.shape[2]), k_new=k_new, v_new=v_new, memo=memo,
+                      new_lengths=arrays["q_lengths"] if ragged else None)
     kv = _validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, backend, options)
     if key is not None:
         if len(_SEEN) >= _SEEN_MAX:
@@ -191,13 +213,20 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
 def _signature(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block_table: Any, k_new: Any,
                v_new: Any, backend: str, options: dict) -> tuple[Any, ...] | None:
     """The key under which a call's structural checks are kept (:data:`_SEEN`):
-    :func:`~attnkit.spec.validate.signature` of q and the caches with no array keyword
-    (q_lengths, sinks or alibi_slopes: the full checks), then the caches' key lengths
-    and the other arguments' types, dtypes, shapes (and devices); None for any other
-    call (lists, mixed or nested arrays, torch.compile tracing)."""
+    :func:`~attnkit.spec.validate.signature` of q and the caches, the values of
+    q_lengths and kv_starts where given (host arrays of at most GEOMETRY_MAX: the
+    checks of their own values are then kept too), then the caches' key lengths and the
+    other arguments' types, dtypes, shapes (and devices); None for any other call
+    (lists, mixed or nested arrays, sinks or alibi_slopes arrays, torch.compile
+    tracing)."""
     key, arrays = signature(q, k_cache, v_cache, backend, True, options)
-    if key is None or arrays:
+    if key is None:
         return None
+    if arrays:                                           # q_lengths, kv_starts: by their values
+        values = geometry_key(options)                   # (a serving loop repeats them)
+        if values is None or not _KEYED_ARRAYS.issuperset(values[::2]):
+            return None
+        key += values
     parts = tuple(_part(x) for x in (cache_lengths, block_table, k_new, v_new))
     if _UNKEYED in parts:
         return None
