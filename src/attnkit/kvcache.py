@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .spec.core import as_int
-from .spec.kvcache import KVCall, check_paged_attend, check_paged_config, new_key_places, sequence_ids
+from .spec.kvcache import KVCall, check_paged_attend, check_paged_config, new_key_places, sequence_ids, used_entries
 from .spec.validate import host_ints
 
 
@@ -137,7 +137,7 @@ def compact(kv: KVCall) -> KVCall:
     upcast, the flash rung's copy of a pool strided along D), the pages in use only."""
     table = host_ints("block_table", kv.block_table).astype(np.int64)
     lengths = host_ints("lengths", kv.lengths).astype(np.int64)
-    used = np.arange(table.shape[1]) < -(-lengths // kv.page_size)[:, None]
+    used = used_entries(lengths, table.shape[1], kv.page_size, np.arange)
     pages, index = np.unique(table[used], return_inverse=True)
     renumbered = np.zeros_like(table)
     renumbered[used] = index
@@ -160,8 +160,7 @@ def gather(kv: KVCall) -> tuple[Any, Any]:
         return kv.k_cache, kv.v_cache
     bt = kv.block_table                                  # (B, max_pages)
     # entries past the pages a sequence uses may hold anything: read page 0 there
-    used = (kv.lengths.reshape(-1, 1) + kv.page_size - 1) // kv.page_size
-    bt = bt * (_xp_arange(bt, bt.shape[1]).reshape(1, -1) < used)
+    bt = bt * used_entries(kv.lengths, bt.shape[1], kv.page_size, lambda n: _xp_arange(bt, n))
     out = []
     for cache in (kv.k_cache, kv.v_cache):
         g = cache[bt]                                    # (B, max_pages, Hkv, P, D)

@@ -395,7 +395,7 @@ def _check_values(lengths: Any, added: Any, capacity: int, block_table: Any, N: 
     if block_table is not None:
         raw_bt = host_ints("block_table", block_table)
         bt = _at_most(raw_bt, N)
-        used = np.arange(bt.shape[1]) < -(-total // P)[:, None]     # the pages each sequence touches
+        used = used_entries(total, bt.shape[1], P, np.arange)        # the pages each sequence touches
         outside = used & ((bt < 0) | (bt >= N))
         if outside.any():
             b = int(np.flatnonzero(outside.any(axis=1))[0])
@@ -474,6 +474,13 @@ def _check_writes(spec: Spec, bt: np.ndarray, used: np.ndarray, h_len: np.ndarra
             else f"sequences {min(b_, c_)} and {max(b_, c_)} append into the same slot ({at_slot} of page {pg})")
     raise ValueError(f"block_table: {what}: a page sequences share takes no new keys (copy it to a page of its own "
                      "first; padding rows append nothing with q_lengths 0)")
+
+
+def used_entries(lengths: Any, width: int, P: int, arange: Any) -> Any:
+    """Boolean (B, width): the block-table entries that sequences of ``lengths`` keys
+    span in pages of P keys (entries past them are never followed and may hold
+    anything). ``lengths`` is an int array of one library, ``arange(n)`` its."""
+    return arange(width).reshape(1, -1) < (lengths.reshape(-1, 1) + P - 1) // P
 
 
 def new_key_places(lengths: Any, L_new: int, new_lengths: Any, table: Any, P: int,
