@@ -100,7 +100,7 @@ def same(a, b):
 
 
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
-@pytest.mark.parametrize("kind", ["contiguous", "paged", "append", "one int", "masks"])
+@pytest.mark.parametrize("kind", ["contiguous", "paged", "append", "one int", "masks", "terms"])
 def test_the_kept_check_gives_the_full_checks_call(kind, lib):
     """The second call of a signature (kept) returns the call the full check makes of
     the same arguments: every field, the Spec's too, equal and of the same types."""
@@ -111,9 +111,12 @@ def test_the_kept_check_gives_the_full_checks_call(kind, lib):
     if kind == "append":
         args.update(NEW)
     opts = dict(causal=True, window=(2, 0), softcap=3.0, scale=0.5) if kind == "masks" else {}
+    if kind == "terms":
+        opts = dict(sinks=np.array([0.5, -1.0]), alibi_slopes=np.array([[0.25, 0.5]]), causal=True)
     if lib == "torch":
         torch = pytest.importorskip("torch")
         args = {n: None if x is None else torch.from_numpy(np.asarray(x)) for n, x in args.items()}
+        opts = {n: torch.from_numpy(x) if isinstance(x, np.ndarray) else x for n, x in opts.items()}
     if kind == "one int":
         args["cache_lengths"] = 7
     kvspec._SEEN.clear()
@@ -213,3 +216,49 @@ def test_a_kept_call_with_q_lengths_and_kv_starts_reads_this_calls_arrays(paged)
         attnkit.attention_kvcache(q, kc, vc, np.array([5, 1]), q_lengths=np.array([2, 1]),
                                   kv_starts=np.array([1, 3]), causal=True, **kw, **new)
     assert np.array_equal(kc, before)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_a_kept_call_with_sinks_and_slopes_reads_this_calls_values(lib):
+    """Sinks and ALiBi slopes key a call by dtype and shape alone (a model's learned
+    sinks: a torch Parameter): a repeated call attends with its own values, not the
+    first call's (changed in place since), in every shape they may take."""
+    rng = RNG(32)
+    k, v, table = caches(True, rng)
+    q = rng.standard_normal((2, 2, 1, 4))
+    sinks, slopes = np.array([0.5, -1.0]), np.array([[0.25, 0.5], [1.0, 0.0]])
+    wrap, lengths = np.array, np.array([9, 30])
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        q, k, v, table, lengths = (torch.from_numpy(x) for x in (q, k, v, table, lengths))
+        wrap = lambda x: torch.nn.Parameter(torch.from_numpy(np.array(x)), requires_grad=False)  # noqa: E731
+    for first in (dict(sinks=sinks), dict(sinks=sinks[0]), dict(alibi_slopes=slopes),
+                  dict(sinks=sinks, alibi_slopes=slopes[1])):
+        kvspec._SEEN.clear()
+        kw = {n: wrap(x) for n, x in first.items()}
+        attnkit.attention_kvcache(q, k, v, lengths, block_table=table, causal=True, **kw)
+        for x in kw.values():
+            x[...] = 7.0                                 # the first call's arrays, changed in place
+        kw = {n: wrap(2 * x - 0.5) for n, x in first.items()}      # this call's: other values
+        got = attnkit.attention_kvcache(q, k, v, lengths, block_table=table, causal=True, **kw)
+        assert len(kvspec._SEEN) == 1
+        kvspec._SEEN.clear()
+        want = attnkit.attention_kvcache(q, k, v, lengths, block_table=table, causal=True, **kw)
+        assert np.array_equal(np.asarray(got), np.asarray(want)), first
+
+
+def test_a_kept_call_refuses_sinks_that_would_get_no_gradient():
+    """attention_kvcache is forward only: sinks that require grad while grad is on are
+    refused (their gradient would silently be lost), kept call or not; under
+    torch.no_grad() they run."""
+    torch = pytest.importorskip("torch")
+    q, kc = torch.zeros(2, 2, 1, 4), torch.zeros(2, 1, 40, 4)
+    sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0]))
+    lengths = torch.tensor([3, 5])
+    kvspec._SEEN.clear()
+    for _ in range(2):
+        with pytest.raises(TypeError, match="^sinks: attention_kvcache is forward only"):
+            attnkit.attention_kvcache(q, kc, kc, lengths, sinks=sinks)
+        with torch.no_grad():
+            attnkit.attention_kvcache(q, kc, kc, lengths, sinks=sinks)
+    assert len(kvspec._SEEN) == 1

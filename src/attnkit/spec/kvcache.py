@@ -159,6 +159,7 @@ def _one_per_sequence(x: Any, B: int, q: Any, want_torch: bool, name: str = "cac
 _SEEN: dict[tuple[Any, ...], tuple[Spec, int, dict[Any, Any]]] = {}
 _SEEN_MAX = 256
 _KEYED_ARRAYS = frozenset(("q_lengths", "kv_starts"))
+_READ_ARRAYS = ("sinks", "alibi_slopes")   # keyed by dtype and shape, read afresh every call
 _UNKEYED = object()
 
 
@@ -177,7 +178,7 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
         spec, capacity, memo = seen
         want_torch = type(q) is not np.ndarray
         L_new = 0 if k_new is None else int(k_new.shape[-2])
-        _check_grad(q, k_cache, v_cache, k_new, v_new, want_torch)
+        _check_grad(q, k_cache, v_cache, k_new, v_new, want_torch, options)
         _check_writable(k_cache, v_cache, L_new, want_torch)
         lengths = _one_per_sequence(cache_lengths, spec.batch[0], q, want_torch)
         q_lengths, starts = options.get("q_lengths"), options.get("kv_starts")
@@ -192,6 +193,9 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
                 dict(q_lengths=q_lengths, kv_lengths=total_arr, kv_starts=starts), want_torch, spec.batch, spec.L,
                 spec.S, {})
             arrays = dict(q_lengths=checked[0], kv_starts=checked[2])
+        for n in _READ_ARRAYS:                           # this call's values, in the kept shape
+            if options.get(n) is not None:
+                arrays[n] = options[n].reshape(getattr(spec, n).shape)
         spec = spec.replace(q=q, kv_lengths=total_arr, chosen=spec.chosen, **arrays)
         if shared is not None:
             _check_writes(spec, *shared, total, int(k_cache.shape[2]))
@@ -217,14 +221,14 @@ def _signature(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block_tab
     q_lengths and kv_starts where given (host arrays of at most GEOMETRY_MAX: the
     checks of their own values are then kept too), then the caches' key lengths and the
     other arguments' types, dtypes, shapes (and devices); None for any other call
-    (lists, mixed or nested arrays, sinks or alibi_slopes arrays, torch.compile
-    tracing)."""
+    (lists, mixed or nested arrays, torch.compile tracing). Sinks and ALiBi slopes enter
+    by dtype and shape alone: no check reads their values."""
     key, arrays = signature(q, k_cache, v_cache, backend, True, options)
     if key is None:
         return None
     if arrays:                                           # q_lengths, kv_starts: by their values
-        values = geometry_key(options)                   # (a serving loop repeats them)
-        if values is None or not _KEYED_ARRAYS.issuperset(values[::2]):
+        values = geometry_key({n: x for n, x in options.items() if n not in _READ_ARRAYS})   # (a serving
+        if values is None or not _KEYED_ARRAYS.issuperset(values[::2]):                 # loop repeats them)
             return None
         key += values
     parts = tuple(_part(x) for x in (cache_lengths, block_table, k_new, v_new))
@@ -279,7 +283,7 @@ def _validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, bl
             raise ValueError(f"{name}: expected a tensor on q's device {q.device}, got {c.device}")
     if dtype_name(q) not in FLOAT_DTYPES:
         raise TypeError(f"q: expected a float dtype {FLOAT_DTYPES}, got {dtype_name(q)}")
-    _check_grad(q, k_cache, v_cache, k_new, v_new, want_torch)
+    _check_grad(q, k_cache, v_cache, k_new, v_new, want_torch, options)
     N, Hkv, P, Dk = (int(n) for n in k_cache.shape)
     Dv = int(v_cache.shape[-1])
     if Dk != D:
@@ -345,12 +349,15 @@ def _validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, bl
                   block_table=block_table, page_size=P, k_new=k_new, v_new=v_new, new_lengths=new_lengths)
 
 
-def _check_grad(q: Any, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any, want_torch: bool) -> None:
-    """No tensor that requires grad while grad is enabled (forward only)."""
+def _check_grad(q: Any, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any, want_torch: bool,
+                options: dict) -> None:
+    """No tensor that requires grad while grad is enabled (forward only): sinks too,
+    whose gradient attention gives (a model's learned sinks, outside torch.no_grad())."""
     if want_torch:
         import torch
         grad = [n for n, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
-                               ("v_new", v_new)) if getattr(x, "requires_grad", False)]
+                               ("v_new", v_new), *((n, options.get(n)) for n in _READ_ARRAYS))
+                if getattr(x, "requires_grad", False)]
         if grad and torch.is_grad_enabled():
             raise TypeError(f"{', '.join(grad)}: attention_kvcache is forward only (no autograd); call it "
                             "under torch.no_grad() or pass tensors that do not require grad")
