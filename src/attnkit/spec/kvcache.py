@@ -356,8 +356,9 @@ def _check_grad(q: Any, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any, want
     if want_torch:
         import torch
         grad = [n for n, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
-                               ("v_new", v_new), *((n, options.get(n)) for n in _READ_ARRAYS))
-                if getattr(x, "requires_grad", False)]
+                               ("v_new", v_new)) if getattr(x, "requires_grad", False)]
+        grad += [n for n in _READ_ARRAYS if options.get(n) is not None and is_torch(options[n])
+                 and options[n].requires_grad]           # (an array of another library: named later)
         if grad and torch.is_grad_enabled():
             raise TypeError(f"{', '.join(grad)}: attention_kvcache is forward only (no autograd); call it "
                             "under torch.no_grad() or pass tensors that do not require grad")

@@ -234,8 +234,8 @@ def signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
     scalars: tuple[Any, ...] = ()
     for name, x in options.items():                      # arrays, numbers for array keywords,
         if x is not None and name in _TENSOR_SET:        # tuples, NumPy scalars...
-            if type(x) is not type(q) and not (lib is not np and isinstance(x, type(q))):   # (a Parameter
-                return None, True                                                         # is a tensor)
+            if type(x) is not type(q) and not (lib is not np and type(x) is lib.nn.Parameter):   # (a
+                return None, True                                                      # model's sinks)
             arrays += (name, x.dtype, x.shape) if lib is np else (name, x.dtype, x.shape, x.device, x.layout)
         else:
             scalars += (name, _typed(x)) if isinstance(x, (tuple, list)) else (name, type(x), x)
