@@ -3,6 +3,8 @@ checks of its structure (attnkit.spec.kvcache._SEEN) — and still refuses bad l
 bad pages and bad state (grad, a read-only or broadcast cache) with the full check's
 error, the cache untouched; its validated call is the full check's."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -262,3 +264,31 @@ def test_a_kept_call_refuses_sinks_that_would_get_no_gradient():
         with torch.no_grad():
             attnkit.attention_kvcache(q, kc, kc, lengths, sinks=sinks)
     assert len(kvspec._SEEN) == 1
+
+
+def test_a_kept_signature_does_not_hold_the_first_calls_sinks():
+    """The kept check holds the sinks' shape alone: the first call's array (a view of a
+    large tensor, say) is freed with the caller's last reference."""
+    torch = pytest.importorskip("torch")
+    import gc
+    import weakref
+    q, kc = torch.zeros(2, 4, 1, 8), torch.zeros(2, 2, 16, 8)
+    big = torch.nn.Parameter(torch.randn(1000, 4), requires_grad=False)
+    held = weakref.ref(big)
+    kvspec._SEEN.clear()
+    attnkit.attention_kvcache(q, kc, kc, torch.tensor([5, 9]), sinks=big[0])
+    del big
+    gc.collect()
+    assert len(kvspec._SEEN) == 1 and held() is None
+
+
+def test_nested_sinks_are_named_not_a_crash():
+    torch = pytest.importorskip("torch")
+    q, kc = torch.zeros(2, 4, 1, 8), torch.zeros(2, 2, 16, 8)
+    with warnings.catch_warnings():                      # (torch: nested tensors are a prototype)
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(2)], layout=torch.strided)
+    for call in (lambda: attnkit.attention_kvcache(q, kc, kc, torch.tensor([5, 9]), sinks=nested),
+                 lambda: attnkit.attention(q, kc, kc, sinks=nested)):
+        with pytest.raises(TypeError, match="^sinks: expected a dense tensor, got a nested tensor"):
+            call()

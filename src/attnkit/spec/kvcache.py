@@ -209,7 +209,11 @@ def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, 
             _SEEN.clear()
         capacity = kv.page_size * (1 if block_table is None else int(block_table.shape[1]))
         memo = {}
-        _SEEN[key] = (kv.spec.replace(q=None, kv_lengths=None, chosen={}), capacity, memo)   # (select's memo)
+        # sinks and slopes by their shapes alone (each call reads its own: the first's not
+        # held); memo: select's
+        shapes = {n: np.broadcast_to(np.float32(0), getattr(kv.spec, n).shape)
+                  for n in _READ_ARRAYS if getattr(kv.spec, n) is not None}
+        _SEEN[key] = (kv.spec.replace(q=None, kv_lengths=None, chosen={}, **shapes), capacity, memo)
         kv = replace(kv, memo=memo)
     return kv
 

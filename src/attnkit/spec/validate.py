@@ -228,14 +228,14 @@ def signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
     lib = _library(q, k, v, need_v)
     if lib is None:
         return None, False
-    ks = k.shape
-    vs = v.shape if need_v else ks
+    ks, vs = k.shape, (v.shape if need_v else k.shape)
     arrays: tuple[Any, ...] = ()
     scalars: tuple[Any, ...] = ()
     for name, x in options.items():                      # arrays, numbers for array keywords,
         if x is not None and name in _TENSOR_SET:        # tuples, NumPy scalars...
-            if type(x) is not type(q) and not (lib is not np and type(x) is lib.nn.Parameter):   # (a
-                return None, True                                                      # model's sinks)
+            if type(x) is not type(q) and not (lib is not np and type(x) is lib.nn.Parameter) or \
+                    lib is not np and x.is_nested:       # (a model's sinks; nested: the full check's)
+                return None, True
             arrays += (name, x.dtype, x.shape) if lib is np else (name, x.dtype, x.shape, x.device, x.layout)
         else:
             scalars += (name, _typed(x)) if isinstance(x, (tuple, list)) else (name, type(x), x)
