@@ -477,3 +477,22 @@ def test_a_unit_the_team_left_undone_is_not_taken_for_a_result():
             st(k), o.ctypes.data, st(o), 0, np.float32(1), np.float32(0), 0, 0, *runtime.native_team(2))
     assert numba_small.small_rows_at(*args, idle.address) == 2
     assert numba_small.small_rows_at(*args, numba_small.small_units.address) == 0
+
+
+def test_a_sinks_parameter_is_read_at_every_call_with_its_gradient():
+    """A model's learned sinks (a Parameter) reuse validate's check as a plain tensor
+    does: every call reads their current values and gives their gradient (the
+    reference rung, on a plain copy, is the oracle)."""
+    q, k, v = _qkv("torch", 16)
+    sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    for step in range(3):
+        with torch.no_grad():
+            sinks.add_(0.75)                             # an optimiser's step, in place
+        sinks.grad = None
+        out = attnkit.attention(q, k, v, sinks=sinks, causal=True)
+        out.square().sum().backward()
+        plain = sinks.detach().clone().requires_grad_()
+        want = attnkit.attention(q, k, v, sinks=plain, causal=True, backend="reference")
+        want.square().sum().backward()
+        assert (out - want).abs().max() <= 1e-5, step
+        assert (sinks.grad - plain.grad).abs().max() <= 1e-4, step
