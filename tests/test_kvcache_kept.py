@@ -224,7 +224,7 @@ def test_a_kept_call_with_q_lengths_and_kv_starts_reads_this_calls_arrays(paged)
 def test_a_kept_call_with_sinks_and_slopes_reads_this_calls_values(lib):
     """Sinks and ALiBi slopes key a call by dtype and shape alone (a model's learned
     sinks: a torch Parameter): a repeated call attends with its own values, not the
-    first call's (changed in place since), in every shape they may take."""
+    first call's (changed in place since): per head, one for all, per sequence and head."""
     rng = RNG(32)
     k, v, table = caches(True, rng)
     q = rng.standard_normal((2, 2, 1, 4))
