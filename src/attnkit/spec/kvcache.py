@@ -230,9 +230,9 @@ def _signature(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block_tab
     key, arrays = signature(q, k_cache, v_cache, backend, True, options)
     if key is None:
         return None
-    if arrays:                                           # q_lengths, kv_starts: by their values
-        values = geometry_key({n: x for n, x in options.items() if n not in _READ_ARRAYS})   # (a serving
-        if values is None or not _KEYED_ARRAYS.issuperset(values[::2]):                 # loop repeats them)
+    if arrays:                                           # q_lengths, kv_starts: by their values (a
+        values = geometry_key({n: x for n, x in options.items() if n not in _READ_ARRAYS})   # serving loop
+        if values is None or not _KEYED_ARRAYS.issuperset(values[::2]):                 # repeats them)
             return None
         key += values
     parts = tuple(_part(x) for x in (cache_lengths, block_table, k_new, v_new))
@@ -355,8 +355,9 @@ def _validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, bl
 
 def _check_grad(q: Any, k_cache: Any, v_cache: Any, k_new: Any, v_new: Any, want_torch: bool,
                 options: dict) -> None:
-    """No tensor that requires grad while grad is enabled (forward only): sinks too,
-    whose gradient attention gives (a model's learned sinks, outside torch.no_grad())."""
+    """No tensor that requires grad while grad is enabled (forward only): sinks and
+    slopes too (attention gives the sinks' gradient; a model's learned sinks run under
+    torch.no_grad())."""
     if want_torch:
         import torch
         grad = [n for n, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
