@@ -18,7 +18,8 @@ the ratios. Then a
 transformers tiny Llama greedy generation (prompt 32, 20 new tokens) with
 attn_implementation="attnkit" against "sdpa" on one model switched between them (best of
 --generate-rounds), and "sdpa" timed again as a control (the ratio two identical
-providers get in the same run: the noise); then the same with left-padded prompts.
+providers get in the same run: the noise); then the same with left-padded prompts; then a
+tiny gpt-oss (learned sinks, sliding-window layers) against "eager", its CPU peer.
 Before it, a small model's decoding step in a loop of one's own (attention_kvcache
 against torch's index writes and SDPA), and half-precision caches far larger than
 their keys against float32 ones.
@@ -115,6 +116,7 @@ def main(argv=None) -> int:
         half_caches(args.repeats)
     if torch is not None and not args.no_generate:
         failures += generate(args.generate_rounds)
+        sinks_generate(args.generate_rounds)
     print("\nmisses:", ", ".join(failures) if failures else "none")
     return 0
 
@@ -282,6 +284,41 @@ def generate(rounds: int) -> list[str]:
           f" ms, sdpa {pb['sdpa'] * 1e3:.0f} ms: {pb['sdpa'] / pb['attnkit']:.2f}×, same tokens: "
           f"{torch.equal(tokens['sdpa', True], tokens['attnkit', True])}")
     return [] if ratio >= TARGETS["generate vs sdpa"] and same else ["generate vs sdpa"]
+
+
+def sinks_generate(rounds: int) -> None:
+    """A tiny gpt-oss, greedy (B=4, prompt 32, 20 new tokens): learned sinks (``s_aux``)
+    in every layer, sliding-window layers (window 16, on transformers' sliding cache)
+    between full ones. Its peer is "eager": transformers' gpt-oss has no sdpa. The
+    same model switched between the two, as :func:`generate`. No target."""
+    import torch
+    import transformers
+
+    import attnkit.hf
+    attnkit.hf.register()
+    cfg = transformers.GptOssConfig(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                                    num_key_value_heads=2, head_dim=32, intermediate_size=256, num_local_experts=4,
+                                    num_experts_per_tok=2, max_position_embeddings=256, sliding_window=16,
+                                    layer_types=["sliding_attention", "full_attention"] * 2)
+    ids = torch.randint(1, 512, (4, 32), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    tokens = {}
+
+    def run(name):
+        with torch.no_grad():
+            tokens[name] = model.generate(input_ids=ids, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                                          pad_token_id=0)
+    model.set_attn_implementation("attnkit")
+    calls = hf_calls(lambda: run("attnkit"))
+    assert calls == 4 * 20, f"attnkit's attention ran {calls} times in a generate, not 80"
+    two = ("eager", "attnkit")
+    times = interleaved({n: (lambda n=n: run(n)) for n in two}, rounds, gap_s=0.3, settle=True,
+                        prepare={n: (lambda n=n: model.set_attn_implementation(n)) for n in two})
+    best = {n: min(t) for n, t in times.items()}
+    print(f"- tiny gpt-oss greedy generate, sinks and sliding layers (B=4, prompt 32, 20 new tokens, best of "
+          f"{rounds}; no target): attnkit {best['attnkit'] * 1e3:.0f} ms, eager {best['eager'] * 1e3:.0f} ms: "
+          f"{best['eager'] / best['attnkit']:.2f}×, same tokens: {torch.equal(tokens['eager'], tokens['attnkit'])}")
 
 
 if __name__ == "__main__":

@@ -185,6 +185,27 @@ def test_generate_with_a_cache_matches_sdpa(name):
     assert all(torch.equal(o, outs[-1]) for o in outs[:-1])
 
 
+def test_gpt_oss_decoding_steps_give_eagers_logits(calls):
+    """gpt-oss decoding (float32, no padding): sinks as ``s_aux`` and sliding layers on
+    a sliding cache, whose one-row window mask the attention function reads as none;
+    each step's logits are eager's. On the small rung each layer's step after the first
+    runs its kept call (sinks read in place): the calls reaching attention are the
+    prefill's and the first step's."""
+    assert transformers.GptOssConfig(num_hidden_layers=2).layer_types == ["sliding_attention", "full_attention"]
+    ids, _ = batch(2)
+    outs = []
+    for impl in ("eager", "attnkit"):
+        with torch.no_grad():
+            outs.append(decoder("gpt_oss", impl, torch.float32).generate(
+                input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                return_dict_in_generate=True))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert max((a - b).abs().max() for a, b in zip(outs[0].logits, outs[1].logits)) <= 1e-5
+    assert all(c.get("sinks") is not None for c in calls)
+    assert sum(c.get("keep") is not None for c in calls) == 1      # the prefill's sliding layer only
+    assert len(calls) == (2 * 2 if backends.SMALL_TOTAL else 2 * 6)
+
+
 def test_sink_parameters_get_eager_gradients():
     ids, mask = batch()
     grads = []
@@ -465,7 +486,9 @@ def test_models_without_attention_backends_get_eager_masks(name):
 def test_sparse_attention_indexers_choose_the_keys(name):
     """DeepSeek-V3.2-style layers pass the indexer's top-k keys per query as
     ``indices`` to every implementation but eager and sdpa (which get them folded into
-    the mask): attnkit folds them the same way (top 4 of up to 12 keys here)."""
+    the mask): attnkit folds them the same way (top 4 of up to 12 keys here). Their
+    indexer reads the 4-D mask itself, decoding steps' too: generation gives sdpa's
+    tokens."""
     cfg = transformers.AutoConfig.for_model(
         name, vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
@@ -473,13 +496,17 @@ def test_sparse_attention_indexers_choose_the_keys(name):
         qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1, head_dim=8, index_n_heads=2, index_head_dim=16,
         index_topk=4)
     ids, mask = batch(2, 12)
-    outs = []
+    outs, tokens = [], []
     for impl in ("sdpa", "attnkit"):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl,
                                                               experts_implementation="eager").double().eval()
         outs.append(logits(model, input_ids=ids, attention_mask=mask))
+        with torch.no_grad():
+            tokens.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                                         pad_token_id=0))
     assert (outs[0] - outs[1])[mask.bool()].abs().max() <= 1e-10
+    assert torch.equal(tokens[0], tokens[1])
 
 
 def test_a_block_sparse_indexer_chooses_the_key_blocks():

@@ -409,8 +409,9 @@ def _team_or_skip():
 
 
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window=(9, 0), softcap=2.0),
-                                dict(window=(5, 5), scale=0.3), dict(causal=True, inf_key=True)],
-                         ids=["causal", "causal window, softcap", "window both ways", "an inf key"])
+                                dict(window=(5, 5), scale=0.3), dict(causal=True, inf_key=True),
+                                dict(causal=True, sinks=True)],
+                         ids=["causal", "causal window, softcap", "window both ways", "an inf key", "sinks per row"])
 def test_a_kept_small_prefill_runs_its_units_on_torchs_team_with_the_same_bits(monkeypatch, kw):
     """A kept small call of TEAM_WORK or more (a short prefill of a small model: 4 × 8
     heads on 2 kv heads, 32 × 32, transformers' heads-inner q) runs its (batch element,
@@ -425,6 +426,10 @@ def test_a_kept_small_prefill_runs_its_units_on_torchs_team_with_the_same_bits(m
     k, v = (torch.randn(4, 2, 32, 32, generator=gen) for _ in range(2))
     if kw.pop("inf_key", False):
         k[1, 0, 5, 3] = float("inf")                        # −inf and NaN scores: the rows' key by key path
+    if kw.pop("sinks", False):                              # each row's own, read by the team's threads
+        kw["sinks"] = torch.randn(4, 8, 32, generator=gen)
+        kw["sinks"][1, 3, :4] = float("-inf")
+    sinks = kw.get("sinks")
     teams, regions = [], []
     real = runtime.native_team
 
@@ -441,17 +446,19 @@ def test_a_kept_small_prefill_runs_its_units_on_torchs_team_with_the_same_bits(m
     assert kept is not None and not teams
     for n in (2, 1, 2):
         with flash.threads(n):
-            got = api.run_kept(kept, q, k, v, True)
+            got = api.run_kept(kept, q, k, v, True, sinks)
         assert got is not None
         assert torch.equal(got[0].nan_to_num(7.0), want.nan_to_num(7.0))
         assert torch.equal(got[1].nan_to_num(7.0), want_lse.nan_to_num(7.0))
     assert teams == [2, 1, 2] and regions == [2, 2] and small.TEAM_WORK <= 4 * 2 * 4 * 32 * 32 * 64
     step = (q[:, :, :1], k, v)                              # a decoding step: one query row
+    if sinks is not None:
+        kw["sinks"] = sinks[..., :1]
     attnkit.attention(*step, **kw)
     attnkit.attention(*step, **kw)
     assert teams == [2, 1, 2]
     with flash.threads(torch.get_num_threads() + 1):      # more than torch's team: capped to it
-        assert api.run_kept(kept, q, k, v, False) is not None
+        assert api.run_kept(kept, q, k, v, False, sinks) is not None
     assert regions[2:] == [min(torch.get_num_threads(), 8)]
 
 
@@ -474,7 +481,7 @@ def test_a_unit_the_team_left_undone_is_not_taken_for_a_result():
     def st(x):
         return tuple(s // 4 for s in x.strides)
     args = ((1, 2, 1, 8), 2, 4, q.ctypes.data, q.shape, st(q), k.ctypes.data, k.shape, st(k), k.ctypes.data, k.shape,
-            st(k), o.ctypes.data, st(o), 0, np.float32(1), np.float32(0), 0, 0, *runtime.native_team(2))
+            st(k), o.ctypes.data, st(o), 0, np.float32(1), np.float32(0), 0, 0, 0, (0, 0, 0), *runtime.native_team(2))
     assert numba_small.small_rows_at(*args, idle.address) == 2
     assert numba_small.small_rows_at(*args, numba_small.small_units.address) == 0
 
@@ -496,3 +503,77 @@ def test_a_sinks_parameter_is_read_at_every_call_with_its_gradient():
         want.square().sum().backward()
         assert (out - want).abs().max() <= 1e-5, step
         assert (sinks.grad - plain.grad).abs().max() <= 1e-4, step
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("shape", [(4,), (), (1, 4, 1), (2, 4, 2), (4, 2), "strided"])
+def test_a_kept_call_with_sinks_reads_each_calls_sinks(lib, shape, monkeypatch):
+    """Sinks are keyed by dtype and shape: a repeat (keys growing, new sink values,
+    −inf, +inf and NaN among them) runs without validation and gives the full path's
+    bits; torch sinks are read in place (a Parameter too), NumPy's in their normal
+    form, and torch sinks not C-ordered (a strided view) take the full path."""
+    rng = np.random.default_rng(5)
+
+    def sinks(i):
+        s = np.asarray(rng.standard_normal((8,) if shape == "strided" else shape) * 2, dtype=np.float32)
+        if s.ndim and i == 2:
+            s.reshape(-1)[:3] = (-np.inf, np.inf, np.nan)
+        if shape == "strided":
+            return s[::2] if lib == "numpy" else torch.from_numpy(s)[::2]
+        return s if lib == "numpy" else torch.nn.Parameter(torch.from_numpy(s))
+    kw, declines = dict(causal=True), shape == "strided" and lib == "torch"
+    real = api.run_kept
+    with torch.no_grad():
+        attnkit.attention(*_qkv(lib, 7, L=2, seed=1), sinks=sinks(0), **kw)
+        assert len(api._KEPT) == 1
+        for i, S in enumerate((9, 10, 17), 1):
+            q, k, v = _qkv(lib, S, L=2, seed=S)
+            s = sinks(i)
+            ran = []
+            with monkeypatch.context() as m:
+                if not declines:
+                    m.setattr(api, "validate", _refuse)
+                m.setattr(api, "run_kept", lambda *a, **o: ran.append(real(*a, **o)) or ran[-1])
+                got = attnkit.attention(q, k, v, return_lse=True, sinks=s, **kw)
+            assert (ran[0] is None) == declines
+            api._KEPT.clear()
+            want = attnkit.attention(q, k, v, return_lse=True, sinks=s, **kw)       # the full path
+            for g, w in zip(got, want):
+                assert type(g) is type(w) and np.array_equal(_np(g), _np(w), equal_nan=True), (i, S)
+
+
+def test_a_transformers_layer_keeps_its_call_with_sinks(monkeypatch):
+    """gpt-oss hands its learned sinks over as ``s_aux``: a layer's repeat runs its kept
+    call, which reads the sinks at every call (an optimiser's in-place step shows), with
+    attention's bits; the same layer without ``s_aux`` takes the full path."""
+    from attnkit import hf
+    hf._LAYERS.clear()
+    layer, real = _Layer(), api.attention
+    s_aux = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    with torch.no_grad():
+        hf.attention_forward(layer, *_qkv("torch", 7), None, scaling=0.5, s_aux=s_aux)
+        for S in (8, 12):
+            s_aux.add_(0.75)
+            q, k, v = _qkv("torch", S, seed=S)
+            with monkeypatch.context() as m:
+                m.setattr(api, "attention", _refuse)
+                got, _ = hf.attention_forward(layer, q, k, v, None, scaling=0.5, s_aux=s_aux)
+            api._KEPT.clear()
+            assert torch.equal(got, real(q, k, v, scale=0.5, sinks=s_aux).transpose(1, 2))
+        calls = []
+        monkeypatch.setattr(api, "attention", lambda *a, **o: calls.append(1) or real(*a, **o))
+        q, k, v = _qkv("torch", 9, seed=3)
+        got, _ = hf.attention_forward(layer, q, k, v, None, scaling=0.5)
+        assert calls == [1] and torch.equal(got, real(q, k, v, scale=0.5).transpose(1, 2))
+
+
+def test_a_kept_call_with_sinks_declines_under_vmap_over_them():
+    """torch.vmap over the sinks alone: the kept call (q, k, v plain) declines before it
+    reads the sinks' memory (a batched tensor has none); the full path maps them."""
+    q, k, v = _qkv("torch", 7)
+    sinks = torch.randn(3, 4)
+    with torch.no_grad():
+        attnkit.attention(q, k, v, sinks=sinks[0])
+    assert len(api._KEPT) == 1
+    got = torch.vmap(lambda s: attnkit.attention(q, k, v, sinks=s))(sinks)
+    assert torch.equal(got, torch.stack([attnkit.attention(q, k, v, sinks=s) for s in sinks]))

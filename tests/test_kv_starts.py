@@ -234,7 +234,7 @@ def test_a_kept_call_declines_fewer_keys_than_a_first_key():
     def run(S):
         out = torch.empty(2, 4, 1, 8)
         return call(q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), S,
-                    out.data_ptr(), out.stride(), 0), out
+                    out.data_ptr(), out.stride(), 0, 0), out
 
     ok, out = run(16)
     want = attnkit.attention(q, k[:, :, :16], v[:, :, :16], kv_starts=torch.tensor([3, 12]), backend="reference")

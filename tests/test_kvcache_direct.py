@@ -57,7 +57,8 @@ def full_path(*args, **kw):
 
 
 OPTIONS = [{}, dict(causal=True), dict(causal=True, window=(3, 0)), dict(softcap=2.0, scale=0.3),
-           dict(causal=True, align="top_left")]
+           dict(causal=True, align="top_left"), dict(causal=True, sinks=torch.linspace(-1.0, 2.0, H)),
+           dict(window=(3, 0), sinks=torch.tensor([[[0.5]], [[-np.inf]], [[3.0]]]))]    # per sequence
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(o) or "plain")

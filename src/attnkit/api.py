@@ -64,8 +64,8 @@ def _head_unsqueeze(two_d: bool, x: Any, tail: int) -> Any:
 # scalar keywords; lengths and offsets by value) while the key length stays where
 # select makes the same choice (the flash rung's: that key length alone, see _keep),
 # under the settings select read then (backends.settings). A kept call
-# ``call(q, k, v, need_lse) -> (out, lse or None)`` may decline (None): then the call
-# takes the full path.
+# ``call(q, k, v, need_lse[, sinks]) -> (out, lse or None)`` (sinks, keyed by dtype and
+# shape, read at every call) may decline (None): then the call takes the full path.
 _KEPT: dict[tuple[Any, ...], tuple[Callable[[Any, Any, Any, bool], Any], int, int, tuple[Any, ...]]] = {}
 _KEPT_MAX = 256
 _ONCE: set[tuple[Any, ...]] = set()        # keys seen once, to keep the second time (_keep)
@@ -73,7 +73,7 @@ _ONCE: set[tuple[Any, ...]] = set()        # keys seen once, to keep the second 
 
 def kept_call(q: Any, k: Any, v: Any, backend: str, masking: Any) -> tuple[Any, Any]:
     """(the call's key, the call kept for it or None); (None, None) for other array
-    types, array keywords other than lengths and offsets, or an unhashable keyword.
+    types, array keywords other than lengths, offsets and sinks, or an unhashable keyword.
     The key is validate's signature, with the lengths' and offsets' values
     (:func:`~attnkit.spec.validate.geometry_key`). (Also the transformers hook's,
     which keeps a layer's call: :mod:`attnkit.hf`.)"""
@@ -81,7 +81,7 @@ def kept_call(q: Any, k: Any, v: Any, backend: str, masking: Any) -> tuple[Any, 
     if key is None:
         return None, None
     if arrays:
-        values = geometry_key(masking)
+        values = geometry_key(masking, ("sinks",))
         if values is None:
             return None, None
         key += values
@@ -94,13 +94,13 @@ def kept_call(q: Any, k: Any, v: Any, backend: str, masking: Any) -> tuple[Any, 
         return None, None
 
 
-def run_kept(kept: Any, q: Any, k: Any, v: Any, need_lse: bool) -> Any:
-    """A kept call on q, k, v of the signature it was kept for: (out, lse or None), or
-    None where their key length or the settings left those it was kept under, or where
-    the call declines (the caller then takes the full path)."""
+def run_kept(kept: Any, q: Any, k: Any, v: Any, need_lse: bool, sinks: Any = None) -> Any:
+    """A kept call on q, k, v (and sinks) of the signature it was kept for: (out, lse or
+    None), or None where their key length or the settings left those it was kept under,
+    or where the call declines (the caller then takes the full path)."""
     S = k.shape[-2]
     if kept[1] <= S <= kept[2] and v.shape[-2] == S and backends.settings() == kept[3]:
-        return kept[0](q, k, v, need_lse)
+        return kept[0](q, k, v, need_lse) if sinks is None else kept[0](q, k, v, need_lse, sinks)
     return None
 
 
@@ -177,7 +177,7 @@ def attention(q: Any, k: Any, v: Any, *, return_lse: bool = False, return_weight
     if return_weights is False and type(return_lse) is bool:
         key, kept = kept_call(q, k, v, backend, masking)
         if kept is not None:
-            direct = run_kept(kept, q, k, v, return_lse)
+            direct = run_kept(kept, q, k, v, return_lse, masking.get("sinks"))
             if direct is not None:
                 return direct if return_lse else direct[0]
     check_flags(return_lse=return_lse, return_weights=return_weights)
@@ -360,9 +360,9 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
     """
     check_flags(return_lse=return_lse)
     if compiling():                  # torch.compile: one op, checked and run when the graph runs
-        from .torch import op
-        out, lse = op.kvcache_traced(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, backend,
-                                     dict(masking))
+        from .torch import kvcache_op
+        out, lse = kvcache_op.kvcache_traced(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new,
+                                             backend, dict(masking))
         return (out, lse) if return_lse else out
     kv = validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
                           v_new=v_new, backend=backend, **masking)

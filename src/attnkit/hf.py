@@ -23,7 +23,9 @@ How the model's arguments map:
   cut off (keys, and T5's position bias, up to the tokens so far; a causal layer's
   mask over more slots is cut to them, one over fewer padded). Every other mask
   (sliding windows, image-token or prefix patterns) is transformers' own boolean SDPA
-  mask (True = attend) passed as ``keep``; a float mask is ``bias``. The window of a
+  mask (True = attend) passed as ``keep`` — but one query row's (a decoding step's),
+  which says only which keys it sees, is read as the 2-D padding mask (or none:
+  :func:`_one_row`) —; a float mask is ``bias``. The window of a
   layer is the one in its mask (a ``sliding_window`` keyword alone, as OLMoE passes
   it with a plain causal mask, changes nothing — as for sdpa and eager).
 - Models (and towers of composite models) that support neither transformers'
@@ -84,8 +86,9 @@ HANDLED = frozenset({"is_causal", "softcap", "s_aux", "sinks", "position_bias", 
 _KNOWN = HARMLESS | HANDLED
 # keywords that, without a mask, leave the call as causality and scale make it (a
 # sliding_window alone changes nothing: see the module's doc; position_ids only with a
-# packed mask)
+# packed mask); with s_aux, the calls a layer keeps (gpt-oss's sinks: read every call)
 _COMMON = HARMLESS | {"is_causal", "position_ids", "sliding_window"}
+_KEPT_KEYWORDS = _COMMON | {"s_aux"}
 
 
 def _torch_required() -> Any:
@@ -164,6 +167,30 @@ def _padded(mask: Any, square: bool) -> tuple[dict[str, Any], tuple[Any, ...] | 
     if version is not None:
         _LAST_PADDING[0] = (weakref.ref(mask), version, square, res, token)
     return res, token
+
+
+# the last one-row mask read by _one_row: (weak reference, version, what it says)
+_LAST_ROW: list[Any] = [None]
+
+
+def _one_row(mask: Any) -> Any:
+    """A decoding step's boolean mask (B, 1, 1, S) — transformers builds a sliding
+    layer's even when its window holds every key of the sliding cache — as what it
+    says: the keys its one row sees, a 2-D padding mask, or None for all (the call is
+    then kept as an unmasked one). Read once per mask and version (a step's sliding
+    layers share it); a float mask is returned as it is. Here, not in the mask builder:
+    some models read the 4-D mask (DeepSeek-V3.2's indexer, Doge, Falcon's ALiBi)."""
+    if mask.dtype is not _torch_required().bool:
+        return mask
+    version = None if mask.is_inference() else mask._version
+    last = _LAST_ROW[0]
+    if version is not None and last is not None and last[0]() is mask and last[1] == version:
+        return last[2]
+    keys = mask[:, 0, 0, :]
+    res = None if bool(keys.all()) else keys
+    if version is not None:
+        _LAST_ROW[0] = (weakref.ref(mask), version, res)
+    return res
 
 
 _TRUSTED: dict[type, bool] = {}
@@ -378,12 +405,13 @@ def _keep_layer(module: Any, layer: tuple[Any, ...], query: Any, key: Any, value
     _LAYERS[id(module)] = (kept_now + others)[:LAYER_SIGNATURES]
 
 
-def _rerun(module: Any, layer: tuple[Any, ...], query: Any, key: Any, value: Any) -> Any:
+def _rerun(module: Any, layer: tuple[Any, ...], query: Any, key: Any, value: Any, sinks: Any) -> Any:
     """out (B, L, H, Dv) of the call the layer kept for scalars ``layer`` and tensors
-    of its signature, or None (none kept, or it declines: the full path)."""
+    of its signature (sinks: s_aux, or None), or None (none kept, or it declines: the
+    full path)."""
     for scalars, same, kept in _LAYERS.get(id(module), ()):
         if scalars == layer and same(query, key, value):
-            direct = api.run_kept(kept, query, key, value, False)
+            direct = api.run_kept(kept, query, key, value, False, sinks)
             return None if direct is None else direct[0].transpose(1, 2).contiguous()
     return None
 
@@ -418,29 +446,35 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     records attentions.
     """
     L = query.shape[-2]
+    if L == 1 and attention_mask is not None and attention_mask.dim() == 4 and kwargs.keys() <= _KEPT_KEYWORDS \
+            and attention_mask.shape[:3] == (query.shape[0], 1, 1) and not _compiling():
+        attention_mask = _one_row(attention_mask)
     causal = layer_causal(module, kwargs)
     S_all = key.shape[-2]
     want = bool(kwargs.get("output_attentions")) or _recording_attentions()
     layer = None
     # the layer's scalars (types too: a kept call skips attention's checks of them)
-    scalars = (type(scaling), scaling, float(dropout or 0.0), causal)
-    if attention_mask is None and kwargs.keys() <= _COMMON:   # most calls (every decoding step): in few steps
+    sinks = kwargs.get("s_aux")
+    scalars = (type(scaling), scaling, float(dropout or 0.0), causal, sinks is None)
+    if attention_mask is None and kwargs.keys() <= _KEPT_KEYWORDS:   # most calls (every decoding step)
         if not want and not _compiling():
             layer = scalars
-            out = _rerun(module, layer, query, key, value)
+            out = _rerun(module, layer, query, key, value, sinks)
             if out is not None:
                 return out, None
         opts: dict[str, Any] = dict(scale=scaling, dropout=scalars[2], **_no_mask(causal, L))
+        if sinks is not None:
+            opts["sinks"] = sinks
     else:
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] == S_all \
                 and not want and kwargs.get("sliding_window") is None and not _compiling() \
-                and all(n in _COMMON or x is None for n, x in kwargs.items()):
+                and all(n in _KEPT_KEYWORDS or x is None for n, x in kwargs.items()):
             # a padding mask that _options turns into kv_lengths, kv_starts (or nothing):
             # kept as the calls without a mask, what _padded says in the layer's key
             token = _padded(attention_mask, L == S_all)[1]
             if token is not None:
                 layer = (*scalars, *token)
-                out = _rerun(module, layer, query, key, value)
+                out = _rerun(module, layer, query, key, value, sinks)
                 if out is not None:
                     return out, None
         key, value, opts = _options(query, key, value, attention_mask, scaling, dropout, causal, kwargs,

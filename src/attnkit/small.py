@@ -59,7 +59,7 @@ from .flash.forward import finish
 from .flash.kernels import for_dtype
 from .flash.plan import unit_rows
 from .nonfinite import all_finite, quiet
-from .spec import Spec
+from .spec import Spec, dtype_name
 from .spec import geometry as geo
 
 name = "small"
@@ -74,15 +74,18 @@ def not_supported_reasons(spec: Spec) -> list[str]:
     return r
 
 
-def _sink_state(spec: Spec, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+def _sink_state(spec: Spec, dtype: Any, sinks: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Each row's running (max, sum) before its keys, rows in (..., H, L) order: the
-    sink is one more score with value 0 (its exp joins the sum, not the output)."""
+    sink is one more score with value 0 (its exp joins the sum, not the output).
+    ``sinks``: this call's, in the normal form of spec's (a kept call's; else spec's)."""
     shape = spec.lse_shape
-    if spec.sinks is None:
+    sinks = spec.sinks if sinks is None else sinks
+    if sinks is None:
         return np.full(shape, -np.inf, dtype=dtype).ravel(), np.zeros(shape, dtype=dtype).ravel()
-    m = np.array(np.broadcast_to(np.asarray(spec.sinks, dtype=dtype), shape)).ravel()
+    m = np.array(np.broadcast_to(np.asarray(sinks, dtype=dtype), shape)).ravel()
     shift = np.where(m == -np.inf, 0.0, m)
-    return m, np.exp(m - shift).astype(dtype)          # a +inf or NaN sink: NaN
+    with quiet():                                      # (no warning: the NaN rule's NaN)
+        return m, np.exp(m - shift).astype(dtype)      # a +inf or NaN sink: NaN
 
 
 # each row's key bounds by the call's geometry, for calls without lengths (a prefill
@@ -131,21 +134,22 @@ def streams(spec: Spec, kern: Any, S: int | None = None) -> bool:
             and spec.drop is None and spec.alibi_slopes is None and spec.dropout == 0)
 
 
-def streams_alone(spec: Spec, S: int | None = None) -> bool:
+def streams_alone(spec: Spec, S: int | None = None, sinks: bool = False) -> bool:
     """Whether the call streams with q, k and v its only arrays (no sinks, no lengths;
     kv_starts, which only moves the rows' bounds, read as NumPy reads the caller's
     array): then a caller holding q, k, v in another array library passes NumPy views
     of them (the torch op's full path) or their addresses (its kept call,
-    :func:`direct_at`)."""
-    return (spec.sinks is None and spec.q_lengths is None and spec.kv_lengths is None and not spec.packed
-            and streams(spec, for_dtype(spec.acc_dtype), S))
+    :func:`direct_at`). ``sinks``: sinks allowed too (a kept call reads each call's)."""
+    return ((sinks or spec.sinks is None) and spec.q_lengths is None and spec.kv_lengths is None
+            and not spec.packed and streams(spec, for_dtype(spec.acc_dtype), S))
 
 
-def streamer(spec: Spec) -> Callable[[Any, Any, Any], tuple[np.ndarray, np.ndarray]]:
+def streamer(spec: Spec) -> Callable[..., tuple[np.ndarray, np.ndarray]]:
     """A decoding-like call (:func:`streams`) of spec's options and sizes, prepared:
     ``call(q, k, v) -> (out (..., H, L, Dv), lse (..., H, L))``, float32 C-ordered, on
     these q, k, v (NumPy arrays; the Spec's are not read, its sinks and lengths are; the
-    key length is k's) in one compiled call over every batch element and head
+    key length is k's; ``call(q, k, v, sinks)``: these sinks, in the normal form of
+    spec's) in one compiled call over every batch element and head
     (flash.numba_small.small_rows), finished there. What :func:`direct` keeps."""
     N, A, R, Dv, batch = prod(spec.batch), spec.Hkv, spec.group * spec.L, spec.Dv, spec.batch
     out_shape, lse_shape = spec.out_shape, spec.lse_shape
@@ -156,8 +160,12 @@ def streamer(spec: Spec) -> Callable[[Any, Any, Any], tuple[np.ndarray, np.ndarr
     bounded = spec.has_index_mask or spec.varlen
     kernel = for_dtype("float32").small_rows
 
-    def call(q: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
+    def call(q: Any, k: Any, v: Any, sinks: Any = None) -> tuple[np.ndarray, np.ndarray]:
         lo = hi = _NO_BOUNDS
+        if sinks is not None:
+            m_, l_ = (x.reshape(N, A * R) for x in _sink_state(spec, np.float32, sinks))
+        else:
+            m_, l_ = m, l
         if bounded:
             S = k.shape[-2]
             lo, hi = (x.reshape(N, A * R) for x in _row_bounds(spec if S == spec.S else spec.replace(S=S)))
@@ -165,7 +173,7 @@ def streamer(spec: Spec) -> Callable[[Any, Any, Any], tuple[np.ndarray, np.ndarr
         lse = np.empty(lse_shape, dtype=np.float32)
         # rows of unit stride, as the kernel reads them (its sums take one order whatever
         # the other strides: the same bits for any layout)
-        kernel(_heads(q, batch, N, A), _heads(k, batch, N, A), _heads(v, batch, N, A), scale, softcap, lo, hi, m, l,
+        kernel(_heads(q, batch, N, A), _heads(k, batch, N, A), _heads(v, batch, N, A), scale, softcap, lo, hi, m_, l_,
                out.reshape(N, A, R, Dv), lse.reshape(N, A, R), np.zeros(2, dtype=np.int64))
         return out, lse
     return call
@@ -180,13 +188,13 @@ def _prepared(spec: Spec) -> tuple[Spec, int, int, tuple[Any, ...]] | None:
     """For :func:`direct` and :func:`direct_at`: (spec without its arrays, lo, hi,
     settings): a call of spec's signature with S keys streams while lo ≤ S ≤ hi and
     :func:`_settings` gives those settings; None unless spec streams alone
-    (:func:`streams_alone`) in float32."""
-    if spec.dtype != "float32" or not streams_alone(spec):
+    (:func:`streams_alone`, sinks allowed: each call's are read) in float32."""
+    if spec.dtype != "float32" or not streams_alone(spec, sinks=True):
         return None
     # no reference to this call's arrays; the starts copied (kept by their values, read
     # at every call: the caller may reuse its array)
     starts = None if spec.kv_starts is None else np.array(np.asarray(spec.kv_starts), dtype=np.int64)
-    kept = spec.replace(q=None, k=None, v=None, kv_starts=starts)
+    kept = spec.replace(q=None, k=None, v=None, kv_starts=starts, sinks=None)
     lo, hi = key_range(lambda S: streams_alone(kept, S), spec.S)
     if starts is not None:                               # fewer keys than a sequence's first: the
         lo = max(lo, int(starts.max()))                  # full path's error
@@ -195,17 +203,21 @@ def _prepared(spec: Spec) -> tuple[Spec, int, int, tuple[Any, ...]] | None:
 
 def direct(spec: Spec) -> Callable[[Any, Any, Any, bool], tuple[np.ndarray, np.ndarray] | None] | None:
     """For calls that repeat spec's signature (:func:`attnkit.api.attention` keeps it):
-    ``call(q, k, v, need_lse)``, :func:`streamer`'s call on new q, k, v (NumPy arrays,
-    not checked: the caller knows their signature is spec's; lse made whether needed
-    or not), or None from it when the call no longer streams (settings changed since,
-    or its key length); None unless spec streams alone (:func:`streams_alone`) in float32."""
+    ``call(q, k, v, need_lse[, sinks])``, :func:`streamer`'s call on new q, k, v (and
+    sinks where spec has them; NumPy arrays, not checked: the caller knows their
+    signature is spec's; lse made whether needed or not), or None from it when the call
+    no longer streams (settings changed since, or its key length); None unless spec
+    streams alone (:func:`_prepared`) in float32."""
     made = _prepared(spec)
     if made is None:
         return None
     run, lo, hi, stamp = streamer(made[0]), *made[1:]
+    shape = None if spec.sinks is None else spec.sinks.shape       # the sinks' normal form
 
-    def call(q: Any, k: Any, v: Any, need_lse: bool) -> tuple[np.ndarray, np.ndarray] | None:
-        return run(q, k, v) if lo <= k.shape[-2] <= hi and _settings() == stamp else None
+    def call(q: Any, k: Any, v: Any, need_lse: bool, sinks: Any = None) -> tuple[np.ndarray, np.ndarray] | None:
+        if not (lo <= k.shape[-2] <= hi and _settings() == stamp and (sinks is None) == (shape is None)):
+            return None
+        return run(q, k, v, None if shape is None else sinks.reshape(shape))
     return call
 
 
@@ -216,11 +228,30 @@ def direct(spec: Spec) -> Callable[[Any, Any, Any, bool], tuple[np.ndarray, np.n
 TEAM_WORK = 1 << 20
 
 
-def _run_at(kept: Spec) -> Callable[..., bool]:
+def sink_reads(spec: Spec) -> tuple[int, int, int] | None:
+    """How a kept call on addresses reads each call's sinks (:func:`direct_at`): the
+    (batch element, head, row) strides in elements of float32 sinks of spec's normal
+    form stored C-ordered ((0, 0, 0) without sinks), or None where it cannot (another
+    dtype; batch dims of the sinks partly broadcast)."""
+    x = spec.sinks
+    if x is None:
+        return 0, 0, 0
+    if dtype_name(x) != "float32":
+        return None
+    nb = len(spec.batch)
+    shape = (1,) * (nb + 2 - len(x.shape)) + tuple(x.shape)
+    Hs, Ls = shape[nb:]
+    if shape[:nb] not in ((1,) * nb, spec.batch):
+        return None
+    return (0 if shape[:nb] == (1,) * nb else Hs * Ls), (Ls if Hs > 1 else 0), (1 if Ls > 1 else 0)
+
+
+def _run_at(kept: Spec, reads: tuple[int, int, int]) -> Callable[..., bool]:
     """The compiled call on addresses for calls of kept's signature (a Spec without its
     arrays): ``run(q, q_strides, k, k_strides, v, v_strides, S, out, out_strides, lse,
-    lo, hi) -> bool``, as :func:`direct_at` says (lo, hi: the addresses of the rows' key
-    bounds, or 0), by :func:`.flash.numba_small.small_rows_at`; a call of TEAM_WORK or
+    lo, hi, sinks) -> bool``, as :func:`direct_at` says (lo, hi: the addresses of the
+    rows' key bounds, or 0; sinks: the sinks' address, read at strides ``reads``
+    (:func:`sink_reads`), or 0), by :func:`.flash.numba_small.small_rows_at`; a call of TEAM_WORK or
     more on torch's OpenMP team (:func:`.flash.runtime.native_team`), one (batch
     element, kv head) at a time, with the same bits."""
     shapes = kept.out_shape, kept.Hkv, kept.shapes["q"], kept.shapes["k"], kept.shapes["v"]
@@ -232,29 +263,31 @@ def _run_at(kept: Spec) -> Callable[..., bool]:
 
     def run(q: int, q_strides: tuple[int, ...], k: int, k_strides: tuple[int, ...], v: int,
             v_strides: tuple[int, ...], S: int, out: int, out_strides: tuple[int, ...], lse: int, lo: int,
-            hi: int) -> bool:
+            hi: int, sinks: int) -> bool:
         team = n = 0
         if units > 1 and per_key * S >= TEAM_WORK:
             team, n = runtime.native_team(min(runtime.get_threads(), units))
         out_shape, A, q_shape, k_shape, v_shape = shapes
         return kernel(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides, out,
-                      out_strides, lse, scale, softcap, lo, hi, team, n, entry) == 0
+                      out_strides, lse, scale, softcap, lo, hi, sinks, reads, team, n, entry) == 0
     return run
 
 
 def direct_at(spec: Spec) -> Callable[..., bool] | None:
     """:func:`direct` for a caller whose arrays are another library's (the torch op):
-    ``call(q, q_strides, k, k_strides, v, v_strides, S, out, out_strides, lse) -> bool``
-    with addresses of float32 memory and strides in elements (q, k, v of spec's shapes
-    but for k's and v's key length S; out of its out shape, any strides; lse its lse
-    shape, C-ordered, or 0), by :func:`_run_at`. False, having written nothing, when
+    ``call(q, q_strides, k, k_strides, v, v_strides, S, out, out_strides, lse, sinks)
+    -> bool`` with addresses of float32 memory and strides in elements (q, k, v of
+    spec's shapes but for k's and v's key length S; out of its out shape, any strides;
+    lse its lse shape, C-ordered, or 0; sinks of spec's sinks' shape, C-ordered, where
+    it has them, else 0), by :func:`_run_at`. False, having written nothing, when
     the call no longer streams (as :func:`direct`) or its layout is not one the
-    compiled call reads; None unless spec streams alone in float32."""
-    made = _prepared(spec)
-    if made is None:
+    compiled call reads; None unless spec streams alone in float32 (sinks:
+    :func:`sink_reads`)."""
+    made, reads = _prepared(spec), sink_reads(spec)
+    if made is None or reads is None:
         return None
     kept, lo_S, hi_S, stamp = made
-    run = _run_at(kept)
+    run = _run_at(kept, reads)
     # the rows' key bounds at the kept key length, made once (a prefill repeats it), their
     # addresses kept with them: the arrays' .ctypes costs a call 2–5 µs cold
     bounds = _row_bounds(kept) if spec.has_index_mask or spec.varlen else None
@@ -264,7 +297,8 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
     last: list[Any] = [(kept.S, bounds, at_kept)]
 
     def call(q: int, q_strides: tuple[int, ...], k: int, k_strides: tuple[int, ...], v: int,
-             v_strides: tuple[int, ...], S: int, out: int, out_strides: tuple[int, ...], lse: int) -> bool:
+             v_strides: tuple[int, ...], S: int, out: int, out_strides: tuple[int, ...], lse: int,
+             sinks: int) -> bool:
         if not (lo_S <= S <= hi_S and _settings() == stamp):
             return False
         lo_at, hi_at = at_kept
@@ -274,31 +308,32 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
                 made = _row_bounds(kept.replace(S=S))
                 at = last[0] = (S, made, (made[0].ctypes.data, made[1].ctypes.data))
             lo_at, hi_at = at[2]
-        return run(q, q_strides, k, k_strides, v, v_strides, S, out, out_strides, lse, lo_at, hi_at)
+        return run(q, q_strides, k, k_strides, v, v_strides, S, out, out_strides, lse, lo_at, hi_at, sinks)
     return call
 
 
 def kvcache_at(spec: Spec) -> Callable[..., bool] | None:
     """attention_kvcache's kept call on a contiguous cache (the torch op's, for calls of
     spec's signature): ``call(q, q_strides, k, k_strides, v, v_strides, lengths, out,
-    out_strides, lse) -> bool`` as :func:`direct_at`'s, k and v the caches (spec's key
+    out_strides, lse, sinks) -> bool`` as :func:`direct_at`'s, k and v the caches (spec's key
     length, their capacity) and ``lengths`` each sequence's keys after the append (int64
     NumPy, (B,)), from which the rows' bounds are made at every call; lse wanted. None
-    unless spec, its lengths aside, streams alone in float32 (:func:`_prepared`)."""
-    made = _prepared(spec.replace(kv_lengths=None))
-    if made is None or not made[1] <= spec.S <= made[2]:
+    unless spec, its lengths aside, streams alone in float32 (:func:`_prepared`,
+    :func:`sink_reads`)."""
+    made, reads = _prepared(spec.replace(kv_lengths=None)), sink_reads(spec)
+    if made is None or reads is None or not made[1] <= spec.S <= made[2]:
         return None
     kept, _, _, stamp = made
-    run = _run_at(kept)
+    run = _run_at(kept, reads)
 
     def call(q: int, q_strides: tuple[int, ...], k: int, k_strides: tuple[int, ...], v: int,
              v_strides: tuple[int, ...], lengths: np.ndarray, out: int, out_strides: tuple[int, ...],
-             lse: int) -> bool:
+             lse: int, sinks: int) -> bool:
         if _settings() != stamp:
             return False
         lo, hi = _row_bounds(kept.replace(kv_lengths=lengths))
         return run(q, q_strides, k, k_strides, v, v_strides, kept.S, out, out_strides, lse, lo.ctypes.data,
-                   hi.ctypes.data)
+                   hi.ctypes.data, sinks)
     return call
 
 

@@ -716,6 +716,17 @@ def test_an_inference_tensor_cache_outside_inference_mode_is_named():
     assert not kc.any()
 
 
+def test_importing_attnkit_torch_registers_every_op():
+    """In a fresh process, ``import attnkit.torch`` alone registers the ops its doc
+    names (a saved graph that uses one runs without a traced call first)."""
+    import subprocess
+    import sys
+    code = ("import torch, attnkit.torch; print(all(hasattr(torch.ops.attnkit, n) for n in "
+            "('attention_fwd', 'attention_bwd', 'attention_weights', 'attention_kvcache')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.stdout.strip() == "True", run.stderr
+
+
 def test_the_kvcache_op_passes_torchs_checks():
     """Schema (the cache written, declared) and fake tensors (the out's Dv, lse's dtype)
     against the real op."""

@@ -208,7 +208,7 @@ def _heads_at(x, N, A, G, L, D, n_step, strides):
 # counters' address (the next unit, the units done), N, A, R, D, S, Dv; q's, k's and
 # v's address and four strides (elements); out's and lse's addresses (C-ordered; lse 0:
 # none); lo's and hi's addresses and their row count w (0: none); scale's and
-# softcap's float32 bits
+# softcap's float32 bits; the sink state's addresses (max, sum) and row count (0: none)
 UNIT_SLOTS = 32
 _PARALLEL = numba.typeof(ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)(1))
 
@@ -243,22 +243,25 @@ def small_units(data):
     ov = c_view_at(a[22], (N, A, R, Dv), (A * R * Dv, R * Dv, Dv, 1), f32(0.0))
     nl = R if a[23] else 0
     lv = c_view_at(a[23], (N, A, nl), (A * nl, nl, 1), f32(0.0))
-    w = a[26]
+    w, ws = a[26], a[31]
     lo, hi = view_at(a[24], (N, w), (w, 1), np.int64(0)), view_at(a[25], (N, w), (w, 1), np.int64(0))
     scale, softcap = np.int32(a[27]).view(np.float32), np.int32(a[28]).view(np.float32)
-    none = np.empty((N, 0), dtype=np.float32)
-    small_rows(qv, kv, vv, scale, softcap, lo, hi, none, none, ov, lv, numba.carray(_pointer(a[0]), (2,), np.int64))
+    m0, l0 = c_view_at(a[29], (N, ws), (ws, 1), f32(0.0)), c_view_at(a[30], (N, ws), (ws, 1), f32(0.0))
+    small_rows(qv, kv, vv, scale, softcap, lo, hi, m0, l0, ov, lv, numba.carray(_pointer(a[0]), (2,), np.int64))
 
 
 @numba.njit(**ORDERED)
 def small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides, out,
-                  out_strides, lse, scale, softcap, lo, hi, team, threads, entry):
+                  out_strides, lse, scale, softcap, lo, hi, sinks, sink_strides, team, threads, entry):
     """:func:`small_rows` on operands given by address (a tensor library's memory, no
     NumPy arrays to make): q (..., H, L, D), k (..., A, S, D), v (..., A, S, Dv) and out
     (..., H, L, Dv) at addresses q, k, v, out with their shapes and strides in elements
     (k's and v's shapes: their key length is S's), out_shape the call's; lse (..., H, L)
     C-ordered at address lse (0: not wanted); lo, hi: the addresses of the rows' key
-    bounds (:func:`small_rows`' lo and hi, int64, C-ordered; 0: none). Rows that no one
+    bounds (:func:`small_rows`' lo and hi, int64, C-ordered; 0: none); sinks: the address
+    of float32 sink logits read at (batch element, head, row) strides ``sink_strides``
+    (elements; 0: none), each row's state before its keys as
+    :func:`attnkit.small._sink_state` makes it. Rows that no one
     stride steps through (heads inner in memory, several rows per head, a GQA group)
     are copied. With ``team`` (libgomp's GOMP_parallel, :func:`.runtime.native_team`,
     or 0) the (batch element, kv head) units run on that many ``threads`` of torch's
@@ -295,23 +298,35 @@ def small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides,
     ov = c_view_at(out, (N, A, R, Dv), (A * R * Dv, R * Dv, Dv, 1), f32(0.0)) if dense \
         else np.empty((N, A, R, Dv), dtype=np.float32)
     lv = c_view_at(lse, (N, A, R), (A * R, R, 1), f32(0.0)) if lse else np.empty((N, A, 0), dtype=np.float32)
-    w = A * R if lo else 0
+    w, ws = A * R if lo else 0, A * R if sinks else 0
+    m0, l0 = np.empty((N, ws), dtype=np.float32), np.empty((N, ws), dtype=np.float32)
+    if sinks:                                      # a sink: one more score, its exp in the sum
+        sn, sh, sl = sink_strides
+        sv = view_at(sinks, (N, A, G, L), (sn, G * sh, sh, sl), f32(0.0))
+        for n in range(N):
+            for a in range(A):
+                for g in range(G):
+                    for r in range(L):
+                        x = sv[n, a, g, r]
+                        m0[n, a * R + g * L + r] = x
+                        l0[n, a * R + g * L + r] = np.exp(x - (f32(0.0) if x == -np.inf else x))   # +inf, NaN: NaN
     if team and threads > 1 and N * A > 1:
         block, counter = np.zeros(UNIT_SLOTS, dtype=np.int64), np.zeros(2, dtype=np.int64)
         block[0], block[1], block[2], block[3], block[4], block[5], block[6] = counter.ctypes.data, N, A, R, D, S, Dv
         i = _put_view(block, _put_view(block, _put_view(block, 7, qv), kv), vv)
         block[i], block[i + 1], block[i + 2], block[i + 3], block[i + 4] = ov.ctypes.data, lse, lo, hi, w
         block[i + 5], block[i + 6] = np.float32(scale).view(np.int32), np.float32(softcap).view(np.int32)
+        block[i + 7], block[i + 8], block[i + 9] = m0.ctypes.data, l0.ctypes.data, ws
         _parallel_at(team)(_pointer(entry), _pointer(block.ctypes.data), np.uint32(min(threads, N * A)), np.uint32(0))
         # (every unit done: a thread's error — it prints and leaves — must not pass for
         # a result; and the arrays the threads read are used after them, so that they
         # live until then: numba frees an array after its last use)
-        if counter[1] != N * A or block[0] != counter.ctypes.data or qv.size + ov.size + lv.size < 0:
+        if counter[1] != N * A or block[0] != counter.ctypes.data or qv.size + ov.size + lv.size + m0.size < 0 \
+                or l0.size < 0:
             return 2
     else:
         small_rows(qv, kv, vv, scale, softcap, view_at(lo, (N, w), (w, 1), np.int64(0)),
-                   view_at(hi, (N, w), (w, 1), np.int64(0)), np.empty((N, 0), dtype=np.float32),
-                   np.empty((N, 0), dtype=np.float32), ov, lv, np.zeros(2, dtype=np.int64))
+                   view_at(hi, (N, w), (w, 1), np.int64(0)), m0, l0, ov, lv, np.zeros(2, dtype=np.int64))
     if not dense:
         dst = _heads_at(out, N, A, G, L, Dv, on, out_strides)
         for n in range(N):

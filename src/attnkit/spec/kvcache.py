@@ -231,8 +231,8 @@ def _signature(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block_tab
     if key is None:
         return None
     if arrays:                                           # q_lengths, kv_starts: by their values (a
-        values = geometry_key({n: x for n, x in options.items() if n not in _READ_ARRAYS})   # serving loop
-        if values is None or not _KEYED_ARRAYS.issuperset(values[::2]):                 # repeats them)
+        values = geometry_key(options, _READ_ARRAYS)     # serving loop repeats them)
+        if values is None or not _KEYED_ARRAYS.issuperset(values[::2]):
             return None
         key += values
     parts = tuple(_part(x) for x in (cache_lengths, block_table, k_new, v_new))

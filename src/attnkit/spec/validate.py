@@ -158,11 +158,11 @@ def _grad_enabled() -> bool:
 # offsets): such calls are checked in full once per signature and the Spec is reused
 # with the new arrays, the array keywords alone checked again (_array_keywords) — a
 # decoding step repeats one signature in every layer, a padded batch one per layer.
-# Without array keywords the key length S is left out of the signature (nothing else
-# the check decides depends on it): each decoding step has one more key, and reuses
-# the previous step's check.
+# Without array keywords but sinks and slopes (_BY_HEAD) the key length S is left out of
+# the signature (nothing else the check decides depends on it): each decoding step has
+# one more key, and reuses the previous step's check.
 _SEEN: dict[tuple[Any, ...], Spec] = {}
-_SEEN_MAX = 256
+_SEEN_MAX, _BY_HEAD = 256, frozenset({"sinks", "alibi_slopes"})
 _PLAIN = frozenset({type(None), bool, int, float, str})  # keyword types keyed as they are
 
 
@@ -231,15 +231,17 @@ def signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
     ks, vs = k.shape, (v.shape if need_v else k.shape)
     arrays: tuple[Any, ...] = ()
     scalars: tuple[Any, ...] = ()
+    by_S = False                                         # an array whose shape or check involves S
     for name, x in options.items():                      # arrays, numbers for array keywords,
         if x is not None and name in _TENSOR_SET:        # tuples, NumPy scalars...
             if type(x) is not type(q) and not (lib is not np and type(x) is lib.nn.Parameter) or \
                     lib is not np and x.is_nested:       # (a model's sinks; nested: the full check's)
                 return None, True
             arrays += (name, x.dtype, x.shape) if lib is np else (name, x.dtype, x.shape, x.device, x.layout)
+            by_S = by_S or name not in _BY_HEAD
         else:
             scalars += (name, _typed(x)) if isinstance(x, (tuple, list)) else (name, type(x), x)
-    if arrays:                                           # their shapes follow S: keep it
+    if by_S:                                             # their shapes or values follow S: keep it
         key = (q.dtype, q.shape, k.dtype, ks) + ((v.dtype, vs) if need_v else ())
     else:
         key = (q.dtype, q.shape, k.dtype, ks[:-2], ks[-1]) + ((v.dtype, vs[:-2], vs[-1]) if need_v else ())
@@ -254,14 +256,15 @@ GEOMETRY = ("q_lengths", "kv_lengths", "kv_starts", "cu_seqlens_q", "cu_seqlens_
 GEOMETRY_MAX = 4096
 
 
-def geometry_key(options: dict) -> tuple[Any, ...] | None:
+def geometry_key(options: dict, read: tuple[str, ...] = ()) -> tuple[Any, ...] | None:
     """The values of a call's array keywords, to key the call by with its
     :func:`signature`: each one's name and bytes where all are lengths or offsets of
     at most GEOMETRY_MAX elements in CPU memory (NumPy arrays, torch CPU tensors);
-    None for any other array keyword."""
+    None for any other array keyword but those named in ``read`` (keyed by the
+    signature's dtype and shape alone: what keeps the call reads them every call)."""
     key: tuple[Any, ...] = ()
     for name, x in options.items():
-        if x is None or name not in _TENSOR_SET:
+        if x is None or name not in _TENSOR_SET or name in read:
             continue
         if name not in GEOMETRY:
             return None
@@ -313,12 +316,9 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
     if seen is not None:
         S = k.shape[-2]
         if S > 0 and (not need_v or v.shape[-2] == S):   # else the full check's error
-            if arrays_given:                             # (S is part of the key then)
-                shapes = seen.shapes
-            else:
-                shapes = {"q": seen.shapes["q"], "k": tuple(k.shape)}
-                if need_v:
-                    shapes["v"] = tuple(v.shape)
+            shapes = {**seen.shapes, "k": tuple(k.shape)}   # (the key length: this call's)
+            if need_v:
+                shapes["v"] = tuple(v.shape)
             if q.ndim == 2:                              # the arrays in normal form, as below
                 q = q[None]
             if k.ndim == 2:
@@ -328,7 +328,7 @@ def validate(q: Any, k: Any, v: Any, *, backend: str = "auto", need_v: bool = Tr
             elif v.ndim == 2:
                 v = v[None]
             arrays = {} if not arrays_given else _array_keywords({**_DEFAULTS, **options}, is_torch(q), seen.batch,
-                                                                 seen.H, seen.L, seen.S, {})
+                                                                 seen.H, seen.L, int(S), {})
             return seen.replace(q=q, k=k, v=v, S=int(S), shapes=shapes, chosen=seen.chosen, **arrays)
     spec = _validate(q, k, v, backend, need_v, options)
     if key is not None:

@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - exercised in a venv without torch
     raise ImportError("attnkit.torch needs PyTorch: pip install 'attnkit[torch]' (for the CPU build: "
                       "pip install torch --index-url https://download.pytorch.org/whl/cpu)") from None
 
-from . import op
+from . import kvcache_op, op
 from .mha import MultiheadAttention
 
-__all__ = ["MultiheadAttention", "op"]
+__all__ = ["MultiheadAttention", "kvcache_op", "op"]

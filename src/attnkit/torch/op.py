@@ -24,8 +24,7 @@ Dropout without a seed draws one from torch's default generator, so
 ``torch.manual_seed`` makes a training step reproducible.
 
 ``attention_kvcache`` is eager (it reads the cache's lengths to check them); while
-torch.compile traces, it is one custom op, ``torch.ops.attnkit.attention_kvcache``,
-that writes the cache and runs the eager call when the graph runs.
+torch.compile traces, it is one custom op (:mod:`.kvcache_op`).
 
 >>> import torch, attnkit
 >>> q = torch.tensor([[1.0, 0.0]], requires_grad=True)
@@ -256,19 +255,21 @@ def _eager(spec: Spec) -> bool:
 
 # what the per-call tests call, bound once (a decoding step runs them in every layer)
 _C, _Tensor, _fwad, _CPU = torch._C, torch.Tensor, torch.autograd.forward_ad, torch.device("cpu")
+_Parameter, _F32 = torch.nn.Parameter, torch.float32
 _interpreters = torch._C._functorch.peek_interpreter_stack
 
 
 def _plain(xs: Sequence[Any]) -> bool:
-    """:func:`_eager`'s test (torch.compile aside) of the tensors (None: not given) and of
-    what watches the call: jit tracing, torch function or dispatch modes, a functorch
-    transform (whose wrapped tensors live only while it runs)."""
+    """:func:`_eager`'s test (torch.compile aside) of the tensors (None: not given; plain
+    tensors or Parameters — a model's sinks) and of what watches the call: jit tracing,
+    torch function or dispatch modes, a functorch transform (whose wrapped tensors live
+    only while it runs)."""
     if _C._is_tracing() or _C._len_torch_function_stack() or _C._len_torch_dispatch_stack() \
             or _interpreters() is not None:
         return False
     grad = _C.is_grad_enabled()
     for x in xs:
-        if x is not None and (type(x) is not _Tensor or (grad and x.requires_grad)):
+        if x is not None and ((type(x) is not _Tensor and type(x) is not _Parameter) or (grad and x.requires_grad)):
             return False
     return True
 
@@ -279,6 +280,19 @@ def _direct_reads(q: Any, k: Any, v: Any) -> bool:
     :func:`_plain` asks, and no negative bit (a view whose memory holds −x)."""
     return not (_C._is_any_autocast_enabled() or _fwad._current_level >= 0 or not _plain((q, k, v))
                 or q.is_neg() or k.is_neg() or v.is_neg())
+
+
+def _sinks_at(x: Any, shape: Any) -> int | None:
+    """The address at which a kept call reads sinks ``x`` (0: none given where none are
+    kept, ``shape`` None), or None where it cannot read them as they are: a float32 CPU
+    tensor (a model's Parameter too) of ``shape``, C-ordered, no negative bit, no
+    gradient to track."""
+    if x is None or shape is None:
+        return 0 if x is None and shape is None else None
+    if not (type(x) is _Tensor or type(x) is _Parameter) or x.dtype is not _F32 or x.shape != shape or not x.is_cpu \
+            or not x.is_contiguous() or x.is_neg() or (x.requires_grad and _C.is_grad_enabled()):
+        return None
+    return x.data_ptr()
 
 
 def _forward_ad_possible() -> bool:
@@ -434,7 +448,8 @@ class TorchRung:
 
     def direct(self, spec: Spec) -> Callable[[Any, Any, Any, bool], tuple[torch.Tensor, Any] | None] | None:
         """For calls that repeat spec's signature (:func:`attnkit.api.attention` keeps
-        it): ``call(q, k, v, need_lse) -> (out, lse or None)``, the compute rung's direct
+        it): ``call(q, k, v, need_lse, sinks=None) -> (out, lse or None)`` (sinks where
+        spec has them, read in place: :func:`_sinks_at`), the compute rung's direct
         call on the tensors' memory (``mod.direct_at``: the small rung's streaming call),
         as :meth:`rung_forward` runs it; its out of the layout :func:`_out` gives — or
         None for a call whose forward would not run eagerly (:func:`_eager`: gradients,
@@ -445,19 +460,23 @@ class TorchRung:
         if inner is None:
             return None
         out_shape, lse_shape = spec.out_shape, spec.lse_shape
+        sink_shape = None if spec.sinks is None else spec.shapes["sinks"]     # as the caller gives them
         apart = spec.H > 1 and spec.L > 1                # (heads inner needs both)
         new = functools.partial(torch.empty, dtype=torch.float32, device=_CPU)    # (not the defaults)
 
-        def call(q: Any, k: Any, v: Any, need_lse: bool) -> tuple[torch.Tensor, Any] | None:
+        def call(q: Any, k: Any, v: Any, need_lse: bool, sinks: Any = None) -> tuple[torch.Tensor, Any] | None:
             # (torch.compile: api keeps no call for a traced one; dtype, device and layout
             # are the signature's)
-            if not _direct_reads(q, k, v):
+            if not _direct_reads(q, k, v):               # (first: a functorch transform's
+                return None                              # sinks have no memory to read)
+            at = _sinks_at(sinks, sink_shape)
+            if at is None:
                 return None
             qs = q.stride()                            # (read once: the layout and the kernel)
             out = empty_out(out_shape, True, new) if apart and strides_heads_inner(qs) else new(out_shape)
             lse = new(lse_shape) if need_lse else None
             done = inner(q.data_ptr(), qs, k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), k.shape[-2],
-                         out.data_ptr(), out.stride(), 0 if lse is None else lse.data_ptr())
+                         out.data_ptr(), out.stride(), 0 if lse is None else lse.data_ptr(), at)
             return (out, lse) if done else None
         return call
 
@@ -505,14 +524,17 @@ class TorchRung:
         call = kv.memo.get(key, _MISSING)
         if call is _MISSING:
             call = kv.memo[key] = make(kv.spec)
-        q, k, v = kv.spec.q, kv.k_cache, kv.v_cache
+        q, k, v, sinks = kv.spec.q, kv.k_cache, kv.v_cache, kv.spec.sinks
         if call is None or not q.is_cpu or not _direct_reads(q, k, v):
+            return None
+        at = _sinks_at(sinks, None if sinks is None else sinks.shape)    # (the kept shape: validate's)
+        if at is None:
             return None
         out = torch.empty(kv.spec.out_shape, dtype=torch.float32, device=_CPU)
         lse = torch.empty(kv.spec.lse_shape, dtype=torch.float32, device=_CPU)
         lengths = np.asarray(kv.lengths.numpy(), dtype=np.int64)
         done = call(q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), lengths,
-                    out.data_ptr(), out.stride(), lse.data_ptr())
+                    out.data_ptr(), out.stride(), lse.data_ptr(), at)
         return (out, lse) if done else None
 
     def rung_weights(self, spec: Spec, lse: Any = None, rows: Any = None) -> Any:
@@ -541,60 +563,3 @@ def bound(mod: Any) -> TorchRung:
 def unavailable() -> None:
     """None: CPU tensors always have the NumPy rungs (CUDA ones need Triton)."""
     return None
-
-
-# ---- attention_kvcache under torch.compile ------------------------------------------------
-# A graph cannot read the cache's lengths (the check does) nor run the NumPy rungs, so a
-# traced call is one custom op that writes the cache (declared: the graph knows k_cache
-# and v_cache change) and runs the whole eager call — check, append, rung — when the
-# graph runs. Its arguments: the cache call's tensors, the options attention_kvcache
-# takes in the table's order (the window as two ints, the seed as an int), the backend.
-_KV_OPTIONS = tuple(o for o in OPTIONS if o.kvcache)
-_KV_SCHEMA = ", ".join(
-    ["Tensor q", "Tensor(a!) k_cache", "Tensor(b!) v_cache", "Tensor cache_lengths", "Tensor? block_table",
-     "Tensor? k_new", "Tensor? v_new"]
-    + [o.schema if o.name == "window" else f"{'int?' if o.name == 'seed' else o.schema} {o.name}"
-       for o in _KV_OPTIONS]
-    + ["str backend"])
-
-
-def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lengths: torch.Tensor,
-             block_table: Any, k_new: Any, v_new: Any, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..api import attention_kvcache
-    opts, i = _unpack(_KV_OPTIONS, args, 0, lambda x: x % _UINT64)
-    out, lse = attention_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
-                                 v_new=v_new, return_lse=True, backend=args[i], **opts)
-    return out.contiguous(), lse.contiguous()
-
-
-def _kvcache_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *rest: Any
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    B, H, L = q.shape[:3]
-    return q.new_empty((B, H, L, v_cache.shape[-1])), q.new_empty((B, H, L), dtype=acc_dtype(q))
-
-
-attention_kvcache = torch.library.custom_op("attnkit::attention_kvcache", _kvcache,
-                                            mutates_args=("k_cache", "v_cache"),
-                                            schema=f"({_KV_SCHEMA}) -> (Tensor, Tensor)")
-attention_kvcache.register_fake(_kvcache_fake)
-
-
-def kvcache_traced(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block_table: Any, k_new: Any,
-                   v_new: Any, backend: str, masking: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of attention_kvcache while torch.compile traces: the check of every
-    argument but the lengths' and the block table's values (those are checked when
-    the graph runs, by the eager call inside the op), then one node of the op above
-    with the checked options (the window and seed in normal form)."""
-    from ..spec.kvcache import validate_kvcache
-    from ..spec.validate import torch_numbers
-    masking = torch_numbers(q, masking)                  # sinks=0.5: the op takes tensors
-    kv = validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
-                          v_new=v_new, backend=backend, **masking)
-    spec = kv.spec
-    def value(o: Any) -> Any:
-        if o.name == "seed":
-            return None if spec.seed is None else philox.int64(int(spec.seed))
-        return masking.get(o.name) if o.schema == "Tensor?" else getattr(spec, o.name)   # the user's tensors
-    args = _pack(_KV_OPTIONS, value)
-    return torch.ops.attnkit.attention_kvcache(q, k_cache, v_cache, kv.cache_lengths, block_table, k_new, v_new,
-                                               *args, backend)   # cache_lengths as (B,): an int taken too
