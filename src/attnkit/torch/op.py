@@ -469,7 +469,7 @@ class TorchRung:
             # are the signature's)
             if not _direct_reads(q, k, v):               # (first: a functorch transform's
                 return None                              # sinks have no memory to read)
-            at = _sinks_at(sinks, sink_shape)
+            at = 0 if sinks is None and sink_shape is None else _sinks_at(sinks, sink_shape)
             if at is None:
                 return None
             qs = q.stride()                            # (read once: the layout and the kernel)
