@@ -577,3 +577,85 @@ def test_a_kept_call_with_sinks_declines_under_vmap_over_them():
     assert len(api._KEPT) == 1
     got = torch.vmap(lambda s: attnkit.attention(q, k, v, sinks=s))(sinks)
     assert torch.equal(got, torch.stack([attnkit.attention(q, k, v, sinks=s) for s in sinks]))
+
+
+def _full(q, k, v, **kw):
+    api._KEPT.clear()
+    return attnkit.attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("case", ["float64", "negative bit", "broadcast over batch dim 1", "over batch dim 0",
+                                  "grad mode"])
+def test_sinks_a_kept_call_cannot_read_as_they_are_take_the_full_path(case):
+    """A call kept for float32 sinks (under no_grad), then called with sinks it cannot
+    read in place, gets the full path's result: another dtype (kept for it: every
+    call declines), a negative view (its memory holds −x), sinks broadcast over one of
+    two batch dims, and a Parameter with grad on (the sinks' gradient kept)."""
+    g = torch.Generator().manual_seed(2)
+    batch = (2, 3) if case.startswith(("broadcast", "over")) else (2,)
+    shape = {"broadcast over batch dim 1": (2, 1, 4, 1), "over batch dim 0": (1, 3, 4, 1)}.get(case, (4,))
+    dtype = torch.float64 if case == "float64" else torch.float32
+
+    def call(S, seed, s):
+        q, k, v = (torch.randn(*batch, h, n, 8, generator=g) for h, n in ((4, 1), (2, S), (2, S)))
+        return q, k, v, attnkit.attention(q, k, v, sinks=s)
+    with torch.no_grad():
+        call(7, 0, torch.randn(shape, dtype=dtype, generator=g))
+        call(8, 1, torch.randn(shape, dtype=dtype, generator=g))          # (kept now)
+    x = torch.randn(shape, dtype=dtype, generator=g)
+    if case == "grad mode":
+        p = torch.nn.Parameter(x.clone())
+        q, k, v, got = call(9, 2, p)
+        got.sum().backward()
+        plain = x.clone().requires_grad_()
+        want = _full(q, k, v, sinks=plain)
+        want.sum().backward()
+        assert got.requires_grad and torch.equal(got, want) and torch.equal(p.grad, plain.grad)
+        return
+    with torch.no_grad():
+        s = torch._neg_view(x) if case == "negative bit" else x
+        q, k, v, got = call(9, 2, s)
+        assert torch.equal(got, _full(q, k, v, sinks=-x if case == "negative bit" else x))
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape", "device"])
+def test_a_layers_s_aux_it_cannot_read_takes_the_full_path(change):
+    """A layer kept with float32 ``s_aux`` of shape (H,), called with s_aux of another
+    dtype, shape or device (its key says only that s_aux is given): the full path's
+    result, or its error."""
+    from attnkit import hf
+    hf._LAYERS.clear()
+    layer = _Layer()
+    then = {"dtype": torch.randn(4, dtype=torch.float64), "shape": torch.tensor(0.5),
+            "device": torch.randn(4, device="meta")}[change]
+    with torch.no_grad():
+        for S in (7, 8):
+            hf.attention_forward(layer, *_qkv("torch", S, seed=S), None, scaling=0.5, s_aux=torch.randn(4))
+        q, k, v = _qkv("torch", 9, seed=3)
+        if change == "device":
+            with pytest.raises(ValueError, match="sinks"):
+                hf.attention_forward(layer, q, k, v, None, scaling=0.5, s_aux=then)
+            return
+        got, _ = hf.attention_forward(layer, q, k, v, None, scaling=0.5, s_aux=then)
+        assert torch.equal(got, _full(q, k, v, scale=0.5, sinks=then).transpose(1, 2))
+
+
+@pytest.mark.parametrize("mask", ["float", "per head", "three rows", "changed in place"])
+def test_a_decoding_steps_mask_is_read_as_what_it_says(mask):
+    """transformers' one-row masks read as padding (hf._one_row) only where that is
+    what they say: a boolean (B, 1, 1, S) mask of one query row. A float one is a
+    bias, a per-head one stays per head, one broadcast over three rows of a causal
+    layer keeps that mask's rule (no causality added), and one changed in place is
+    read again. Each against SDPA given the same mask."""
+    from attnkit import hf
+    hf._LAYERS.clear()
+    L = 3 if mask == "three rows" else 1
+    q, k, v = _qkv("torch", 6, L=L, Dv=8)
+    keep = torch.ones(2, 4 if mask == "per head" else 1, 1, 6, dtype=torch.bool)
+    if mask == "changed in place":
+        hf.attention_forward(_Layer(), q, k, v, keep, scaling=0.5)      # all seen: read as none
+    keep[0, -1, :, :2] = False
+    m = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")) if mask == "float" else keep
+    got, _ = hf.attention_forward(_Layer(), q, k, v, m, scaling=0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.5, enable_gqa=True)
+    assert (got - want.transpose(1, 2)).abs().max() <= 1e-5
