@@ -587,25 +587,26 @@ def _full(q, k, v, **kw):
 @pytest.mark.parametrize("case", ["float64", "negative bit", "broadcast over batch dim 1", "over batch dim 0",
                                   "grad mode"])
 def test_sinks_a_kept_call_cannot_read_as_they_are_take_the_full_path(case):
-    """A call kept for float32 sinks (under no_grad), then called with sinks it cannot
-    read in place, gets the full path's result: another dtype (kept for it: every
-    call declines), a negative view (its memory holds −x), sinks broadcast over one of
-    two batch dims, and a Parameter with grad on (the sinks' gradient kept)."""
+    """Calls with sinks a kept call cannot read in place get the full path's result:
+    another dtype (no call kept), a negative view (its memory holds −x; kept for
+    float32 sinks), sinks broadcast over one of two batch dims (no call kept), and a
+    Parameter with grad on after the call was kept under no_grad (the sinks' gradient
+    kept)."""
     g = torch.Generator().manual_seed(2)
     batch = (2, 3) if case.startswith(("broadcast", "over")) else (2,)
     shape = {"broadcast over batch dim 1": (2, 1, 4, 1), "over batch dim 0": (1, 3, 4, 1)}.get(case, (4,))
     dtype = torch.float64 if case == "float64" else torch.float32
 
-    def call(S, seed, s):
+    def call(S, s):
         q, k, v = (torch.randn(*batch, h, n, 8, generator=g) for h, n in ((4, 1), (2, S), (2, S)))
         return q, k, v, attnkit.attention(q, k, v, sinks=s)
     with torch.no_grad():
-        call(7, 0, torch.randn(shape, dtype=dtype, generator=g))
-        call(8, 1, torch.randn(shape, dtype=dtype, generator=g))          # (kept now)
+        call(7, torch.randn(shape, dtype=dtype, generator=g))
+        call(8, torch.randn(shape, dtype=dtype, generator=g))             # (kept now, where it can be)
     x = torch.randn(shape, dtype=dtype, generator=g)
     if case == "grad mode":
         p = torch.nn.Parameter(x.clone())
-        q, k, v, got = call(9, 2, p)
+        q, k, v, got = call(9, p)
         got.sum().backward()
         plain = x.clone().requires_grad_()
         want = _full(q, k, v, sinks=plain)
@@ -614,7 +615,7 @@ def test_sinks_a_kept_call_cannot_read_as_they_are_take_the_full_path(case):
         return
     with torch.no_grad():
         s = torch._neg_view(x) if case == "negative bit" else x
-        q, k, v, got = call(9, 2, s)
+        q, k, v, got = call(9, s)
         assert torch.equal(got, _full(q, k, v, sinks=-x if case == "negative bit" else x))
 
 
