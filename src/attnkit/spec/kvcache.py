@@ -25,6 +25,7 @@ from .core import Spec, as_int, dtype_name, is_torch
 from .geometry import dense_row_bounds
 from .options import BY_NAME, NAMES, unexpected
 from .validate import (
+    BY_HEAD,
     FLOAT_DTYPES,
     as_array,
     check_lengths,
@@ -159,7 +160,7 @@ def _one_per_sequence(x: Any, B: int, q: Any, want_torch: bool, name: str = "cac
 _SEEN: dict[tuple[Any, ...], tuple[Spec, int, dict[Any, Any]]] = {}
 _SEEN_MAX = 256
 _KEYED_ARRAYS = frozenset(("q_lengths", "kv_starts"))
-_READ_ARRAYS = ("sinks", "alibi_slopes")   # keyed by dtype and shape, read afresh every call
+_READ_ARRAYS = BY_HEAD          # (validate's) keyed by dtype and shape, read afresh every call
 _UNKEYED = object()
 
 

@@ -158,11 +158,11 @@ def _grad_enabled() -> bool:
 # offsets): such calls are checked in full once per signature and the Spec is reused
 # with the new arrays, the array keywords alone checked again (_array_keywords) — a
 # decoding step repeats one signature in every layer, a padded batch one per layer.
-# Without array keywords but sinks and slopes (_BY_HEAD) the key length S is left out of
-# the signature (nothing else the check decides depends on it): each decoding step has
-# one more key, and reuses the previous step's check.
+# Without array keywords but sinks and slopes (BY_HEAD: no check reads their values or
+# S) the key length S is left out of the signature (nothing else the check decides
+# depends on it): each decoding step has one more key, and reuses the previous one's.
 _SEEN: dict[tuple[Any, ...], Spec] = {}
-_SEEN_MAX, _BY_HEAD = 256, frozenset({"sinks", "alibi_slopes"})
+_SEEN_MAX, BY_HEAD = 256, ("sinks", "alibi_slopes")
 _PLAIN = frozenset({type(None), bool, int, float, str})  # keyword types keyed as they are
 
 
@@ -238,7 +238,7 @@ def signature(q: Any, k: Any, v: Any, backend: str, need_v: bool,
                     lib is not np and x.is_nested:       # (a model's sinks; nested: the full check's)
                 return None, True
             arrays += (name, x.dtype, x.shape) if lib is np else (name, x.dtype, x.shape, x.device, x.layout)
-            by_S = by_S or name not in _BY_HEAD
+            by_S = by_S or name not in BY_HEAD
         else:
             scalars += (name, _typed(x)) if isinstance(x, (tuple, list)) else (name, type(x), x)
     if by_S:                                             # their shapes or values follow S: keep it
