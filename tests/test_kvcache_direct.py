@@ -1,8 +1,9 @@
 """attention_kvcache's kept call for torch CPU tensors on a contiguous cache: the small
 rung's compiled call on the tensors' memory (attnkit.small.kvcache_at, kept per
-signature in KVCall.memo by TorchRung._kept_kvcache), and the append through NumPy
-views. Each gives the full path's bits, declines what it cannot read, and keeps
-torch's version counters."""
+signature in KVCall.memo by TorchRung._kept_kvcache); the kept step that runs a
+signature's later calls whole through it, the append included (kvcache_op.step,
+kept as memo[STEP]); and the full path's append through NumPy views. Each gives the
+full path's bits, declines what it cannot read, and keeps torch's version counters."""
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import attnkit  # noqa: E402
-from attnkit import kvcache, small  # noqa: E402
+from attnkit import api, kvcache, small  # noqa: E402
 from attnkit.spec import kvcache as kvspec  # noqa: E402
 from attnkit.torch import op  # noqa: E402
 
@@ -48,9 +49,10 @@ def tensors(seed, L=1, dtype=torch.float32):
 
 
 def full_path(*args, **kw):
-    """The same call on the full path: the kept call switched off, and the append by
-    torch's index writes (no NumPy views)."""
+    """The same call on the full path: the kept step and call switched off, and the
+    append by torch's index writes (no NumPy views)."""
     with pytest.MonkeyPatch.context() as m:
+        m.setattr(api, "kept_step", lambda *a: (None, None))
         m.setattr(op.TorchRung, "_kept_kvcache", lambda self, kv: None)
         m.setattr(kvcache, "_numpy_views", lambda xs: None)
         return attnkit.attention_kvcache(*args, **kw)
@@ -58,14 +60,32 @@ def full_path(*args, **kw):
 
 OPTIONS = [{}, dict(causal=True), dict(causal=True, window=(3, 0)), dict(softcap=2.0, scale=0.3),
            dict(causal=True, align="top_left"), dict(causal=True, sinks=torch.linspace(-1.0, 2.0, H)),
-           dict(window=(3, 0), sinks=torch.tensor([[[0.5]], [[-np.inf]], [[3.0]]]))]    # per sequence
+           dict(window=(3, 0), sinks=torch.tensor([[[0.5]], [[-np.inf]], [[3.0]]])),    # per sequence
+           dict(window=(2, 1)), dict(window=(1, 2), align="top_left"), dict(window=(None, 0))]
+
+
+@pytest.fixture
+def checked(monkeypatch):
+    """The calls validated in full (those the kept step did not take), from no
+    signature seen."""
+    calls = []
+    validate = api.validate_kvcache
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return validate(*args, **kw)
+    monkeypatch.setattr(api, "validate_kvcache", counted)
+    kvspec._SEEN.clear()
+    yield calls
+    kvspec._SEEN.clear()
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(o) or "plain")
 @pytest.mark.parametrize("L", [1, 2])
-def test_a_decoding_loop_on_the_kept_call_gives_the_full_paths_bits(opts, L, spied):
+def test_a_decoding_loop_on_the_kept_call_gives_the_full_paths_bits(opts, L, spied, checked):
     """Six steps, each appending L keys per sequence (lengths from 0, all different),
-    against the same steps on the full path: out, lse and the caches, bit for bit."""
+    against the same steps on the full path: out, lse and the caches, bit for bit. The
+    first step is validated, the kept step takes the other five whole."""
     q, kc, vc, kn, vn = tensors(1, L)
     kc2, vc2 = kc.clone(), vc.clone()
     lengths = torch.tensor([0, 5, 11])
@@ -78,6 +98,7 @@ def test_a_decoding_loop_on_the_kept_call_gives_the_full_paths_bits(opts, L, spi
         assert out.dtype == want.dtype and out.is_contiguous()
         lengths = lengths + L
     assert spied["made"] == 1 and spied["ran"] == [True] * 6
+    assert len(checked) == 1 + 6                         # the first step, and the full path's six
 
 
 @pytest.mark.parametrize("L", [1, 3])
@@ -121,7 +142,7 @@ def test_a_change_of_settings_takes_the_full_path(spied, monkeypatch):
     attnkit.attention_kvcache(q, kc, vc, lengths)
     monkeypatch.setattr(small, "STREAM_ROWS", 0)         # the call no longer streams
     out = attnkit.attention_kvcache(q, kc, vc, lengths)
-    assert spied["ran"] == [True, False]
+    assert spied["ran"] == [True, False, False]          # the kept step's try, then the full path's
     want = attnkit.attention(q.double(), kc.double(), vc.double(), kv_lengths=lengths)
     assert torch.allclose(out.double(), want, atol=1e-5)
 
@@ -193,3 +214,102 @@ def test_a_ragged_append_through_the_views_writes_what_torch_writes():
     want = full_path(q, kc2, vc2, torch.tensor([4, 9, 21]), **args)
     assert torch.equal(out, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert not torch.equal(kc[0, :, 4:7], torch.zeros_like(kc[0, :, 4:7]))
+
+
+def step_calls(lengths_list, opts=None, L=1, seed=11, **kw):
+    """The same three calls (appending L keys) with the kept step and on the full path, on
+    caches of their own, one lengths argument per call: (outs, lses, caches) of each."""
+    q, kc, vc, kn, vn = tensors(seed, L)
+    got, want = [kc.clone(), vc.clone()], [kc.clone(), vc.clone()]
+    outs = []
+    for lengths in lengths_list:
+        a = attnkit.attention_kvcache(q, *got, lengths, k_new=kn, v_new=vn, return_lse=True, **(opts or {}), **kw)
+        b = full_path(q, *want, lengths, k_new=kn, v_new=vn, return_lse=True, **(opts or {}), **kw)
+        outs.append((a, b))
+    return outs, got, want
+
+
+@pytest.mark.parametrize("form", ["int", "0-d", "int32", "strided", "int16"])
+def test_the_kept_step_reads_the_lengths_in_every_form(form, checked):
+    """An int, a 0-d tensor, int32, a strided (B,) view: read by the step in place (the
+    full path's bits and caches); int16 lengths: the full path."""
+    make = {"int": lambda n: int(n[0]), "0-d": lambda n: torch.tensor(int(n[0])),
+            "int32": lambda n: torch.tensor(n, dtype=torch.int32),
+            "strided": lambda n: torch.tensor([x for m in n for x in (m, -1)])[::2],
+            "int16": lambda n: torch.tensor(n, dtype=torch.int16)}[form]
+    lengths = [[5, 0, 12], [6, 1, 13], [7, 2, 14]] if form not in ("int", "0-d") else [[3] * 3, [4] * 3, [23] * 3]
+    outs, got, want = step_calls([make(n) for n in lengths])
+    for (a, b) in outs:
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert len(checked) == 3 + (3 if form == "int16" else 1)    # the full path's three, and ours
+
+
+@pytest.mark.parametrize("bad, match", [([4, -1, 2], "non-negative"), ([4, 1, CAP], "overflows"),
+                                        ([4, CAP + 3, 2], "beyond its capacity")])
+def test_lengths_the_kept_step_cannot_take_get_the_full_paths_errors(bad, match, checked):
+    """A negative length, an append past the capacity, a length past it, on a signature
+    the kept step holds: the full path's named error, the caches untouched; then the
+    step takes a good call again."""
+    q, kc, vc, kn, vn = tensors(12)
+    for _ in range(2):
+        attnkit.attention_kvcache(q, kc, vc, torch.tensor([4, 1, 2]), k_new=kn, v_new=vn)
+    before = kc.clone(), vc.clone()
+    with pytest.raises(ValueError, match=match):
+        attnkit.attention_kvcache(q, kc, vc, torch.tensor(bad), k_new=kn, v_new=vn)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    attnkit.attention_kvcache(q, kc, vc, torch.tensor([5, 2, 3]), k_new=kn, v_new=vn)
+    assert len(checked) == 2 and torch.equal(kc[0, :, 5], kn[0, :, 0])
+
+
+def test_the_kept_step_checks_gradients_and_writability():
+    """On a signature the kept step holds: a cache that requires grad under grad mode,
+    and an inference tensor outside inference mode, get validation's errors; nothing
+    is written."""
+    q, kc, vc, kn, vn = tensors(13)
+    lengths = torch.tensor([1, 2, 3])
+    with torch.no_grad():
+        for _ in range(2):
+            attnkit.attention_kvcache(q, kc, vc, lengths, k_new=kn, v_new=vn)
+    kc.requires_grad_(True)
+    with pytest.raises(TypeError, match="forward only"):
+        attnkit.attention_kvcache(q, kc, vc, lengths, k_new=kn, v_new=vn)
+    with torch.inference_mode():
+        ki, vi = kc.detach().clone(), vc.clone()
+        for _ in range(2):
+            attnkit.attention_kvcache(q, ki, vi, lengths, k_new=kn, v_new=vn)
+    before = ki.clone()
+    with pytest.raises(ValueError, match="read-only"):
+        attnkit.attention_kvcache(q, ki, vi, lengths, k_new=kn + 1, v_new=vn)
+    assert torch.equal(ki, before)
+
+
+def test_the_kept_step_declines_new_keys_it_cannot_copy_and_bumps_versions(checked):
+    """New keys whose rows are not of unit stride: the full path appends them. The
+    caches' version counters move at every call the step takes."""
+    q, kc, vc, kn, vn = tensors(14)
+    strided = torch.randn(B, HKV, 1, 2 * D)[..., ::2]
+    kc2, vc2 = kc.clone(), vc.clone()
+    for i in range(2):
+        attnkit.attention_kvcache(q, kc, vc, torch.tensor([i, 3, 4]), k_new=strided, v_new=vn)
+        full_path(q, kc2, vc2, torch.tensor([i, 3, 4]), k_new=strided, v_new=vn)
+    assert torch.equal(kc, kc2) and len(checked) == 4
+    for i in range(2, 4):
+        before = kc._version, vc._version
+        out = attnkit.attention_kvcache(q, kc, vc, torch.tensor([i, 3, 4]), k_new=kn, v_new=vn)
+        assert kc._version > before[0] and vc._version > before[1]
+        assert torch.equal(out, full_path(q, kc2, vc2, torch.tensor([i, 3, 4]), k_new=kn, v_new=vn))
+        assert torch.equal(kc, kc2)
+    assert len(checked) == 4 + 2                         # (the same signature: the step's) and the full path's
+
+
+def test_the_kept_step_without_lse_and_after_a_change_of_settings(monkeypatch, checked):
+    """return_lse=False gives the same out; a change of select's settings sends the
+    call to the full path (which keeps nothing new for the signature)."""
+    q, kc, vc, _, _ = tensors(15)
+    lengths = torch.tensor([4, 9, 2])
+    out, _ = attnkit.attention_kvcache(q, kc, vc, lengths, return_lse=True)
+    assert torch.equal(attnkit.attention_kvcache(q, kc, vc, lengths), out) and len(checked) == 1
+    monkeypatch.setattr(attnkit.backends, "SMALL_KV", 0)        # the flash rung's now
+    assert torch.allclose(attnkit.attention_kvcache(q, kc, vc, lengths), out, atol=1e-6)
+    assert len(checked) == 2

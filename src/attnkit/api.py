@@ -35,7 +35,7 @@ from .spec import (
     validate_seed,
     with_options,
 )
-from .spec.kvcache import validate_kvcache
+from .spec.kvcache import STEP, kept_step, validate_kvcache
 from .spec.validate import compiling, geometry_key, signature
 
 if sys.version_info >= (3, 11):     # at run time too: typing.get_type_hints (pydantic, beartype)
@@ -364,11 +364,22 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
         out, lse = kvcache_op.kvcache_traced(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new,
                                              backend, dict(masking))
         return (out, lse) if return_lse else out
+    # a decoding loop repeats one signature: after its first call, the rung's kept step
+    # (where it has one) takes the call whole while select would choose as then
+    key, step = kept_step(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, backend, masking)
+    done = step[0](q, k_cache, v_cache, cache_lengths, k_new, v_new, masking.get("sinks"), return_lse) \
+        if step is not None and step[1] == backends.settings() else None
+    if done is not None:
+        return done if return_lse else done[0]
     kv = validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
-                          v_new=v_new, backend=backend, **masking)
+                          v_new=v_new, backend=backend, signature_key=key, **masking)
     rung = cast(backends.CacheRung, backends.select(kv.spec, backend, need="paged" if kv.paged else "kvcache"))
     kvcache.append(kv)
     out, lse = rung.rung_kvcache(kv)
+    if kv.memo is not None and STEP not in kv.memo:
+        make = None if kv.paged else getattr(rung, "kvcache_step", None)
+        made = None if make is None else make(kv)
+        kv.memo[STEP] = None if made is None else (made, backends.settings())
     return (out, lse) if return_lse else out
 
 

@@ -246,30 +246,31 @@ def sink_reads(spec: Spec) -> tuple[int, int, int] | None:
     return (0 if shape[:nb] == (1,) * nb else Hs * Ls), (Ls if Hs > 1 else 0), (1 if Ls > 1 else 0)
 
 
-def _run_at(kept: Spec, reads: tuple[int, int, int]) -> Callable[..., bool]:
+def _run_at(kept: Spec, reads: tuple[int, int, int], name: str = "small_rows_at") -> Callable[..., bool]:
     """The compiled call on addresses for calls of kept's signature (a Spec without its
     arrays): ``run(q, q_strides, k, k_strides, v, v_strides, S, out, out_strides, lse,
-    lo, hi, sinks) -> bool``, as :func:`direct_at` says (lo, hi: the addresses of the
+    lo, hi, sinks, *more) -> bool``, as :func:`direct_at` says (lo, hi: the addresses of the
     rows' key bounds, or 0; sinks: the sinks' address, read at strides ``reads``
-    (:func:`sink_reads`), or 0), by :func:`.flash.numba_small.small_rows_at`; a call of TEAM_WORK or
+    (:func:`sink_reads`), or 0), by :func:`.flash.numba_small.small_rows_at` (or the
+    kernel ``name``, whose arguments are the same and ``more``); a call of TEAM_WORK or
     more on torch's OpenMP team (:func:`.flash.runtime.native_team`), one (batch
     element, kv head) at a time, with the same bits."""
     shapes = kept.out_shape, kept.Hkv, kept.shapes["q"], kept.shapes["k"], kept.shapes["v"]
     scale, softcap = np.float32(kept.scale), np.float32(kept.softcap or 0.0)
     kernels_ = for_dtype("float32")
-    kernel, entry = kernels_.small_rows_at, kernels_.small_units
+    kernel, entry = getattr(kernels_, name), kernels_.small_units
     units = prod(kept.batch) * kept.Hkv
     per_key = units * kept.group * kept.L * (kept.D + kept.Dv)       # the call's work is per_key · S
 
     def run(q: int, q_strides: tuple[int, ...], k: int, k_strides: tuple[int, ...], v: int,
             v_strides: tuple[int, ...], S: int, out: int, out_strides: tuple[int, ...], lse: int, lo: int,
-            hi: int, sinks: int) -> bool:
+            hi: int, sinks: int, *more: Any) -> bool:
         team = n = 0
         if units > 1 and per_key * S >= TEAM_WORK:
             team, n = runtime.native_team(min(runtime.get_threads(), units))
         out_shape, A, q_shape, k_shape, v_shape = shapes
         return kernel(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides, out,
-                      out_strides, lse, scale, softcap, lo, hi, sinks, reads, team, n, entry) == 0
+                      out_strides, lse, scale, softcap, lo, hi, sinks, reads, team, n, entry, *more) == 0
     return run
 
 
@@ -312,28 +313,48 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
     return call
 
 
+# a band's bound no key reaches, for the relative bounds kvcache_at makes
+_FAR = 1 << 62
+
+
 def kvcache_at(spec: Spec) -> Callable[..., bool] | None:
-    """attention_kvcache's kept call on a contiguous cache (the torch op's, for calls of
-    spec's signature): ``call(q, q_strides, k, k_strides, v, v_strides, lengths, out,
-    out_strides, lse, sinks) -> bool`` as :func:`direct_at`'s, k and v the caches (spec's key
-    length, their capacity) and ``lengths`` each sequence's keys after the append (int64
-    NumPy, (B,)), from which the rows' bounds are made at every call; lse wanted. None
-    unless spec, its lengths aside, streams alone in float32 (:func:`_prepared`,
-    :func:`sink_reads`)."""
+    """attention_kvcache's kept call on a contiguous cache, the append included (the
+    torch op's, for calls of spec's signature): ``call(q, q_strides, k, k_strides, v,
+    v_strides, lengths, out, out_strides, lse, sinks, kind, step, L_new, k_new,
+    kn_strides, v_new, vn_strides) -> bool``, addresses and strides as
+    :func:`direct_at`'s, k and v the caches (spec's key length, their capacity), lse
+    0 where not wanted; each sequence's keys before the append at ``lengths`` (``kind``
+    8: int64 ``step`` elements apart, 4: int32, 0: the int ``lengths`` itself for every
+    sequence); L_new new keys and values per sequence at k_new and v_new (any strides
+    but unit ones along D), written into their slots first — by
+    :func:`.flash.numba_small.kvcache_rows_at`, which also makes the rows' key bounds
+    from the lengths. False, having written nothing, where a length leaves no room or
+    the layout is not one the compiled call reads: the full path then checks and runs
+    the call. None unless spec, its lengths aside, streams alone in float32
+    (:func:`_prepared`, :func:`sink_reads`)."""
     made, reads = _prepared(spec.replace(kv_lengths=None)), sink_reads(spec)
-    if made is None or reads is None or not made[1] <= spec.S <= made[2]:
+    if made is None or reads is None or not made[1] <= spec.S <= made[2] or spec.q_lengths is not None \
+            or spec.kv_starts is not None:
         return None
     kept, _, _, stamp = made
-    run = _run_at(kept, reads)
+    run = _run_at(kept, reads, "kvcache_rows_at")
+    # the band's bounds of each row i for a sequence of no keys, unclamped: they move
+    # with a sequence's n keys by n where its rows align bottom-right (dense_row_bounds'
+    # diagonal i + n − L), and are then clamped to [0, n) in the kernel
+    shift = int(kept.align == "bottom_right")
+    rel = geo.band_bounds(np.arange(kept.L, dtype=np.int64) - shift * kept.L, -_FAR, _FAR,
+                          geo.band(kept.causal, kept.window))
+    held = tuple(np.ascontiguousarray(x, dtype=np.int64) for x in rel)     # (alive as long as the call)
+    at = held[0].ctypes.data, held[1].ctypes.data
 
     def call(q: int, q_strides: tuple[int, ...], k: int, k_strides: tuple[int, ...], v: int,
-             v_strides: tuple[int, ...], lengths: np.ndarray, out: int, out_strides: tuple[int, ...],
-             lse: int, sinks: int) -> bool:
-        if _settings() != stamp:
+             v_strides: tuple[int, ...], lengths: int, out: int, out_strides: tuple[int, ...], lse: int,
+             sinks: int, kind: int, step: int, L_new: int, k_new: int, kn_strides: tuple[int, ...], v_new: int,
+             vn_strides: tuple[int, ...]) -> bool:
+        if _settings() != stamp or not held:
             return False
-        lo, hi = _row_bounds(kept.replace(kv_lengths=lengths))
-        return run(q, q_strides, k, k_strides, v, v_strides, kept.S, out, out_strides, lse, lo.ctypes.data,
-                   hi.ctypes.data, sinks)
+        return run(q, q_strides, k, k_strides, v, v_strides, kept.S, out, out_strides, lse, *at, sinks, lengths,
+                   kind, step, shift, L_new, k_new, kn_strides, v_new, vn_strides)
     return call
 
 

@@ -189,18 +189,19 @@ def test_without_numba_float32_takes_the_numpy_kernels(monkeypatch):
 
 
 def test_without_working_vectors_decoding_takes_the_tiles(monkeypatch):
-    """A numba whose vector intrinsics fail their probe: no decode_part, no small_rows
-    or small_rows_at (asked once), and decoding on the flash and small rungs still computes, by the
-    tiles and the products."""
+    """A numba whose vector intrinsics fail their probe: no decode_part, no small_rows,
+    small_rows_at or kvcache_rows_at (asked once), and decoding on the flash and small rungs still
+    computes, by the tiles and the products."""
     pytest.importorskip("numba")
     from attnkit.flash import numba_kernels as nk
     from attnkit.flash import numba_simd
-    for name in ("decode_part", "small_rows", "small_rows_at", "small_units"):
+    for name in ("decode_part", "small_rows", "small_rows_at", "kvcache_rows_at", "small_units"):
         monkeypatch.setattr(nk.KERNELS, name, getattr(nk.KERNELS, name))   # restored after
     monkeypatch.setattr(K, "_compiled", [])
     monkeypatch.setattr(numba_simd, "works", lambda: False)
     kern = K.compiled_kernels()
     assert kern.decode_part is None and kern.small_rows is None and kern.small_rows_at is None and kern.small_units is None
+    assert kern.kvcache_rows_at is None
     assert kern.tile_tasks is not None
     q, k, v = make_qkv((2, 8, 1, 16), (2, 2, 40, 16), dtype="float32", seed=2)
     want = attnkit.attention(*(x.astype(np.float64) for x in (q, k, v)), backend="reference")

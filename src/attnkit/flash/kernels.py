@@ -148,7 +148,7 @@ def _probed(nk: Any) -> Any:
     without them; should it refuse to compile at all, the NumPy kernels run. The
     compiled tile loop (:mod:`.numba_loop`) joins them where it runs and gets one
     query against one key right; else the tiles stay in Python. The decoding kernels
-    (``decode_part``, ``small_rows``, ``small_rows_at``, ``small_units``) join where
+    (``decode_part``, ``small_rows``, ``small_rows_at``, ``kvcache_rows_at``, ``small_units``) join where
     :func:`.numba_simd.works`."""
     one = np.ones((1, 1), dtype=np.float32)
     for attrs in (nk.WIDE_ATTRIBUTES, ()):
@@ -171,9 +171,11 @@ def _probed(nk: Any) -> Any:
             from . import numba_small
             nk.KERNELS.small_rows = numba_small.small_rows   # compiled at their first call
             nk.KERNELS.small_rows_at = numba_small.small_rows_at
+            nk.KERNELS.kvcache_rows_at = numba_small.kvcache_rows_at
             nk.KERNELS.small_units = numba_small.small_units.address      # its units' entry (a team's)
         else:                               # decoding takes the tiles and products
             nk.KERNELS.decode_part = nk.KERNELS.small_rows = nk.KERNELS.small_rows_at = nk.KERNELS.small_units = None
+            nk.KERNELS.kvcache_rows_at = None
         return nk.KERNELS
     return None
 

@@ -502,4 +502,4 @@ KERNELS = SimpleNamespace(name="numba", softmax_tile=_with_alpha(_softmax_tile),
                           exp_from_lse=exp_from_lse, ds_tile=ds_tile, alibi_tile=alibi_tile,
                           dropout_tile=dropout_tile, decode_part=decode_part,
                           tile_tasks=None, backward_tasks=None, small_rows=None,
-                          small_rows_at=None, small_units=None)   # (kernels._probed)
+                          small_rows_at=None, kvcache_rows_at=None, small_units=None)   # (kernels._probed)

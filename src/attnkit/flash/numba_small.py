@@ -250,6 +250,17 @@ def small_units(data):
     small_rows(qv, kv, vv, scale, softcap, lo, hi, m0, l0, ov, lv, numba.carray(_pointer(a[0]), (2,), np.int64))
 
 
+@numba.njit(inline="always")
+def _readable(out_shape, q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, out_strides):
+    """Whether :func:`small_rows_at` reads operands of these shapes and strides: one
+    stride through the batch dims each, rows of unit stride."""
+    nd, D, Dv = len(out_shape), q_shape[len(q_shape) - 1], out_shape[len(out_shape) - 1]
+    return (D == 1 or q_strides[len(q_strides) - 1] == 1) and (D == 1 or k_strides[len(k_strides) - 1] == 1) \
+        and (Dv == 1 or v_strides[len(v_strides) - 1] == 1) and (Dv == 1 or out_strides[nd - 1] == 1) \
+        and min(_batch_stride(out_shape, q_shape, q_strides), _batch_stride(out_shape, k_shape, k_strides),
+                _batch_stride(out_shape, v_shape, v_strides), _batch_stride(out_shape, out_shape, out_strides)) >= 0
+
+
 @numba.njit(**ORDERED)
 def small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides, out,
                   out_strides, lse, scale, softcap, lo, hi, sinks, sink_strides, team, threads, entry):
@@ -276,9 +287,7 @@ def small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides,
         N *= out_shape[i]
     qn, kn = _batch_stride(out_shape, q_shape, q_strides), _batch_stride(out_shape, k_shape, k_strides)
     vn, on = _batch_stride(out_shape, v_shape, v_strides), _batch_stride(out_shape, out_shape, out_strides)
-    units = (D == 1 or q_strides[len(q_strides) - 1] == 1) and (D == 1 or k_strides[len(k_strides) - 1] == 1) \
-        and (Dv == 1 or v_strides[len(v_strides) - 1] == 1) and (Dv == 1 or out_strides[nd - 1] == 1)
-    if qn < 0 or kn < 0 or vn < 0 or on < 0 or not units:
+    if not _readable(out_shape, q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, out_strides):
         return 1
     R = G * L
     step = _row_step(L, G, q_strides)
@@ -335,3 +344,59 @@ def small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides,
                     for r in range(L):
                         copy_row(address(dst, (n, a, g, r, 0)), address(ov, (n, a, g * L + r, 0)), Dv)
     return 0
+
+
+@numba.njit(**ORDERED)
+def kvcache_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides, out,
+                    out_strides, lse, scale, softcap, rel_lo, rel_hi, sinks, sink_strides, team, threads, entry,
+                    lengths, kind, step, shift, L_new, k_new, kn_strides, v_new, vn_strides):
+    """attention_kvcache's call on a contiguous cache k (B, A, S, D), v (B, A, S, Dv)
+    at addresses, the append included: sequence b holds lengths[b] keys (``kind`` 8:
+    int64 at address ``lengths``, ``step`` elements apart; 4: int32; 0: ``lengths``
+    itself, every sequence's); its L_new new keys and values (B, A, L_new, D[v]) at
+    addresses k_new and v_new (strides kn_strides, vn_strides, elements) are written to
+    its slots lengths[b] …, then q attends to the lengths[b] + L_new keys by
+    :func:`small_rows_at`, the rest of whose arguments these are: query row i of
+    sequence b (of L) sees keys [lo, hi) with lo = max(0, shift·n + rel_lo[i]), hi =
+    max(lo, min(n, shift·n + rel_hi[i])), n its keys (the band's bounds move with n where
+    the rows align bottom-right, shift 1; rel_lo, rel_hi: the addresses of int64 (L,),
+    :func:`attnkit.small.kvcache_at` makes them). Returns small_rows_at's status, or 3
+    touching nothing where a length is negative or leaves no room for the new keys,
+    or 1 where an operand's layout is not one it reads (the full path then checks or
+    runs the call)."""
+    B, H, L, D, Dv = out_shape[0], out_shape[1], out_shape[2], q_shape[3], out_shape[3]
+    n = np.empty(B, dtype=np.int64)
+    for b in range(B):
+        if kind == 8:
+            x = view_at(lengths, (B,), (step,), np.int64(0))[b]
+        elif kind == 4:
+            x = np.int64(view_at(lengths, (B,), (step,), np.int32(0))[b])
+        else:
+            x = np.int64(lengths)
+        if x < 0 or x > S - L_new:
+            return 3
+        n[b] = x + L_new
+    if not _readable(out_shape, q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, out_strides) or (
+            L_new and ((D > 1 and kn_strides[3] != 1) or (Dv > 1 and vn_strides[3] != 1))):
+        return 1
+    if L_new:
+        kc, vc = view_at(k, (B, A, S, D), k_strides, f32(0.0)), view_at(v, (B, A, S, Dv), v_strides, f32(0.0))
+        kn, vn = view_at(k_new, (B, A, L_new, D), kn_strides, f32(0.0)), \
+            view_at(v_new, (B, A, L_new, Dv), vn_strides, f32(0.0))
+        for b in range(B):
+            for a in range(A):
+                for t in range(L_new):
+                    copy_row(address(kc, (b, a, n[b] - L_new + t, 0)), address(kn, (b, a, t, 0)), D)
+                    copy_row(address(vc, (b, a, n[b] - L_new + t, 0)), address(vn, (b, a, t, 0)), Dv)
+    rlo, rhi = view_at(rel_lo, (L,), (1,), np.int64(0)), view_at(rel_hi, (L,), (1,), np.int64(0))
+    lo, hi = np.empty((B, H * L), dtype=np.int64), np.empty((B, H * L), dtype=np.int64)
+    for b in range(B):
+        for i in range(L):
+            first = max(np.int64(0), shift * n[b] + rlo[i])
+            last = max(first, min(n[b], shift * n[b] + rhi[i]))
+            for h in range(H):
+                lo[b, h * L + i], hi[b, h * L + i] = first, last
+    done = small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides,
+                         out, out_strides, lse, scale, softcap, lo.ctypes.data, hi.ctypes.data, sinks,
+                         sink_strides, team, threads, entry)
+    return done if lo.size + hi.size >= 0 else 2        # (the bounds live until small_rows_at is done)

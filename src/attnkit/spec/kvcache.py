@@ -164,13 +164,42 @@ _READ_ARRAYS = BY_HEAD          # (validate's) keyed by dtype and shape, read af
 _UNKEYED = object()
 
 
+# the entry of a signature's memo (_SEEN) under which attention_kvcache keeps a rung's
+# step for its calls: (step, the settings select read) or None (:func:`kept_step`)
+STEP = "step"
+
+
+def kept_step(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block_table: Any, k_new: Any, v_new: Any,
+              backend: str, options: Any) -> tuple[Any, Any]:
+    """(the call's signature key, or None where it has none; the step kept for that
+    signature — ``memo[STEP]``, which attention_kvcache puts there after a call of it —
+    or None). Before a step is handed out, the checks of the call's state it does not
+    make itself run (gradients, the caches' writability: the errors validation
+    raises); the step checks the lengths' values."""
+    key = _signature(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, backend, options)
+    try:
+        seen = None if key is None else _SEEN.get(key)
+    except TypeError:                                    # an unhashable keyword: the full check names it
+        return None, None
+    made = None if seen is None else seen[2].get(STEP)
+    if made is None:
+        return key, None
+    want_torch = type(q) is not np.ndarray
+    _check_grad(q, k_cache, v_cache, k_new, v_new, want_torch, options)
+    _check_writable(k_cache, v_cache, 0 if k_new is None else int(k_new.shape[-2]), want_torch)
+    return key, made
+
+
 def validate_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *, block_table: Any = None,
-                     k_new: Any = None, v_new: Any = None, backend: str = "auto", **options: Any) -> KVCall:
+                     k_new: Any = None, v_new: Any = None, backend: str = "auto", signature_key: Any = _UNKEYED,
+                     **options: Any) -> KVCall:
     """Check every argument of attention_kvcache (shapes, dtypes, devices, lengths,
     pages, the append's room) and return a KVCall; nothing is written. A call of a
     signature seen before has its structure's checks reused and its values and state
-    checked again."""
-    key = _signature(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, backend, options)
+    checked again (``signature_key``: the call's key where the caller made it,
+    :func:`kept_step`)."""
+    key = signature_key if signature_key is not _UNKEYED else \
+        _signature(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, backend, options)
     try:
         seen = None if key is None else _SEEN.get(key)
     except TypeError:                                    # an unhashable keyword: the full check names it

@@ -1,18 +1,22 @@
-"""``attention_kvcache`` under torch.compile: one custom op,
-``torch.ops.attnkit.attention_kvcache``, that writes the cache and runs the eager call
-when the graph runs (:func:`kvcache_traced`; :mod:`attnkit.api` calls it while a graph
-is traced). Its flat arguments follow :mod:`.op`'s table order.
+"""``attention_kvcache`` for torch tensors beside the op's own path: under
+torch.compile one custom op, ``torch.ops.attnkit.attention_kvcache``, that writes the
+cache and runs the eager call when the graph runs (:func:`kvcache_traced`;
+:mod:`attnkit.api` calls it while a graph is traced; its flat arguments follow
+:mod:`.op`'s table order); and the kept step of a decoding loop on CPU tensors
+(:func:`step`).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import philox
 from ..spec import OPTIONS
-from .op import _UINT64, _pack, _unpack, acc_dtype
+from .op import _CPU, _UINT64, _direct_reads, _pack, _sinks_at, _unpack, acc_dtype
 
 # ---- attention_kvcache under torch.compile ------------------------------------------------
 # A graph cannot read the cache's lengths (the check does) nor run the NumPy rungs, so a
@@ -69,3 +73,58 @@ def kvcache_traced(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block
     args = _pack(_KV_OPTIONS, value)
     return torch.ops.attnkit.attention_kvcache(q, k_cache, v_cache, kv.cache_lengths, block_table, k_new, v_new,
                                                *args, backend)   # cache_lengths as (B,): an int taken too
+
+
+# ---- a decoding loop's kept step ------------------------------------------------------
+_INTS = {torch.int64: 8, torch.int32: 4}
+_Tensor, _bump = torch.Tensor, torch.autograd.graph.increment_version
+
+
+def step(rung: Any, kv: Any) -> Callable[..., Any] | None:
+    """For calls of kv's signature on CPU tensors (a contiguous cache; kept by
+    :func:`attnkit.spec.kvcache.kept_step` once a call of that signature has run), the
+    whole call — the lengths' check, the append, the attention — as one compiled call
+    on the tensors' memory (the rung's :meth:`~.op.TorchRung.kvcache_call`):
+    ``step(q, k_cache, v_cache, cache_lengths, k_new, v_new, sinks, need_lse) -> (out,
+    lse or None)``, or None where that call cannot take them as they are (what the
+    op's kept calls decline, lengths not an int or an int64 or int32 CPU tensor of
+    one or B elements, lengths that leave no room: then nothing was written and the
+    full path checks and runs the call). The caches' version counters move where it
+    writes, as torch's own writes move them. The caller has checked the gradients and
+    the caches' writability (the state validation checks at every call)."""
+    call = rung.kvcache_call(kv)
+    if call is None or not kv.spec.q.is_cpu:
+        return None
+    spec = kv.spec
+    out_shape, lse_shape, B = spec.out_shape, spec.lse_shape, spec.batch[0]
+    sink_shape = None if spec.sinks is None else spec.shapes["sinks"]      # as the caller gives them
+    new = functools.partial(torch.empty, dtype=torch.float32, device=_CPU)
+    no_rows = (0, 0, 0, 0)
+
+    def run(q: Any, k: Any, v: Any, lengths: Any, k_new: Any, v_new: Any, sinks: Any,
+            need_lse: bool) -> tuple[torch.Tensor, Any] | None:
+        if not _direct_reads(q, k, v) or (k_new is not None and not _direct_reads(k_new, v_new, q)):
+            return None
+        at = 0 if sinks is None and sink_shape is None else _sinks_at(sinks, sink_shape)
+        if type(lengths) is int:
+            kind, where, apart = 0, lengths, 0
+        elif type(lengths) is _Tensor and lengths.dtype in _INTS and lengths.is_cpu and (
+                lengths.dim() == 0 or lengths.shape == (B,)) and not lengths.is_neg():
+            kind, where, apart = _INTS[lengths.dtype], lengths.data_ptr(), lengths.stride()[0] if lengths.dim() else 0
+        else:
+            return None
+        if at is None:
+            return None
+        out, lse = new(out_shape), (new(lse_shape) if need_lse else None)
+        L_new = 0 if k_new is None else k_new.shape[-2]
+        added = (k_new.data_ptr(), k_new.stride(), v_new.data_ptr(), v_new.stride()) if L_new else (0, no_rows, 0,
+                                                                                                   no_rows)
+        if not call(q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), where,
+                    out.data_ptr(), out.stride(), 0 if lse is None else lse.data_ptr(), at, kind, apart, L_new,
+                    *added):
+            return None
+        if L_new:
+            _bump(k)
+            _bump(v)
+        return out, lse
+    return run

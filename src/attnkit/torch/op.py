@@ -511,19 +511,12 @@ class TorchRung:
         return _torch(out, kv.spec.q.dtype), _torch(lse, acc_dtype(kv.spec.q))
 
     def _kept_kvcache(self, kv: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(out, lse) of a contiguous cache's call by the compute rung's kept call on the
-        tensors' memory (``mod.kvcache_at``: the small rung's streaming call, made once
-        per signature in ``kv.memo``), as :meth:`rung_kvcache` computes them; or None:
-        the full path (no memo, a paged cache, a rung or call without one, tensors the
+        """(out, lse) of a contiguous cache's call, its append done, by :meth:`kvcache_call`
+        on the tensors' memory, as :meth:`rung_kvcache` computes them; or None: the
+        full path (no memo, a paged cache, a rung or call without one, tensors the
         direct call cannot read: what :meth:`direct` declines). A small model's decoding
         step: conversions and the rung's forward took 123 µs, this 68–74."""
-        make = getattr(self.mod, "kvcache_at", None)
-        if make is None or kv.memo is None or kv.paged:
-            return None
-        key = ("kvcache_at", self.mod.name)
-        call = kv.memo.get(key, _MISSING)
-        if call is _MISSING:
-            call = kv.memo[key] = make(kv.spec)
+        call = self.kvcache_call(kv)
         q, k, v, sinks = kv.spec.q, kv.k_cache, kv.v_cache, kv.spec.sinks
         if call is None or not q.is_cpu or not _direct_reads(q, k, v):
             return None
@@ -532,10 +525,28 @@ class TorchRung:
             return None
         out = torch.empty(kv.spec.out_shape, dtype=torch.float32, device=_CPU)
         lse = torch.empty(kv.spec.lse_shape, dtype=torch.float32, device=_CPU)
-        lengths = np.asarray(kv.lengths.numpy(), dtype=np.int64)
-        done = call(q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), lengths,
-                    out.data_ptr(), out.stride(), lse.data_ptr(), at)
+        lengths = np.ascontiguousarray(kv.lengths.numpy(), dtype=np.int64)     # after the append: none to make
+        done = call(q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(), v.stride(),
+                    lengths.ctypes.data, out.data_ptr(), out.stride(), lse.data_ptr(), at, 8, 1, 0, 0, _NO_ROWS,
+                    0, _NO_ROWS)
         return (out, lse) if done else None
+
+    def kvcache_call(self, kv: Any) -> Any:
+        """The compute rung's kept call on a contiguous cache's memory for calls of kv's
+        signature (``mod.kvcache_at``, made once in ``kv.memo``), or None."""
+        make = getattr(self.mod, "kvcache_at", None)
+        if make is None or kv.memo is None or kv.paged:
+            return None
+        key = ("kvcache_at", self.mod.name)
+        call = kv.memo.get(key, _MISSING)
+        if call is _MISSING:
+            call = kv.memo[key] = make(kv.spec)
+        return call
+
+    def kvcache_step(self, kv: Any) -> Callable[..., Any] | None:
+        """attention_kvcache's kept step for calls of kv's signature (:func:`.kvcache_op.step`)."""
+        from .kvcache_op import step
+        return step(self, kv)
 
     def rung_weights(self, spec: Spec, lse: Any = None, rows: Any = None) -> Any:
         return self._weights(to_op_args(spec, self.mod.name), None if lse is None else lse.detach(), rows)
@@ -550,6 +561,7 @@ class TorchRung:
 
 _BOUND: dict[str, TorchRung] = {}
 _MISSING = object()
+_NO_ROWS = (0, 0, 0, 0)          # the strides of new keys not given
 
 
 def bound(mod: Any) -> TorchRung:
