@@ -245,6 +245,15 @@ def test_the_kept_step_reads_the_lengths_in_every_form(form, checked):
     assert len(checked) == 3 + (3 if form == "int16" else 1)    # the full path's three, and ours
 
 
+def test_an_int_past_int64_gets_the_full_paths_error(checked):
+    q, kc, vc, kn, vn = tensors(16)
+    for _ in range(2):
+        attnkit.attention_kvcache(q, kc, vc, 3, k_new=kn, v_new=vn)
+    with pytest.raises(ValueError, match="cache_lengths"):
+        attnkit.attention_kvcache(q, kc, vc, 1 << 70, k_new=kn, v_new=vn)
+    assert len(checked) == 2
+
+
 @pytest.mark.parametrize("bad, match", [([4, -1, 2], "non-negative"), ([4, 1, CAP], "overflows"),
                                         ([4, CAP + 3, 2], "beyond its capacity")])
 def test_lengths_the_kept_step_cannot_take_get_the_full_paths_errors(bad, match, checked):

@@ -452,3 +452,67 @@ def rung_kvcache(kv: Any) -> tuple[np.ndarray, np.ndarray]:
     place), then the forward above."""
     out, lse, _ = rung_forward(reference.gathered(kv))
     return out, lse
+
+
+_F32 = np.dtype(np.float32)
+_INTS = {np.dtype(np.int64): 8, np.dtype(np.int32): 4}
+
+
+def kvcache_step(kv: Any) -> Callable[..., Any] | None:
+    """For calls of kv's signature on NumPy arrays (a contiguous cache), the whole call
+    — the lengths' check, the append, the attention — as one compiled call on the
+    arrays' memory (:func:`kvcache_at`), as :func:`attnkit.torch.kvcache_op.step` runs
+    it for CPU tensors: ``step(q, k_cache, v_cache, cache_lengths, k_new, v_new, sinks,
+    need_lse) -> (out, lse or None)``, or None, having written nothing, where it cannot
+    take them as they are (strides not whole elements, sinks not C-ordered, lengths not
+    an int or int64 or int32 of one or B elements, lengths that leave no room): the
+    full path then checks and runs the call. None unless every array of kv is native
+    float32 (their dtypes are the signature's)."""
+    spec = kv.spec
+    arrays = [x for x in (spec.q, kv.k_cache, kv.v_cache, kv.k_new, kv.v_new, spec.sinks) if x is not None]
+    if kv.paged or any(type(x) is not np.ndarray or x.dtype != _F32 for x in arrays):
+        return None
+    call = kvcache_at(spec)
+    if call is None:
+        return None
+    out_shape, lse_shape, B = spec.out_shape, spec.lse_shape, spec.batch[0]
+    sink_shape = None if spec.sinks is None else spec.shapes["sinks"]      # as the caller gives them
+    no_rows = (0, 0, 0, 0)
+
+    def places(xs: tuple[np.ndarray, ...]) -> list[Any] | None:
+        """Each array's address and strides in elements, or None (a stride not whole)."""
+        made = []
+        for x in xs:
+            st = x.strides
+            if any(n & 3 for n in st):
+                return None
+            made += [x.ctypes.data, tuple(n >> 2 for n in st)]
+        return made
+
+    def run(q: Any, k: Any, v: Any, lengths: Any, k_new: Any, v_new: Any, sinks: Any,
+            need_lse: bool) -> tuple[np.ndarray, Any] | None:
+        at = places((q, k, v) if k_new is None else (q, k, v, k_new, v_new))
+        if type(lengths) is int and abs(lengths) < _FAR:
+            kind, where, apart = 0, lengths, 0
+        elif type(lengths) is np.ndarray and lengths.dtype in _INTS and lengths.shape in ((), (B,)) and not (
+                lengths.ndim and lengths.strides[0] % lengths.itemsize):
+            kind, where = lengths.itemsize, lengths.ctypes.data
+            apart = lengths.strides[0] // kind if lengths.ndim else 0
+        else:
+            return None
+        sinks_at = 0
+        if sink_shape is not None:
+            if type(sinks) is not np.ndarray or sinks.dtype != _F32 or sinks.shape != sink_shape \
+                    or not sinks.flags.c_contiguous:
+                return None
+            sinks_at = sinks.ctypes.data
+        if at is None or sinks is not None and sink_shape is None:
+            return None
+        out = np.empty(out_shape, dtype=np.float32)
+        lse = np.empty(lse_shape, dtype=np.float32) if need_lse else None
+        added = (k_new.shape[-2], *at[6:]) if k_new is not None else (0, 0, no_rows, 0, no_rows)
+        if not call(*at[:6], where, out.ctypes.data, tuple(n >> 2 for n in out.strides),
+                    0 if lse is None else lse.ctypes.data, sinks_at, kind, apart, *added):
+            return None
+        return out, lse
+    return run

@@ -106,7 +106,7 @@ def step(rung: Any, kv: Any) -> Callable[..., Any] | None:
         if not _direct_reads(q, k, v) or (k_new is not None and not _direct_reads(k_new, v_new, q)):
             return None
         at = 0 if sinks is None and sink_shape is None else _sinks_at(sinks, sink_shape)
-        if type(lengths) is int:
+        if type(lengths) is int and abs(lengths) < 1 << 62:         # (an int64 for the call)
             kind, where, apart = 0, lengths, 0
         elif type(lengths) is _Tensor and lengths.dtype in _INTS and lengths.is_cpu and (
                 lengths.dim() == 0 or lengths.shape == (B,)) and not lengths.is_neg():
