@@ -322,3 +322,29 @@ def test_the_kept_step_without_lse_and_after_a_change_of_settings(monkeypatch, c
     monkeypatch.setattr(attnkit.backends, "SMALL_KV", 0)        # the flash rung's now
     assert torch.allclose(attnkit.attention_kvcache(q, kc, vc, lengths), out, atol=1e-6)
     assert len(checked) == 2
+
+
+@pytest.mark.parametrize("where", ["its own slots", "the other cache"])
+def test_new_keys_in_the_caches_memory_are_appended_as_the_full_path_appends_them(where, checked):
+    """k_new a view of the cache slots the append overwrites (re-appending the last two
+    keys), or v_new a view of k_cache's slots that k_new's append writes: the step
+    would read a row after writing it, so it declines; the full path's append (through
+    NumPy views: torch's index writes refuse such a source) copies first."""
+    def without_step(*args, **kw):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(api, "kept_step", lambda *a: (None, None))
+            return attnkit.attention_kvcache(*args, **kw)
+    outs, caches = [], []
+    for kept in (True, False):
+        torch.manual_seed(0)
+        q, kc, vc = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 8, 4), torch.randn(1, 1, 8, 4)
+        kn, vn = (kc[:, :, 2:4], vc[:, :, 2:4]) if where == "its own slots" else (torch.ones(1, 1, 2, 4),
+                                                                                   kc[:, :, 4:6])
+        run = attnkit.attention_kvcache if kept else without_step
+        if kept:
+            attnkit.attention_kvcache(q, kc.clone(), vc.clone(), 3, k_new=kn.clone(), v_new=vn.clone())
+        outs.append(run(q, kc, vc, 3, k_new=kn, v_new=vn))
+        caches.append((kc, vc))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert len(checked) == 1 + 1 + 1                     # the warm-up, the declined step's, without the step

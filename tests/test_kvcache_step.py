@@ -141,3 +141,16 @@ def test_what_the_numpy_step_declines(checked):
     for _ in range(2):
         attnkit.attention_kvcache(q64, k64, v64, lengths)
     assert len(checked) == 15 + 2
+
+
+def test_new_keys_in_the_caches_memory_are_appended_as_the_full_path_appends_them():
+    """k_new a view of the slots its append overwrites: the NumPy step declines too."""
+    got = []
+    for kept in (True, False):
+        rng = np.random.default_rng(5)
+        q, kc, vc = (rng.standard_normal(s).astype(np.float32) for s in ((1, 1, 1, 4), (1, 1, 8, 4), (1, 1, 8, 4)))
+        run = attnkit.attention_kvcache if kept else full_path
+        if kept:
+            attnkit.attention_kvcache(q, kc.copy(), vc.copy(), 3, k_new=kc[:, :, 2:4].copy(), v_new=vc[:, :, 2:4].copy())
+        got.append((run(q, kc, vc, 3, k_new=kc[:, :, 2:4], v_new=vc[:, :, 2:4]), kc, vc))
+    assert all(np.array_equal(a, b) for a, b in zip(got[0], got[1]))

@@ -32,7 +32,9 @@ a call that repeats its signature (every layer, every step) runs without validat
 :func:`attnkit.api.attention` keeps :func:`direct`'s prepared call for it (torch
 tensors: :func:`direct_at`'s, on their memory). The
 backward is the flash rung's, the weights the reference's; KV-cache decoding reads
-the reference's gathered keys. No packed sequences or blocks of a larger problem:
+the reference's gathered keys, and a float32 decoding loop on a contiguous cache runs
+its later calls whole, append included, as one compiled call (:func:`kvcache_step`;
+torch tensors: :func:`kvcache_at`'s, on their memory). No packed sequences or blocks of a larger problem:
 ``auto`` gives those to the flash rung.
 
 >>> import numpy as np
@@ -328,9 +330,11 @@ def kvcache_at(spec: Spec) -> Callable[..., bool] | None:
     sequence); L_new new keys and values per sequence at k_new and v_new (any strides
     but unit ones along D), written into their slots first — by
     :func:`.flash.numba_small.kvcache_rows_at`, which also makes the rows' key bounds
-    from the lengths. False, having written nothing, where a length leaves no room or
-    the layout is not one the compiled call reads: the full path then checks and runs
-    the call. None unless spec, its lengths aside, streams alone in float32
+    from the lengths. False, having written nothing, where a length leaves no room,
+    the layout is not one the compiled call reads or the new keys lie in a cache's
+    memory: the full path then checks and runs the call (False also where a unit on
+    torch's team failed, the append done: the full path writes the same keys again).
+    None unless spec, its lengths aside, streams alone in float32
     (:func:`_prepared`, :func:`sink_reads`)."""
     made, reads = _prepared(spec.replace(kv_lengths=None)), sink_reads(spec)
     if made is None or reads is None or not made[1] <= spec.S <= made[2] or spec.q_lengths is not None \
@@ -463,10 +467,10 @@ def kvcache_step(kv: Any) -> Callable[..., Any] | None:
     — the lengths' check, the append, the attention — as one compiled call on the
     arrays' memory (:func:`kvcache_at`), as :func:`attnkit.torch.kvcache_op.step` runs
     it for CPU tensors: ``step(q, k_cache, v_cache, cache_lengths, k_new, v_new, sinks,
-    need_lse) -> (out, lse or None)``, or None, having written nothing, where it cannot
-    take them as they are (strides not whole elements, sinks not C-ordered, lengths not
-    an int or int64 or int32 of one or B elements, lengths that leave no room): the
-    full path then checks and runs the call. None unless every array of kv is native
+    need_lse) -> (out, lse or None)``, or None where it cannot take them as they are
+    (strides not whole elements, sinks not C-ordered, lengths not an int or int64 or
+    int32 of one or B elements, lengths that leave no room; what :func:`kvcache_at`
+    declines): the full path then checks and runs the call. None unless every array of kv is native
     float32 (their dtypes are the signature's)."""
     spec = kv.spec
     arrays = [x for x in (spec.q, kv.k_cache, kv.v_cache, kv.k_new, kv.v_new, spec.sinks) if x is not None]

@@ -346,6 +346,20 @@ def small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides,
     return 0
 
 
+@numba.njit(inline="always")
+def _span(addr, shape, strides):
+    """[first, last) bytes that a float32 array at addr of shape and strides (elements,
+    any sign) spans."""
+    lo, hi = addr, addr + 4
+    for i in range(len(shape)):
+        step = (shape[i] - 1) * strides[i] * 4
+        if step < 0:
+            lo += step
+        else:
+            hi += step
+    return lo, hi
+
+
 @numba.njit(**ORDERED)
 def kvcache_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides, out,
                     out_strides, lse, scale, softcap, rel_lo, rel_hi, sinks, sink_strides, team, threads, entry,
@@ -362,8 +376,9 @@ def kvcache_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_stride
     the rows align bottom-right, shift 1; rel_lo, rel_hi: the addresses of int64 (L,),
     :func:`attnkit.small.kvcache_at` makes them). Returns small_rows_at's status, or 3
     touching nothing where a length is negative or leaves no room for the new keys,
-    or 1 where an operand's layout is not one it reads (the full path then checks or
-    runs the call)."""
+    or 1 where an operand's layout is not one it reads or the new keys or values lie
+    in a cache's memory (the full path then checks or runs the call); 2 (a unit on
+    torch's team failed) comes after the append."""
     B, H, L, D, Dv = out_shape[0], out_shape[1], out_shape[2], q_shape[3], out_shape[3]
     n = np.empty(B, dtype=np.int64)
     for b in range(B):
@@ -379,7 +394,12 @@ def kvcache_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_stride
     if not _readable(out_shape, q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, out_strides) or (
             L_new and ((D > 1 and kn_strides[3] != 1) or (Dv > 1 and vn_strides[3] != 1))):
         return 1
-    if L_new:
+    if L_new:                                      # new keys in the caches' memory: written row by row,
+        spans = (_span(k_new, (B, A, L_new, D), kn_strides), _span(v_new, (B, A, L_new, Dv), vn_strides))
+        for c0, c1 in (_span(k, (B, A, S, D), k_strides), _span(v, (B, A, S, Dv), v_strides)):
+            for n0, n1 in spans:                   # they would be read after a write (the full path
+                if n0 < c1 and c0 < n1:            # copies them first)
+                    return 1
         kc, vc = view_at(k, (B, A, S, D), k_strides, f32(0.0)), view_at(v, (B, A, S, Dv), v_strides, f32(0.0))
         kn, vn = view_at(k_new, (B, A, L_new, D), kn_strides, f32(0.0)), \
             view_at(v_new, (B, A, L_new, Dv), vn_strides, f32(0.0))

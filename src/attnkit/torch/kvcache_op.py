@@ -88,8 +88,8 @@ def step(rung: Any, kv: Any) -> Callable[..., Any] | None:
     ``step(q, k_cache, v_cache, cache_lengths, k_new, v_new, sinks, need_lse) -> (out,
     lse or None)``, or None where that call cannot take them as they are (what the
     op's kept calls decline, lengths not an int or an int64 or int32 CPU tensor of
-    one or B elements, lengths that leave no room: then nothing was written and the
-    full path checks and runs the call). The caches' version counters move where it
+    one or B elements; what :func:`attnkit.small.kvcache_at` declines): the full path
+    then checks and runs the call. The caches' version counters move where it
     writes, as torch's own writes move them. The caller has checked the gradients and
     the caches' writability (the state validation checks at every call)."""
     call = rung.kvcache_call(kv)
