@@ -130,3 +130,21 @@ SGEMM_PEAKED_BACKWARD = pytest.mark.xfail(
     reason="sgemm rounds by place: with peaked scores the compiled backward's dv (and at D = 128 dq, dk) is "
            "2.2–4.8× the float32 reference's error (its scores k qᵀ lack the bits of the forward's q kᵀ that lse "
            "was made from), past DESIGN's 2×")
+
+
+@pytest.fixture
+def checked(monkeypatch):
+    """The attention_kvcache calls validated in full (those a kept step did not take),
+    from no signature seen (attnkit.spec.kvcache._SEEN cleared before and after)."""
+    from attnkit import api
+    from attnkit.spec import kvcache as kvspec
+    calls = []
+    validate = api.validate_kvcache
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return validate(*args, **kw)
+    monkeypatch.setattr(api, "validate_kvcache", counted)
+    kvspec._SEEN.clear()
+    yield calls
+    kvspec._SEEN.clear()

@@ -14,6 +14,7 @@ import attnkit  # noqa: E402
 from attnkit import api, kvcache, small  # noqa: E402
 from attnkit.spec import kvcache as kvspec  # noqa: E402
 from attnkit.torch import op  # noqa: E402
+from cases import checked  # noqa: E402, F401 (a fixture)
 
 B, H, HKV, D, CAP = 3, 4, 2, 8, 24
 
@@ -62,22 +63,6 @@ OPTIONS = [{}, dict(causal=True), dict(causal=True, window=(3, 0)), dict(softcap
            dict(causal=True, align="top_left"), dict(causal=True, sinks=torch.linspace(-1.0, 2.0, H)),
            dict(window=(3, 0), sinks=torch.tensor([[[0.5]], [[-np.inf]], [[3.0]]])),    # per sequence
            dict(window=(2, 1)), dict(window=(1, 2), align="top_left"), dict(window=(None, 0))]
-
-
-@pytest.fixture
-def checked(monkeypatch):
-    """The calls validated in full (those the kept step did not take), from no
-    signature seen."""
-    calls = []
-    validate = api.validate_kvcache
-
-    def counted(*args, **kw):
-        calls.append(1)
-        return validate(*args, **kw)
-    monkeypatch.setattr(api, "validate_kvcache", counted)
-    kvspec._SEEN.clear()
-    yield calls
-    kvspec._SEEN.clear()
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(o) or "plain")

@@ -11,24 +11,9 @@ import pytest
 import attnkit
 from attnkit import api
 from attnkit.spec import kvcache as kvspec
+from cases import checked  # noqa: F401 (a fixture)
 
 B, H, HKV, D, CAP = 3, 4, 2, 8, 32
-
-
-@pytest.fixture
-def checked(monkeypatch):
-    """The calls validated in full (those the kept step did not take), from no
-    signature seen."""
-    calls = []
-    validate = api.validate_kvcache
-
-    def counted(*args, **kw):
-        calls.append(1)
-        return validate(*args, **kw)
-    monkeypatch.setattr(api, "validate_kvcache", counted)
-    kvspec._SEEN.clear()
-    yield calls
-    kvspec._SEEN.clear()
 
 
 def arrays(seed, L=1, dtype=np.float32):

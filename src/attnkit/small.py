@@ -34,8 +34,8 @@ tensors: :func:`direct_at`'s, on their memory). The
 backward is the flash rung's, the weights the reference's; KV-cache decoding reads
 the reference's gathered keys, and a float32 decoding loop on a contiguous cache runs
 its later calls whole, append included, as one compiled call (:func:`kvcache_step`;
-torch tensors: :func:`kvcache_at`'s, on their memory). No packed sequences or blocks of a larger problem:
-``auto`` gives those to the flash rung.
+torch tensors: :func:`kvcache_at`'s, on their memory). No packed sequences or blocks
+of a larger problem: ``auto`` gives those to the flash rung.
 
 >>> import numpy as np
 >>> from attnkit import small
@@ -470,8 +470,8 @@ def kvcache_step(kv: Any) -> Callable[..., Any] | None:
     need_lse) -> (out, lse or None)``, or None where it cannot take them as they are
     (strides not whole elements, sinks not C-ordered, lengths not an int or int64 or
     int32 of one or B elements, lengths that leave no room; what :func:`kvcache_at`
-    declines): the full path then checks and runs the call. None unless every array of kv is native
-    float32 (their dtypes are the signature's)."""
+    declines): the full path then checks and runs the call. None unless every array
+    of kv is native float32 (their dtypes are the signature's)."""
     spec = kv.spec
     arrays = [x for x in (spec.q, kv.k_cache, kv.v_cache, kv.k_new, kv.v_new, spec.sinks) if x is not None]
     if kv.paged or any(type(x) is not np.ndarray or x.dtype != _F32 for x in arrays):
