@@ -139,3 +139,21 @@ def test_new_keys_in_the_caches_memory_are_appended_as_the_full_path_appends_the
             attnkit.attention_kvcache(q, kc.copy(), vc.copy(), 3, k_new=kc[:, :, 2:4].copy(), v_new=vc[:, :, 2:4].copy())
         got.append((run(q, kc, vc, 3, k_new=kc[:, :, 2:4], v_new=vc[:, :, 2:4]), kc, vc))
     assert all(np.array_equal(a, b) for a, b in zip(got[0], got[1]))
+
+
+@pytest.mark.parametrize("apart", [0, 1])
+def test_caches_in_one_buffer_are_appended_as_the_full_path_appends_them(apart):
+    """k_cache and v_cache one array, or views one slot apart of one buffer (v's slot t
+    is k's slot t + 1): the full path writes every new key before any value; the step,
+    which writes key by key, declines the second (and takes the first: the same)."""
+    rng = np.random.default_rng(6)
+    q, kn, vn = (rng.standard_normal(s).astype(np.float32) for s in ((1, 1, 1, 4), (1, 1, 2, 4), (1, 1, 2, 4)))
+    got = []
+    for kept in (True, False):
+        buf = np.arange(24, dtype=np.float32).reshape(1, 1, 6, 4) / 10
+        kc, vc = (buf[:, :, :-1], buf[:, :, 1:]) if apart else (buf, buf)
+        if kept:
+            blank = np.zeros_like(kc)
+            attnkit.attention_kvcache(q, blank, blank if not apart else blank.copy(), 1, k_new=kn, v_new=vn)
+        got.append(((attnkit.attention_kvcache if kept else full_path)(q, kc, vc, 1, k_new=kn, v_new=vn), buf))
+    assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])

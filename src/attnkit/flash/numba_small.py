@@ -376,8 +376,9 @@ def kvcache_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_stride
     the rows align bottom-right, shift 1; rel_lo, rel_hi: the addresses of int64 (L,),
     :func:`attnkit.small.kvcache_at` makes them). Returns small_rows_at's status, or 3
     touching nothing where a length is negative or leaves no room for the new keys,
-    or 1 where an operand's layout is not one it reads or the new keys or values lie
-    in a cache's memory (the full path then checks or runs the call); 2 (a unit on
+    or 1 where an operand's layout is not one it reads, the new keys or values lie
+    in a cache's memory or the caches overlap but for being one (the full path then
+    checks or runs the call); 2 (a unit on
     torch's team failed) comes after the append."""
     B, H, L, D, Dv = out_shape[0], out_shape[1], out_shape[2], q_shape[3], out_shape[3]
     n = np.empty(B, dtype=np.int64)
@@ -396,10 +397,15 @@ def kvcache_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_stride
         return 1
     if L_new:                                      # new keys in the caches' memory: written row by row,
         spans = (_span(k_new, (B, A, L_new, D), kn_strides), _span(v_new, (B, A, L_new, Dv), vn_strides))
-        for c0, c1 in (_span(k, (B, A, S, D), k_strides), _span(v, (B, A, S, Dv), v_strides)):
-            for n0, n1 in spans:                   # they would be read after a write (the full path
-                if n0 < c1 and c0 < n1:            # copies them first)
+        caches = (_span(k, (B, A, S, D), k_strides), _span(v, (B, A, S, Dv), v_strides))
+        for c0, c1 in caches:                      # they would be read after a write (the full path
+            for n0, n1 in spans:                   # copies them first)
+                if n0 < c1 and c0 < n1:
                     return 1
+        if caches[0][0] < caches[1][1] and caches[1][0] < caches[0][1] and not (k == v and D == Dv and
+                                                                              k_strides == v_strides):
+            return 1                               # (caches that overlap but not in place: the full path
+                                                   # writes every key before any value, this key by key)
         kc, vc = view_at(k, (B, A, S, D), k_strides, f32(0.0)), view_at(v, (B, A, S, Dv), v_strides, f32(0.0))
         kn, vn = view_at(k_new, (B, A, L_new, D), kn_strides, f32(0.0)), \
             view_at(v_new, (B, A, L_new, Dv), vn_strides, f32(0.0))
