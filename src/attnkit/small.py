@@ -320,8 +320,8 @@ _FAR = 1 << 62
 
 
 def kvcache_at(spec: Spec) -> Callable[..., bool] | None:
-    """attention_kvcache's kept call on a contiguous cache, the append included (the
-    torch op's, for calls of spec's signature): ``call(q, q_strides, k, k_strides, v,
+    """attention_kvcache's kept call on a contiguous cache, the append included, for
+    calls of spec's signature (the torch op's and :func:`kvcache_step`'s): ``call(q, q_strides, k, k_strides, v,
     v_strides, lengths, out, out_strides, lse, sinks, kind, step, L_new, k_new,
     kn_strides, v_new, vn_strides) -> bool``, addresses and strides as
     :func:`direct_at`'s, k and v the caches (spec's key length, their capacity), lse

@@ -173,9 +173,10 @@ def kept_step(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block_tabl
               backend: str, options: Any) -> tuple[Any, Any]:
     """(the call's signature key, or None where it has none; the step kept for that
     signature — ``memo[STEP]``, which attention_kvcache puts there after a call of it —
-    or None). Before a step is handed out, the checks of the call's state it does not
-    make itself run (gradients, the caches' writability: the errors validation
-    raises); the step checks the lengths' values."""
+    or None). Before a step is handed out, the check of the call's state it does not
+    make itself runs (the caches' writability: validation's error); a step declines
+    tensors that require grad under grad mode (the full path then raises) and checks
+    the lengths' values."""
     key = _signature(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, backend, options)
     try:
         seen = None if key is None else _SEEN.get(key)
@@ -184,9 +185,7 @@ def kept_step(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, block_tabl
     made = None if seen is None else seen[2].get(STEP)
     if made is None:
         return key, None
-    want_torch = type(q) is not np.ndarray
-    _check_grad(q, k_cache, v_cache, k_new, v_new, want_torch, options)
-    _check_writable(k_cache, v_cache, 0 if k_new is None else int(k_new.shape[-2]), want_torch)
+    _check_writable(k_cache, v_cache, 0 if k_new is None else int(k_new.shape[-2]), type(q) is not np.ndarray)
     return key, made
 
 

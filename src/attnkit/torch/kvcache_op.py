@@ -90,8 +90,9 @@ def step(rung: Any, kv: Any) -> Callable[..., Any] | None:
     op's kept calls decline, lengths not an int or an int64 or int32 CPU tensor of
     one or B elements; what :func:`attnkit.small.kvcache_at` declines): the full path
     then checks and runs the call. The caches' version counters move where it
-    writes, as torch's own writes move them. The caller has checked the gradients and
-    the caches' writability (the state validation checks at every call)."""
+    writes, as torch's own writes move them. The caller has checked the caches'
+    writability (validation checks it at every call); tensors that require grad under
+    grad mode are declined (the full path names them)."""
     call = rung.kvcache_call(kv)
     if call is None or not kv.spec.q.is_cpu:
         return None

@@ -514,8 +514,8 @@ class TorchRung:
         """(out, lse) of a contiguous cache's call, its append done, by :meth:`kvcache_call`
         on the tensors' memory, as :meth:`rung_kvcache` computes them; or None: the
         full path (no memo, a paged cache, a rung or call without one, tensors the
-        direct call cannot read: what :meth:`direct` declines). A small model's decoding
-        step: conversions and the rung's forward took 123 µs, this 68–74."""
+        direct call cannot read: what :meth:`direct` declines): a signature's first
+        call, and the calls its kept step (:meth:`kvcache_step`) declines."""
         call = self.kvcache_call(kv)
         q, k, v, sinks = kv.spec.q, kv.k_cache, kv.v_cache, kv.spec.sinks
         if call is None or not q.is_cpu or not _direct_reads(q, k, v):
