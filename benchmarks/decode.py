@@ -165,7 +165,8 @@ def small_step(repeats: int) -> None:
     over Hkv = 2, D = 32, a contiguous cache of 64 slots holding 40, 17, 62 and 0 keys;
     one new key appended per sequence, then attended. attnkit.attention_kvcache against
     the same step in torch: the append by index, SDPA with the lengths as a key mask
-    (both made from the lengths, as each step's lengths differ). Per-call overhead, not
+    (both made from the lengths, as each step's lengths differ); and attnkit on the
+    same keys in a paged cache (pages of 16, shuffled). Per-call overhead, not
     bandwidth: reported, no target."""
     import torch
     import torch.nn.functional as F
@@ -175,6 +176,11 @@ def small_step(repeats: int) -> None:
                  for shape in ((B, Hs, 1, Ds), (B, Hk, 1, Ds), (B, Hk, 1, Ds)))
     kc, vc = (torch.from_numpy(rng.standard_normal((B, Hk, S, Ds), dtype=np.float32)) for _ in range(2))
     lengths = torch.tensor([40, 17, 62, 0])
+    P, n = 16, S // 16
+    table = torch.from_numpy(rng.permutation(B * n).reshape(B, n))
+    kp, vp = (torch.empty(B * n, Hk, P, Ds) for _ in range(2))
+    for pages, c in ((kp, kc), (vp, vc)):
+        pages[table.reshape(-1)] = c.reshape(B, Hk, n, P, Ds).transpose(1, 2).reshape(B * n, Hk, P, Ds)
 
     def torch_step():
         rows, slots = torch.arange(B)[:, None], lengths[:, None]
@@ -186,15 +192,19 @@ def small_step(repeats: int) -> None:
     def attnkit_step():
         return attnkit.attention_kvcache(q, kc, vc, lengths, k_new=kn, v_new=vn)
 
+    def paged_step():
+        return attnkit.attention_kvcache(q, kp, vp, lengths, block_table=table, k_new=kn, v_new=vn)
+
     calls = 200                                          # per timed run: the best run ÷ calls
     runs = {n: (lambda f=f: [f() for _ in range(calls)]) for n, f in (("attnkit", attnkit_step),
-                                                                      ("torch", torch_step))}
+                                                                      ("paged", paged_step), ("torch", torch_step))}
     with torch.no_grad():
-        err = float((attnkit_step() - torch_step()).abs().max())
+        err = max(float((f() - torch_step()).abs().max()) for f in (attnkit_step, paged_step))
         times = {n: min(t) / calls for n, t in interleaved(runs, repeats, gap_s=0.1).items()}
     print(f"\n- a small model's step, append + attend (B={B}, H={Hs}/{Hk}, D={Ds}, {S} slots, torch tensors): "
           f"attnkit {times['attnkit'] * 1e6:.0f} µs, torch (index + SDPA with a length mask) "
-          f"{times['torch'] * 1e6:.0f} µs: {times['torch'] / times['attnkit']:.2f}× (no target; "
+          f"{times['torch'] * 1e6:.0f} µs: {times['torch'] / times['attnkit']:.2f}×; attnkit on pages of {P} "
+          f"(shuffled) {times['paged'] * 1e6:.0f} µs: {times['torch'] / times['paged']:.2f}× (no target; "
           f"largest difference {err:.1e})")
 
 

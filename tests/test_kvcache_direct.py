@@ -25,9 +25,9 @@ def spied(monkeypatch):
     seen = {"made": 0, "ran": []}
     make = small.kvcache_at
 
-    def kvcache_at(spec):
+    def kvcache_at(spec, pages=None):
         seen["made"] += 1
-        call = make(spec)
+        call = make(spec, pages)
         if call is None:
             return None
 
@@ -102,8 +102,8 @@ def test_strided_queries_and_caches(L, spied):
 
 
 def test_it_declines_what_it_cannot_read(spied):
-    """A negative bit (its memory holds −x), bfloat16, a paged cache, dropout: the full
-    path, with its results."""
+    """A negative bit (its memory holds −x), bfloat16, dropout: the full path, with its
+    results (a paged cache's second call takes its step: tests/test_kvcache_paged_step.py)."""
     q, kc, vc, _, _ = tensors(3)
     lengths = torch.tensor([4, 9, 2])
     attnkit.attention_kvcache(q, kc, vc, lengths)
@@ -118,7 +118,7 @@ def test_it_declines_what_it_cannot_read(spied):
     for _ in range(2):
         attnkit.attention_kvcache(q, pages_k, pages_v, lengths, block_table=table)
         attnkit.attention_kvcache(q, kc, vc, lengths, dropout=0.5, seed=1)
-    assert spied["ran"] == [True] * 4
+    assert spied["ran"] == [True] * 5                    # and the paged cache's second call
 
 
 def test_a_change_of_settings_takes_the_full_path(spied, monkeypatch):

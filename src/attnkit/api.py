@@ -367,7 +367,7 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
     # a decoding loop repeats one signature: after its first call, the rung's kept step
     # (where it has one) takes the call whole while select would choose as then
     key, step = kept_step(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, backend, masking)
-    done = step[0](q, k_cache, v_cache, cache_lengths, k_new, v_new, masking.get("sinks"), return_lse) \
+    done = step[0](q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, masking.get("sinks"), return_lse) \
         if step is not None and step[1] == backends.settings() else None
     if done is not None:
         return done if return_lse else done[0]
@@ -377,7 +377,7 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
     kvcache.append(kv)
     out, lse = rung.rung_kvcache(kv)
     if kv.memo is not None and STEP not in kv.memo:
-        make = None if kv.paged else getattr(rung, "kvcache_step", None)
+        make = getattr(rung, "kvcache_step", None)
         made = None if make is None else make(kv)
         kv.memo[STEP] = None if made is None else (made, backends.settings())
     return (out, lse) if return_lse else out

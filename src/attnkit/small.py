@@ -319,29 +319,33 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
 _FAR = 1 << 62
 
 
-def kvcache_at(spec: Spec) -> Callable[..., bool] | None:
-    """attention_kvcache's kept call on a contiguous cache, the append included, for
-    calls of spec's signature (the torch op's and :func:`kvcache_step`'s): ``call(q, q_strides, k, k_strides, v,
-    v_strides, lengths, out, out_strides, lse, sinks, kind, step, L_new, k_new,
-    kn_strides, v_new, vn_strides) -> bool``, addresses and strides as
-    :func:`direct_at`'s, k and v the caches (spec's key length, their capacity), lse
-    0 where not wanted; each sequence's keys before the append at ``lengths`` (``kind``
-    8: int64 ``step`` elements apart, 4: int32, 0: the int ``lengths`` itself for every
+def kvcache_at(spec: Spec, pages: tuple[int, int, int] | None = None) -> Callable[..., bool] | None:
+    """attention_kvcache's kept call on a cache, the append included, for calls of
+    spec's signature (the torch op's and :func:`kvcache_step`'s): ``call(q, q_strides,
+    k, k_strides, v, v_strides, lengths, out, out_strides, lse, sinks, kind, step,
+    L_new, k_new, kn_strides, v_new, vn_strides, table=0, t_kind=0, t_strides=(0, 0))
+    -> bool``, addresses and strides as :func:`direct_at`'s, k and v the caches — a
+    contiguous cache's (spec's key length, their capacity), or with ``pages`` (N, P, W) a
+    paged cache's N pages of P keys, read through the block table (B, W) at ``table`` (int64
+    where ``t_kind`` is 8, int32 where 4; strides in elements) —, lse 0 where not
+    wanted; each sequence's keys before the append at ``lengths`` (``kind`` 8: int64
+    ``step`` elements apart, 4: int32, 0: the int ``lengths`` itself for every
     sequence); L_new new keys and values per sequence at k_new and v_new (any strides
     but unit ones along D), written into their slots first — by
     :func:`.flash.numba_small.kvcache_rows_at`, which also makes the rows' key bounds
-    from the lengths. False, having written nothing, where a length leaves no room,
-    the layout is not one the compiled call reads or the new keys lie in a cache's
-    memory: the full path then checks and runs the call (False also where a unit on
-    torch's team failed, the append done: the full path writes the same keys again).
-    None unless spec, its lengths aside, streams alone in float32
-    (:func:`_prepared`, :func:`sink_reads`)."""
+    from the lengths. False, having written nothing, where a length leaves no room, a
+    page is one the full path refuses or checks further, the layout is not one the
+    compiled call reads or the new keys lie in a cache's memory: the full path then
+    checks and runs the call (False also where a unit on torch's team failed, the
+    append done: the full path writes the same keys again). None unless spec, its
+    lengths aside, streams alone in float32 (:func:`_prepared`, :func:`sink_reads`)."""
     made, reads = _prepared(spec.replace(kv_lengths=None)), sink_reads(spec)
     if made is None or reads is None or not made[1] <= spec.S <= made[2] or spec.q_lengths is not None \
-            or spec.kv_starts is not None:
+            or spec.kv_starts is not None or (pages is not None and spec.S != pages[1] * pages[2]):
         return None
     kept, _, _, stamp = made
     run = _run_at(kept, reads, "kvcache_rows_at")
+    N, P = pages[:2] if pages else (0, 0)
     # the band's bounds of each row i for a sequence of no keys, unclamped: they move
     # with a sequence's n keys by n where its rows align bottom-right (dense_row_bounds'
     # diagonal i + n − L), and are then clamped to [0, n) in the kernel
@@ -354,11 +358,12 @@ def kvcache_at(spec: Spec) -> Callable[..., bool] | None:
     def call(q: int, q_strides: tuple[int, ...], k: int, k_strides: tuple[int, ...], v: int,
              v_strides: tuple[int, ...], lengths: int, out: int, out_strides: tuple[int, ...], lse: int,
              sinks: int, kind: int, step: int, L_new: int, k_new: int, kn_strides: tuple[int, ...], v_new: int,
-             vn_strides: tuple[int, ...]) -> bool:
-        if _settings() != stamp or not held:
+             vn_strides: tuple[int, ...], table: int = 0, t_kind: int = 0,
+             t_strides: tuple[int, int] = (0, 0)) -> bool:
+        if _settings() != stamp or not held or (t_kind == 0) != (pages is None):
             return False
         return run(q, q_strides, k, k_strides, v, v_strides, kept.S, out, out_strides, lse, *at, sinks, lengths,
-                   kind, step, shift, L_new, k_new, kn_strides, v_new, vn_strides)
+                   kind, step, shift, L_new, k_new, kn_strides, v_new, vn_strides, table, t_kind, t_strides, N, P)
     return call
 
 
@@ -463,20 +468,20 @@ _INTS = {np.dtype(np.int64): 8, np.dtype(np.int32): 4}
 
 
 def kvcache_step(kv: Any) -> Callable[..., Any] | None:
-    """For calls of kv's signature on NumPy arrays (a contiguous cache), the whole call
-    — the lengths' check, the append, the attention — as one compiled call on the
-    arrays' memory (:func:`kvcache_at`), as :func:`attnkit.torch.kvcache_op.step` runs
-    it for CPU tensors: ``step(q, k_cache, v_cache, cache_lengths, k_new, v_new, sinks,
-    need_lse) -> (out, lse or None)``, or None where it cannot take them as they are
-    (strides not whole elements, sinks not C-ordered, lengths not an int or int64 or
-    int32 of one or B elements, lengths that leave no room; what :func:`kvcache_at`
-    declines): the full path then checks and runs the call. None unless every array
-    of kv is native float32 (their dtypes are the signature's)."""
+    """For calls of kv's signature on NumPy arrays, the whole call — the lengths'
+    check, the append, the attention — as one compiled call on the arrays' memory
+    (:func:`kvcache_at`), as :func:`attnkit.torch.kvcache_op.step` runs it for CPU
+    tensors: ``step(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new,
+    sinks, need_lse) -> (out, lse or None)``, or None where it cannot take them as
+    they are (strides not whole elements, sinks not C-ordered, lengths not an int or
+    int64 or int32 of one or B elements, a block table not int64 or int32; what
+    :func:`kvcache_at` declines): the full path then checks and runs the call. None
+    unless every array of kv is native float32 (their dtypes are the signature's)."""
     spec = kv.spec
     arrays = [x for x in (spec.q, kv.k_cache, kv.v_cache, kv.k_new, kv.v_new, spec.sinks) if x is not None]
-    if kv.paged or any(type(x) is not np.ndarray or x.dtype != _F32 for x in arrays):
+    if any(type(x) is not np.ndarray or x.dtype != _F32 for x in arrays):
         return None
-    call = kvcache_at(spec)
+    call = kvcache_at(spec, (kv.k_cache.shape[0], kv.page_size, kv.block_table.shape[1]) if kv.paged else None)
     if call is None:
         return None
     out_shape, lse_shape, B = spec.out_shape, spec.lse_shape, spec.batch[0]
@@ -493,9 +498,14 @@ def kvcache_step(kv: Any) -> Callable[..., Any] | None:
             made += [x.ctypes.data, tuple(n >> 2 for n in st)]
         return made
 
-    def run(q: Any, k: Any, v: Any, lengths: Any, k_new: Any, v_new: Any, sinks: Any,
+    def run(q: Any, k: Any, v: Any, lengths: Any, table: Any, k_new: Any, v_new: Any, sinks: Any,
             need_lse: bool) -> tuple[np.ndarray, Any] | None:
         at = places((q, k, v) if k_new is None else (q, k, v, k_new, v_new))
+        pages: tuple[Any, ...] = ()
+        if table is not None:                            # (its type and shape: the signature's)
+            if table.dtype not in _INTS or any(n % table.itemsize for n in table.strides):
+                return None
+            pages = (table.ctypes.data, table.itemsize, tuple(n // table.itemsize for n in table.strides))
         if type(lengths) is int and abs(lengths) < _FAR:
             kind, where, apart = 0, lengths, 0
         elif type(lengths) is np.ndarray and lengths.dtype in _INTS and lengths.shape in ((), (B,)) and not (
@@ -516,7 +526,7 @@ def kvcache_step(kv: Any) -> Callable[..., Any] | None:
         lse = np.empty(lse_shape, dtype=np.float32) if need_lse else None
         added = (k_new.shape[-2], *at[6:]) if k_new is not None else (0, 0, no_rows, 0, no_rows)
         if not call(*at[:6], where, out.ctypes.data, tuple(n >> 2 for n in out.strides),
-                    0 if lse is None else lse.ctypes.data, sinks_at, kind, apart, *added):
+                    0 if lse is None else lse.ctypes.data, sinks_at, kind, apart, *added, *pages):
             return None
         return out, lse
     return run

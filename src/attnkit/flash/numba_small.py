@@ -361,9 +361,40 @@ def _span(addr, shape, strides):
 
 
 @numba.njit(**ORDERED)
+def _table_rows(table, t_kind, t_strides, B, width, n, L_new, N, P):
+    """The pages (B, width) int64 of a block table at address ``table`` (``t_kind`` 8:
+    int64, 4: int32; strides in elements) that sequences of n keys use (the entries
+    past them are never read: 0), or an empty array where a used entry lies outside
+    [0, N) or the append (L_new > 0) writes into a page that another used entry holds
+    too (a page sequences share: the full path's rule, :func:`attnkit.spec.kvcache._check_writes`)."""
+    pages = np.zeros((B, width), dtype=np.int64)
+    used = 0
+    for b in range(B):
+        for j in range((n[b] + P - 1) // P):
+            x = view_at(table, (B, width), t_strides, np.int64(0))[b, j] if t_kind == 8 else \
+                np.int64(view_at(table, (B, width), t_strides, np.int32(0))[b, j])
+            if x < 0 or x >= N:
+                return np.zeros((0, 0), dtype=np.int64)
+            pages[b, j] = x
+            used += 1
+    if L_new:                                      # a written page held by one used entry only
+        held, u = np.empty(used, dtype=np.int64), 0
+        for b in range(B):
+            for j in range((n[b] + P - 1) // P):
+                held[u], u = pages[b, j], u + 1
+        held.sort()
+        for b in range(B):
+            for j in range((n[b] - L_new) // P, (n[b] + P - 1) // P):
+                if np.searchsorted(held, pages[b, j], "right") - np.searchsorted(held, pages[b, j]) != 1:
+                    return np.zeros((0, 0), dtype=np.int64)
+    return pages
+
+
+@numba.njit(**ORDERED)
 def kvcache_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides, out,
                     out_strides, lse, scale, softcap, rel_lo, rel_hi, sinks, sink_strides, team, threads, entry,
-                    lengths, kind, step, shift, L_new, k_new, kn_strides, v_new, vn_strides):
+                    lengths, kind, step, shift, L_new, k_new, kn_strides, v_new, vn_strides, table, t_kind,
+                    t_strides, N, P):
     """attention_kvcache's call on a contiguous cache k (B, A, S, D), v (B, A, S, Dv)
     at addresses, the append included: sequence b holds lengths[b] keys (``kind`` 8:
     int64 at address ``lengths``, ``step`` elements apart; 4: int32; 0: ``lengths``
@@ -374,12 +405,17 @@ def kvcache_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_stride
     sequence b (of L) sees keys [lo, hi) with lo = max(0, shift·n + rel_lo[i]), hi =
     max(lo, min(n, shift·n + rel_hi[i])), n its keys (the band's bounds move with n where
     the rows align bottom-right, shift 1; rel_lo, rel_hi: the addresses of int64 (L,),
-    :func:`attnkit.small.kvcache_at` makes them). Returns small_rows_at's status, or 3
-    touching nothing where a length is negative or leaves no room for the new keys,
-    or 1 where an operand's layout is not one it reads, the new keys or values lie
-    in a cache's memory or the caches overlap but for being one (the full path then
-    checks or runs the call); 2 (a unit on
-    torch's team failed) comes after the append."""
+    :func:`attnkit.small.kvcache_at` makes them). With ``t_kind`` (8: int64, 4: int32; 0:
+    a contiguous cache) the cache is paged: k (N, A, P, D), v (N, A, P, Dv) at k_strides,
+    v_strides, sequence b's key s in page table[b, s // P] (a block table (B, S / P) at
+    address ``table``, strides ``t_strides``), slot s % P; each sequence's keys are
+    gathered (:func:`_table_rows`) and attended as a contiguous cache's (the full path
+    gathers them too). Returns small_rows_at's status, or 3 touching nothing where a
+    length is negative or leaves no room for the new keys or a page is one the full
+    path refuses or checks further (:func:`_table_rows`), or 1 where an operand's
+    layout is not one it reads, the new keys or values lie in a cache's memory or the
+    caches overlap but for being one (the full path then checks or runs the call); 2
+    (a unit on torch's team failed) comes after the append."""
     B, H, L, D, Dv = out_shape[0], out_shape[1], out_shape[2], q_shape[3], out_shape[3]
     n = np.empty(B, dtype=np.int64)
     for b in range(B):
@@ -392,12 +428,28 @@ def kvcache_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_stride
         if x < 0 or x > S - L_new:
             return 3
         n[b] = x + L_new
-    if not _readable(out_shape, q_shape, q_strides, k_shape, k_strides, v_shape, v_strides, out_strides) or (
-            L_new and ((D > 1 and kn_strides[3] != 1) or (Dv > 1 and vn_strides[3] != 1))):
+    kept_k, kept_v = (B, A, S, D), (B, A, S, Dv)   # the caches' shapes, or (paged) their pages'
+    pages = np.zeros((0, 0), dtype=np.int64)
+    if t_kind:
+        kept_k, kept_v = (N, A, P, D), (N, A, P, Dv)
+        pages = _table_rows(table, t_kind, t_strides, B, S // P, n, L_new, N, P)
+        if pages.size == 0 and B * S > 0:
+            return 3
+    # what small_rows_at reads: the caches, or (paged) the keys gathered into (B, A, S, D[v])
+    gk = np.empty((B, A, S, D) if t_kind else (0, 0, 0, 0), dtype=np.float32)
+    gv = np.empty((B, A, S, Dv) if t_kind else (0, 0, 0, 0), dtype=np.float32)
+    rk, rk_strides, rv, rv_strides = k, k_strides, v, v_strides
+    if t_kind:
+        rk, rv = np.int64(gk.ctypes.data), np.int64(gv.ctypes.data)
+        rk_strides, rv_strides = (A * S * D, S * D, D, np.int64(1)), (A * S * Dv, S * Dv, Dv, np.int64(1))
+    if not _readable(out_shape, q_shape, q_strides, k_shape, rk_strides, v_shape, rv_strides, out_strides) or (
+            L_new and ((D > 1 and kn_strides[3] != 1) or (Dv > 1 and vn_strides[3] != 1))) or (
+            t_kind and ((D > 1 and k_strides[3] != 1) or (Dv > 1 and v_strides[3] != 1))):
         return 1
+    kc, vc = view_at(k, kept_k, k_strides, f32(0.0)), view_at(v, kept_v, v_strides, f32(0.0))
     if L_new:                                      # new keys in the caches' memory: written row by row,
         spans = (_span(k_new, (B, A, L_new, D), kn_strides), _span(v_new, (B, A, L_new, Dv), vn_strides))
-        caches = (_span(k, (B, A, S, D), k_strides), _span(v, (B, A, S, Dv), v_strides))
+        caches = (_span(k, kept_k, k_strides), _span(v, kept_v, v_strides))
         for c0, c1 in caches:                      # they would be read after a write (the full path
             for n0, n1 in spans:                   # copies them first)
                 if n0 < c1 and c0 < n1:
@@ -406,14 +458,22 @@ def kvcache_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_stride
                                                                               k_strides == v_strides):
             return 1                               # (caches that overlap but not in place: the full path
                                                    # writes every key before any value, this key by key)
-        kc, vc = view_at(k, (B, A, S, D), k_strides, f32(0.0)), view_at(v, (B, A, S, Dv), v_strides, f32(0.0))
         kn, vn = view_at(k_new, (B, A, L_new, D), kn_strides, f32(0.0)), \
             view_at(v_new, (B, A, L_new, Dv), vn_strides, f32(0.0))
         for b in range(B):
             for a in range(A):
                 for t in range(L_new):
-                    copy_row(address(kc, (b, a, n[b] - L_new + t, 0)), address(kn, (b, a, t, 0)), D)
-                    copy_row(address(vc, (b, a, n[b] - L_new + t, 0)), address(vn, (b, a, t, 0)), Dv)
+                    s = n[b] - L_new + t
+                    row, slot = (pages[b, s // P], s % P) if t_kind else (b, s)
+                    copy_row(address(kc, (row, a, slot, 0)), address(kn, (b, a, t, 0)), D)
+                    copy_row(address(vc, (row, a, slot, 0)), address(vn, (b, a, t, 0)), Dv)
+    if t_kind:                                     # each sequence's pages in use, in its order
+        for b in range(B):
+            for j in range((n[b] + P - 1) // P):
+                for a in range(A):
+                    for s in range(P):
+                        copy_row(address(gk, (b, a, j * P + s, 0)), address(kc, (pages[b, j], a, s, 0)), D)
+                        copy_row(address(gv, (b, a, j * P + s, 0)), address(vc, (pages[b, j], a, s, 0)), Dv)
     rlo, rhi = view_at(rel_lo, (L,), (1,), np.int64(0)), view_at(rel_hi, (L,), (1,), np.int64(0))
     lo, hi = np.empty((B, H * L), dtype=np.int64), np.empty((B, H * L), dtype=np.int64)
     for b in range(B):
@@ -422,7 +482,8 @@ def kvcache_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_stride
             last = max(first, min(n[b], shift * n[b] + rhi[i]))
             for h in range(H):
                 lo[b, h * L + i], hi[b, h * L + i] = first, last
-    done = small_rows_at(out_shape, A, S, q, q_shape, q_strides, k, k_shape, k_strides, v, v_shape, v_strides,
+    done = small_rows_at(out_shape, A, S, q, q_shape, q_strides, rk, k_shape, rk_strides, rv, v_shape, rv_strides,
                          out, out_strides, lse, scale, softcap, lo.ctypes.data, hi.ctypes.data, sinks,
                          sink_strides, team, threads, entry)
-    return done if lo.size + hi.size >= 0 else 2        # (the bounds live until small_rows_at is done)
+    # (the bounds and the gathered keys live until small_rows_at is done)
+    return done if lo.size + hi.size + gk.size + gv.size >= 0 else 2

@@ -81,18 +81,19 @@ _Tensor, _bump = torch.Tensor, torch.autograd.graph.increment_version
 
 
 def step(rung: Any, kv: Any) -> Callable[..., Any] | None:
-    """For calls of kv's signature on CPU tensors (a contiguous cache; kept by
+    """For calls of kv's signature on CPU tensors (kept by
     :func:`attnkit.spec.kvcache.kept_step` once a call of that signature has run), the
     whole call — the lengths' check, the append, the attention — as one compiled call
     on the tensors' memory (the rung's :meth:`~.op.TorchRung.kvcache_call`):
-    ``step(q, k_cache, v_cache, cache_lengths, k_new, v_new, sinks, need_lse) -> (out,
-    lse or None)``, or None where that call cannot take them as they are (what the
-    op's kept calls decline, lengths not an int or an int64 or int32 CPU tensor of
-    one or B elements; what :func:`attnkit.small.kvcache_at` declines): the full path
-    then checks and runs the call. The caches' version counters move where it
-    writes, as torch's own writes move them. The caller has checked the caches'
-    writability (validation checks it at every call); tensors that require grad under
-    grad mode are declined (the full path names them)."""
+    ``step(q, k_cache, v_cache, cache_lengths, block_table, k_new, v_new, sinks,
+    need_lse) -> (out, lse or None)``, or None where that call cannot take them as
+    they are (what the op's kept calls decline, lengths not an int or an int64 or
+    int32 CPU tensor of one or B elements, a block table not int64 or int32; what
+    :func:`attnkit.small.kvcache_at` declines): the full path then checks and runs
+    the call. The caches' version counters move where it writes, as torch's own
+    writes move them. The caller has checked the caches' writability (validation
+    checks it at every call); tensors that require grad under grad mode are declined
+    (the full path names them)."""
     call = rung.kvcache_call(kv)
     if call is None or not kv.spec.q.is_cpu:
         return None
@@ -102,9 +103,15 @@ def step(rung: Any, kv: Any) -> Callable[..., Any] | None:
     new = functools.partial(torch.empty, dtype=torch.float32, device=_CPU)
     no_rows = (0, 0, 0, 0)
 
-    def run(q: Any, k: Any, v: Any, lengths: Any, k_new: Any, v_new: Any, sinks: Any,
+    def run(q: Any, k: Any, v: Any, lengths: Any, table: Any, k_new: Any, v_new: Any, sinks: Any,
             need_lse: bool) -> tuple[torch.Tensor, Any] | None:
         if not _direct_reads(q, k, v) or (k_new is not None and not _direct_reads(k_new, v_new, q)):
+            return None
+        if table is None:
+            pages: tuple[Any, ...] = ()
+        elif table.dtype in _INTS and not table.is_neg():              # (its type, shape, device: the
+            pages = (table.data_ptr(), _INTS[table.dtype], table.stride())   # signature's)
+        else:
             return None
         at = 0 if sinks is None and sink_shape is None else _sinks_at(sinks, sink_shape)
         if type(lengths) is int and abs(lengths) < 1 << 62:         # (an int64 for the call)
@@ -122,7 +129,7 @@ def step(rung: Any, kv: Any) -> Callable[..., Any] | None:
                                                                                                    no_rows)
         if not call(q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(), v.stride(), where,
                     out.data_ptr(), out.stride(), 0 if lse is None else lse.data_ptr(), at, kind, apart, L_new,
-                    *added):
+                    *added, *pages):
             return None
         if L_new:
             _bump(k)

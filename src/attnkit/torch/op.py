@@ -516,7 +516,7 @@ class TorchRung:
         full path (no memo, a paged cache, a rung or call without one, tensors the
         direct call cannot read: what :meth:`direct` declines): a signature's first
         call, and the calls its kept step (:meth:`kvcache_step`) declines."""
-        call = self.kvcache_call(kv)
+        call = None if kv.paged else self.kvcache_call(kv)
         q, k, v, sinks = kv.spec.q, kv.k_cache, kv.v_cache, kv.spec.sinks
         if call is None or not q.is_cpu or not _direct_reads(q, k, v):
             return None
@@ -532,15 +532,16 @@ class TorchRung:
         return (out, lse) if done else None
 
     def kvcache_call(self, kv: Any) -> Any:
-        """The compute rung's kept call on a contiguous cache's memory for calls of kv's
-        signature (``mod.kvcache_at``, made once in ``kv.memo``), or None."""
+        """The compute rung's kept call on a cache's memory for calls of kv's signature
+        (``mod.kvcache_at``, made once in ``kv.memo``), or None."""
         make = getattr(self.mod, "kvcache_at", None)
-        if make is None or kv.memo is None or kv.paged:
+        if make is None or kv.memo is None:
             return None
         key = ("kvcache_at", self.mod.name)
         call = kv.memo.get(key, _MISSING)
         if call is _MISSING:
-            call = kv.memo[key] = make(kv.spec)
+            pages = (int(kv.k_cache.shape[0]), kv.page_size, int(kv.block_table.shape[1])) if kv.paged else None
+            call = kv.memo[key] = make(kv.spec, pages)
         return call
 
     def kvcache_step(self, kv: Any) -> Callable[..., Any] | None:
