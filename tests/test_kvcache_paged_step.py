@@ -84,6 +84,7 @@ def test_a_paged_decoding_loop_on_the_kept_step_gives_the_full_paths_bits(lib, o
 
 
 TABLES = {"int32": lambda t: t.astype(np.int32), "strided": lambda t: np.repeat(t, 2, axis=1)[:, ::2],
+          "reversed (negative strides)": lambda t: t[::-1, ::-1],
           "past the pages used: anything": lambda t: np.where(np.arange(t.shape[1]) >= 2, -5, t),
           "int16 (the full path)": lambda t: t.astype(np.int16)}
 
@@ -91,8 +92,9 @@ TABLES = {"int32": lambda t: t.astype(np.int32), "strided": lambda t: np.repeat(
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 @pytest.mark.parametrize("form", list(TABLES))
 def test_the_step_reads_block_tables_in_place(lib, form, checked):
-    """int32 tables and strided views are read in place; entries past the pages a
-    sequence uses are never read; int16 tables take the full path."""
+    """int32 tables and strided views (negative strides too; torch's: a strided view) are
+    read in place; entries past the pages a sequence uses are never read; int16 tables
+    take the full path."""
     q, kp, vp, kn, vn, table = paged(2, 4, 6, lengths=(3, 3, 3))
     table = TABLES[form](table)
     q, kp, vp, kn, vn, table = as_lib(lib, q, kp, vp, kn, vn, table)
