@@ -278,8 +278,10 @@ class PagedCache:
         or :meth:`reserve` taking them first) is refused with a ValueError, instead of
         landing in a page another sequence may hold; after an append of one's own,
         :meth:`set_length` counts the keys it wrote."""
-        seqs = sequence_ids(seqs)
-        seqs = [self._check(s) for s in seqs]
+        return self._table([self._check(s) for s in sequence_ids(seqs)])
+
+    def _table(self, seqs: list[int]) -> Any:
+        """:meth:`block_table` of sequences ``seqs`` (checked)."""
         width = max((len(self._pages[s]) for s in seqs), default=0)
         t = np.full((len(seqs), max(width, 1)), -1, dtype=np.int32)
         for i, s in enumerate(seqs):
@@ -291,7 +293,11 @@ class PagedCache:
 
     def lengths(self, seqs: list[int]) -> Any:
         """Keys held by each of the sequences ``seqs`` ((len(seqs),) int64)."""
-        n = np.array([self._lengths[self._check(s)] for s in sequence_ids(seqs)], dtype=np.int64)
+        return self._lengths_of([self._check(s) for s in sequence_ids(seqs)])
+
+    def _lengths_of(self, seqs: list[int]) -> Any:
+        """:meth:`lengths` of sequences ``seqs`` (checked)."""
+        n = np.array([self._lengths[s] for s in seqs], dtype=np.int64)
         if isinstance(self.k, np.ndarray):
             return n
         import torch
@@ -321,15 +327,15 @@ class PagedCache:
         check_paged_attend(q, seqs, self.k)
         n = 0 if k_new is None else int(k_new.shape[-2])
         grow = self._appended(kwargs.get("q_lengths"), n, len(seqs))
-        need = sum(self._need(s, g) for s, g in zip(seqs, grow))   # all or nothing: no sequence grows alone
-        if need > len(self._free):
-            raise ValueError(f"k_new: {sum(grow)} more keys for {len(seqs)} sequences need {need} more pages, "
-                             f"{len(self._free)} are free")
+        need = [self._need(s, g) for s, g in zip(seqs, grow)]   # all or nothing: no sequence grows alone
+        if sum(need) > len(self._free):
+            raise ValueError(f"k_new: {sum(grow)} more keys for {len(seqs)} sequences need {sum(need)} more "
+                             f"pages, {len(self._free)} are free")
         held = {s: len(self._pages[s]) for s in seqs}
-        for s, g in zip(seqs, grow):
-            self.reserve(s, g)
+        for s, m in zip(seqs, need):
+            self._pages[s] += [self._free.pop() for _ in range(m)]
         try:
-            res = attention_kvcache(q, self.k, self.v, self.lengths(seqs), block_table=self.block_table(seqs),
+            res = attention_kvcache(q, self.k, self.v, self._lengths_of(seqs), block_table=self._table(seqs),
                                     k_new=k_new, v_new=v_new, **kwargs)
         except BaseException:                            # a refused call keeps no page it took
             for s, n_held in held.items():

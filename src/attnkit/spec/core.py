@@ -111,6 +111,8 @@ def empty_out(shape: tuple[int, ...], inner: bool, new: Any) -> Any:
 def as_int(x: Any) -> Any:
     """x as an int where ``operator.index`` reads one (NumPy integers, 0-d integer
     arrays and tensors), else as it came: bools (of any library) are no ints here."""
+    if type(x) is int:                                   # (most calls: no dtype to read)
+        return x
     if isinstance(x, (bool, np.bool_)) or str(getattr(x, "dtype", "")) in ("bool", "torch.bool"):
         return x
     try:
