@@ -90,11 +90,16 @@ SMALL_TOTAL = 1 << 20
 SMALL_KV = 1 << 21
 # A paged cache (attention_kvcache with a block table): the small rung first gathers
 # it into contiguous arrays, which the flash rung's decoding kernel does not (it reads
-# the pages in place). Measured (float32, 2 cores, pages of 16, a Zen 3 host): the
-# small rung won up to ~100k key and value elements (0.24 ms against 0.41 at 25k),
-# lost from 130k–250k on (by the batch: 0.53 ms against 0.25 at 262k, one sequence),
-# and at 1M (4 MB: GQA 32/8, D = 128, 512 keys) took 4.5 ms against the flash rung's 0.45.
-SMALL_KV_PAGED = 1 << 17
+# the pages in place). Measured (float32, 2 cores, pages of 16, a Zen 3 host) when the
+# small rung gathered with NumPy: it won up to ~100k key and value elements, lost from
+# 130k–250k on, and at 1M took 4.5 ms against the flash rung's 0.45. Since its calls
+# gather in the compiled call (the kept step; the torch op's first calls too), a
+# decoding loop of PagedCache.attend from 30 keys (Zen 5 host, torch tensors) ran
+# faster with the bound at 2¹⁸ than at 2¹⁷: B = 4, 8 heads on 2, D = 32, to 0.32M
+# elements 300 → 173–179 µs a step; B = 1, 32 on 8, D = 128, to 0.51M 296–298 →
+# 265–277. At 2¹⁹ the second shape's steps at 0.46–0.52M took 0.84–0.96 ms against
+# the flash rung's 0.22–0.26 (why was not found; a 2 MB gathered copy a call).
+SMALL_KV_PAGED = 1 << 18
 
 
 def _per_key(spec: Spec) -> tuple[int, int]:

@@ -511,12 +511,13 @@ class TorchRung:
         return _torch(out, kv.spec.q.dtype), _torch(lse, acc_dtype(kv.spec.q))
 
     def _kept_kvcache(self, kv: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(out, lse) of a contiguous cache's call, its append done, by :meth:`kvcache_call`
-        on the tensors' memory, as :meth:`rung_kvcache` computes them; or None: the
-        full path (no memo, a paged cache, a rung or call without one, tensors the
-        direct call cannot read: what :meth:`direct` declines): a signature's first
-        call, and the calls its kept step (:meth:`kvcache_step`) declines."""
-        call = None if kv.paged else self.kvcache_call(kv)
+        """(out, lse) of a cache's call, its append done, by :meth:`kvcache_call` on the
+        tensors' memory (a paged cache's checked block table as int64), as
+        :meth:`rung_kvcache` computes them; or None: the full path (no memo, a rung or
+        call without one, tensors the direct call cannot read: what :meth:`direct`
+        declines): a signature's first call, and the calls its kept step
+        (:meth:`kvcache_step`) declines."""
+        call = self.kvcache_call(kv)
         q, k, v, sinks = kv.spec.q, kv.k_cache, kv.v_cache, kv.spec.sinks
         if call is None or not q.is_cpu or not _direct_reads(q, k, v):
             return None
@@ -526,9 +527,13 @@ class TorchRung:
         out = torch.empty(kv.spec.out_shape, dtype=torch.float32, device=_CPU)
         lse = torch.empty(kv.spec.lse_shape, dtype=torch.float32, device=_CPU)
         lengths = np.ascontiguousarray(kv.lengths.numpy(), dtype=np.int64)     # after the append: none to make
+        pages: tuple[Any, ...] = ()
+        if kv.paged:                                     # (its used entries checked: in range)
+            table = np.ascontiguousarray(kv.block_table.numpy(), dtype=np.int64)
+            pages = (table.ctypes.data, 8, (table.shape[1], 1))
         done = call(q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(), v.stride(),
                     lengths.ctypes.data, out.data_ptr(), out.stride(), lse.data_ptr(), at, 8, 1, 0, 0, _NO_ROWS,
-                    0, _NO_ROWS)
+                    0, _NO_ROWS, *pages)
         return (out, lse) if done else None
 
     def kvcache_call(self, kv: Any) -> Any:
