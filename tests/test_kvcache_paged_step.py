@@ -184,3 +184,16 @@ def test_a_block_table_without_columns_holds_no_key_on_a_kept_signature(lib):
         attnkit.attention_kvcache(q, kp, vp, 0, block_table=table)
     with pytest.raises(ValueError, match="beyond its capacity of 0 keys"):
         attnkit.attention_kvcache(q, kp, vp, 1, block_table=table)
+
+
+def test_torch_tables_and_lengths_with_a_negative_bit_are_read_as_their_values(checked):
+    """A block table or lengths that are negative views (torch._neg_view of their
+    negation): the values they hold, on the first call and after (the step declines
+    such a table; the full path resolves it), as the plain tensors give."""
+    q, kp, vp, kn, vn, table = as_lib("torch", *paged(6, 4, 4, lengths=(6, 6, 6)))
+    plain = full_path(q, kp.clone(), vp.clone(), torch.tensor([6, 6, 6]), block_table=table, k_new=kn, v_new=vn)
+    neg_table, neg_lengths = torch._neg_view(-table), torch._neg_view(-torch.tensor([6, 6, 6]))
+    for n, t in ((torch.tensor([6, 6, 6]), neg_table), (neg_lengths, table), (neg_lengths, neg_table)):
+        for _ in range(2):
+            got = attnkit.attention_kvcache(q, kp.clone(), vp.clone(), n, block_table=t, k_new=kn, v_new=vn)
+            assert same((got,), (plain,))

@@ -44,13 +44,13 @@ def _positions(kv: KVCall) -> tuple[Any, Any, Any]:
     µs, 8 of them the write); on other devices int64 tensors."""
     host = not isinstance(kv.k_new, np.ndarray) and kv.k_new.device.type == "cpu"
 
-    def index(x: Any) -> Any:                            # as int64: any integer dtype validation takes
+    def index(name: str, x: Any) -> Any:                 # as int64: any integer dtype validation takes
         if x is None:                                    # (torch reads a uint8 index as a mask)
             return None
         if host or isinstance(x, np.ndarray):
-            return np.asarray(x.numpy() if host else x, dtype=np.int64)
+            return np.asarray(host_ints(name, x) if host else x, dtype=np.int64)
         return x.long()
-    lengths, table, new_lengths = (index(x) for x in (kv.cache_lengths, kv.block_table, kv.new_lengths))
+    lengths, table, new_lengths = (index(n, getattr(kv, n)) for n in ("cache_lengths", "block_table", "new_lengths"))
     return new_key_places(lengths, kv.k_new.shape[-2], new_lengths, table, kv.page_size,
                           lambda n: _xp_arange(lengths, n))
 

@@ -100,8 +100,8 @@ def host_ints(name: str, x: Any) -> np.ndarray:
                         "not allow; pass it unbatched (in_dims=None) or call once per sample")
     try:
         return x.numpy()                                 # a CPU tensor: a view, in one call
-    except (RuntimeError, TypeError):                    # another device, grad, a conjugate bit
-        return np.asarray(x.detach().cpu())
+    except (RuntimeError, TypeError):                    # another device, grad, a negative bit
+        return np.asarray(x.detach().resolve_neg().cpu())
 
 
 # ---- scalars -----------------------------------------------------------------------

@@ -53,6 +53,7 @@ from ..spec import OPTIONS, Spec, dtype_name
 from ..spec import acc_dtype as spec_acc_dtype
 from ..spec.checks import check_sequence_values
 from ..spec.core import empty_out, heads_inner, strides_heads_inner
+from ..spec.validate import host_ints
 
 # ---- the flat argument order: the one place that knows it --------------------------------
 _ARRAY_OPTIONS = tuple(o.name for o in OPTIONS if o.schema == "Tensor?")
@@ -529,7 +530,7 @@ class TorchRung:
         lengths = np.ascontiguousarray(kv.lengths.numpy(), dtype=np.int64)     # after the append: none to make
         pages: tuple[Any, ...] = ()
         if kv.paged:                                     # (its used entries checked: in range)
-            table = np.ascontiguousarray(kv.block_table.numpy(), dtype=np.int64)
+            table = np.ascontiguousarray(host_ints("block_table", kv.block_table), dtype=np.int64)
             pages = (table.ctypes.data, 8, (table.shape[1], 1))
         done = call(q.data_ptr(), q.stride(), k.data_ptr(), k.stride(), v.data_ptr(), v.stride(),
                     lengths.ctypes.data, out.data_ptr(), out.stride(), lse.data_ptr(), at, 8, 1, 0, 0, _NO_ROWS,
