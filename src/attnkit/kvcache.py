@@ -237,7 +237,11 @@ class PagedCache:
         need = self._need(seq, n)
         if need > len(self._free):
             raise ValueError(f"n: {n} more keys need {need} more pages, {len(self._free)} are free")
-        self._pages[seq] += [self._free.pop() for _ in range(need)]
+        self._take(seq, need)
+
+    def _take(self, seq: int, m: int) -> None:
+        """Hand sequence ``seq`` (checked) ``m`` pages from the pool (enough are free)."""
+        self._pages[seq] += [self._free.pop() for _ in range(m)]
 
     def set_length(self, seq: int, n: int) -> None:
         """Set sequence ``seq``'s length to ``n`` keys. Fewer drops its last keys
@@ -333,7 +337,7 @@ class PagedCache:
                              f"pages, {len(self._free)} are free")
         held = {s: len(self._pages[s]) for s in seqs}
         for s, m in zip(seqs, need):
-            self._pages[s] += [self._free.pop() for _ in range(m)]
+            self._take(s, m)
         try:
             res = attention_kvcache(q, self.k, self.v, self._lengths_of(seqs), block_table=self._table(seqs),
                                     k_new=k_new, v_new=v_new, **kwargs)

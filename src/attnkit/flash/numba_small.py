@@ -360,6 +360,15 @@ def _span(addr, shape, strides):
     return lo, hi
 
 
+@numba.njit(inline="always")
+def _copy_used(pages, table, n, P):
+    """The entries of ``table`` (B, width) that sequences of n keys use (pages of P keys)
+    into ``pages``, as int64."""
+    for b in range(table.shape[0]):
+        for j in range((n[b] + P - 1) // P):
+            pages[b, j] = table[b, j]
+
+
 @numba.njit(**ORDERED)
 def _table_rows(table, t_kind, t_strides, B, width, n, L_new, N, P):
     """The pages (B, width) int64 of a block table at address ``table`` (``t_kind`` 8:
@@ -368,14 +377,15 @@ def _table_rows(table, t_kind, t_strides, B, width, n, L_new, N, P):
     [0, N) or the append (L_new > 0) writes into a page that another used entry holds
     too (a page sequences share: the full path's rule, :func:`attnkit.spec.kvcache._check_writes`)."""
     pages = np.zeros((B, width), dtype=np.int64)
+    if t_kind == 8:
+        _copy_used(pages, view_at(table, (B, width), t_strides, np.int64(0)), n, P)
+    else:
+        _copy_used(pages, view_at(table, (B, width), t_strides, np.int32(0)), n, P)
     used = 0
     for b in range(B):
         for j in range((n[b] + P - 1) // P):
-            x = view_at(table, (B, width), t_strides, np.int64(0))[b, j] if t_kind == 8 else \
-                np.int64(view_at(table, (B, width), t_strides, np.int32(0))[b, j])
-            if x < 0 or x >= N:
+            if pages[b, j] < 0 or pages[b, j] >= N:
                 return np.zeros((0, 0), dtype=np.int64)
-            pages[b, j] = x
             used += 1
     if L_new:                                      # a written page held by one used entry only
         held, u = np.empty(used, dtype=np.int64), 0
