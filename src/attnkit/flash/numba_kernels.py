@@ -328,13 +328,18 @@ def _prefetch_row(x, page, h, slot):
 
 
 @numba.njit(**REDUCE, inline="always")
-def _prefetch_next(kc, page, slot, a, A, h, hk, jj, n_next, n_pages, n_slots):
-    # key jj's row for the next pass over the keys (the next head's in this chunk, or the
-    # first head's in the next), which no hardware prefetcher predicts on short pages
+def _prefetch_next(kc, vc, page, slot, a, A, h, hk, jj, n_next, n_pages, n_slots):
+    # key jj's key and value rows for the next pass over the keys (the next head's in this
+    # chunk, or the first head's in the next), which no hardware prefetcher predicts on
+    # short pages: the value rows a whole pass ahead too, not during the scores just
+    # before them (pages of 16 from memory 1.07–1.12× faster; the same for pages of 64
+    # and 128, whose runs fill a chunk, ran 0.93×: docs/decisions.md)
     if a + 1 < A:
         _prefetch_row(kc, page, h + 1, slot)
+        _prefetch_row(vc, page, h + 1, slot)
     elif jj < n_next:
         _prefetch_row(kc, n_pages[jj], hk, n_slots[jj])
+        _prefetch_row(vc, n_pages[jj], hk, n_slots[jj])
 
 
 @numba.njit(**REDUCE, inline="always")
@@ -360,7 +365,7 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     Keys go in chunks of CHUNK (CHUNK_LONG where a page holds at least that many), in
     three passes: the scores (:func:`.numba_products.scores`: four rows by four keys —
     two at a time on AVX2 — per pass over their vector accumulators — a GQA group's heads share each key read —
-    while the same keys' value rows are prefetched); the softmax of the chunk row by
+    while the same keys' value rows are prefetched, on runs of a chunk); the softmax of the chunk row by
     row (caps, ALiBi and bounds over whole rows: vectorised, and no call of tanh inside
     the score loop, whose registers it would spill); the values
     (:func:`.numba_products.weighted_values`: four output rows by as many lanes as the
@@ -371,7 +376,7 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
     head's key rows of the chunk, then its value rows, are copied into one run before
     its passes (a scores and a values call per key cost pages of one 1.1–1.6× at 32k
     keys, B = 8 or 4 queries; docs/decisions.md). On pages of fewer keys than a chunk the
-    value pass prefetches the next score pass's key rows; longer runs (a dense cache,
+    value pass prefetches the next pass's key and value rows; longer runs (a dense cache,
     pages of 32 keys and more) the hardware prefetcher follows (prefetching them too ran
     4–7% slower on an Intel host: dense, pages of 256 and 1,024; pages of 32 and 64 the
     same within noise). q, and each cache row, must have unit stride along D. Against
@@ -415,7 +420,7 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
                 kp = address(kc, (pages[j0], h, slots[j0], 0)) - j0 * kst
                 vp = address(vc, (pages[j0], h, slots[j0], 0)) - j0 * vst
                 scores(address(q, (a, 0, 0)), q.strides[1], R, D, kp, kst, j0, j1, address(s, (0, 0)), sst,
-                       vp, vst, 4 * Dv)
+                       vp, vst, 0 if P < chunk else 4 * Dv)    # (short pages: the pass before did)
                 j0 = j1
             full = True                                    # every row sees every key of the chunk
             for r in range(R):
@@ -462,16 +467,16 @@ def decode_part(q, kc, vc, table, row, hk, P, c0, c1, lo, hi, softcap, slopes, d
             if gather and full:
                 for jj in range(n):
                     copy_row(address(vbuf, (jj, 0)), address(vc, (pages[jj], h, slots[jj], 0)), Dv)
-                    _prefetch_next(kc, pages[jj], slots[jj], a, A, h, hk, jj, n_next, n_pages, n_slots)
+                    _prefetch_next(kc, vc, pages[jj], slots[jj], a, A, h, hk, jj, n_next, n_pages, n_slots)
                 weighted_values(address(s, (0, 0)), sst, R, 0, n, address(vbuf, (0, 0)), vbuf.strides[0],
                                 address(acc, (a, 0, 0)), acc.strides[1], Dv)
             j0 = 0
             while j0 < n and not (gather and full):
                 j1 = min(n, j0 + P - slots[j0])
                 page, sl0 = pages[j0], slots[j0] - j0      # key jj of the run at slot sl0 + jj
-                if P < chunk:                              # short pages: the next pass's key rows
+                if P < chunk:                              # short pages: the next pass's rows
                     for jj in range(j0, j1):
-                        _prefetch_next(kc, page, slots[jj], a, A, h, hk, jj, n_next, n_pages, n_slots)
+                        _prefetch_next(kc, vc, page, slots[jj], a, A, h, hk, jj, n_next, n_pages, n_slots)
                 if full:
                     vp = address(vc, (page, h, sl0 + j0, 0)) - j0 * vst
                     weighted_values(address(s, (0, 0)), sst, R, j0, j1, vp, vst, address(acc, (a, 0, 0)),
