@@ -138,16 +138,16 @@ def test_auto_runs_the_small_rung_up_to_both_limits_exactly():
     assert backends.select(_zeros_spec(1, 4, 2, 1, S + 1, 48, 16)) is flash
 
 
-def test_a_paged_cache_goes_to_the_small_rung_only_up_to_its_own_limit(monkeypatch):
-    """The small rung gathers a paged cache into contiguous arrays first (the flash
-    rung reads its pages in place): "auto" gives it a paged cache only up to
-    SMALL_KV_PAGED key and value elements, a contiguous one up to SMALL_KV."""
+def test_a_paged_cache_goes_to_the_small_rung_up_to_the_same_limit(monkeypatch):
+    """The small rung gathers a paged cache (in the compiled call; the flash rung reads
+    its pages in place): "auto" gives it a paged cache up to SMALL_KV key and value
+    elements of the block table's capacity, as a contiguous one, and the flash rung
+    past it; both give the reference's attention."""
     from attnkit import flash, small
-    S = backends.SMALL_KV_PAGED // (2 * (48 + 16))       # Hkv=2, D + Dv = 64
-    assert 2 * 64 * S == backends.SMALL_KV_PAGED and 2 * 64 * (S + 1) <= backends.SMALL_KV
-    assert backends.select(_zeros_spec(1, 4, 2, 1, S, 48, 16), need="paged") is small
-    assert backends.select(_zeros_spec(1, 4, 2, 1, S + 1, 48, 16), need="paged") is flash
-    assert backends.select(_zeros_spec(1, 4, 2, 1, S + 1, 48, 16), need="kvcache") is small
+    S = backends.SMALL_KV // (2 * (48 + 16))             # Hkv=2, D + Dv = 64
+    assert 2 * 64 * S == backends.SMALL_KV
+    assert backends.select(_zeros_spec(1, 4, 2, 1, S, 48, 16), need="kvcache") is small
+    assert backends.select(_zeros_spec(1, 4, 2, 1, S + 1, 48, 16), need="kvcache") is flash
     ran = []
     for mod in (flash, small):
         monkeypatch.setattr(mod, "rung_kvcache", lambda kv, mod=mod, f=mod.rung_kvcache: ran.append(mod) or f(kv))
@@ -205,16 +205,15 @@ def fake_rungs(monkeypatch):
 
 
 def test_a_rung_without_kvcache_decoding_is_refused_only_for_the_cache(fake_rungs):
-    """need="kvcache" (and "paged": a paged cache) refuses a rung that has no
+    """need="kvcache" (a contiguous or paged cache) refuses a rung that has no
     rung_kvcache, saying so; every other call may run on it."""
     spec = spec_validate(*make_qkv((2, 3, 4), (2, 5, 4), seed=1))
     assert backends.reasons("bare", spec) == []
     assert backends.select(spec, "bare") is fake_rungs
-    for need in ("kvcache", "paged"):
-        assert backends.reasons("bare", spec, need) == ["has no KV-cache decoding"]
-        with pytest.raises(ValueError, match="  bare: has no KV-cache decoding\n"):
-            backends.select(spec, "bare", need=need)
-        assert backends.reasons("flash", spec, need) == []
+    assert backends.reasons("bare", spec, "kvcache") == ["has no KV-cache decoding"]
+    with pytest.raises(ValueError, match="  bare: has no KV-cache decoding\n"):
+        backends.select(spec, "bare", need="kvcache")
+    assert backends.reasons("flash", spec, "kvcache") == []
 
 
 def test_a_rung_that_cannot_be_imported_says_why(fake_rungs):

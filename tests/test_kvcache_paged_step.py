@@ -1,7 +1,8 @@
 """attention_kvcache's kept step on a paged cache (NumPy arrays and CPU tensors): a
 float32 decoding loop's later calls read the block table in place, write the new keys
-into their pages, gather each sequence's pages and attend, in one compiled call
-(attnkit.flash.numba_small.kvcache_rows_at). It gives the full path's bits and page
+into their pages, gather each sequence's pages (into a scratch each thread keeps) and
+attend, in one compiled call (attnkit.flash.numba_small.kvcache_rows_at), which a
+signature's first call runs too, its append done. It gives the full path's bits and page
 contents; it declines what the full path refuses or checks further (pages out of
 range, a page that sequences share taking new keys), which then gets the full path's
 errors with the pages untouched. (Contiguous caches: tests/test_kvcache_step.py,
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import api
+from attnkit import api, reference, small
 from cases import checked  # noqa: F401 (a fixture)
 
 B, H, HKV, D = 3, 4, 2, 8
@@ -49,8 +50,12 @@ def same(a, b):
 
 
 def full_path(*args, **kw):
+    """The call without the kept step, NumPy's pages gathered by NumPy (the reference's
+    gather), not by the compiled call its first calls use too (torch's first calls use
+    it: tests/test_kvcache.py checks them against the reference)."""
     with pytest.MonkeyPatch.context() as m:
         m.setattr(api, "kept_step", lambda *a: (None, None))
+        m.setattr(small, "rung_kvcache", lambda kv: small.rung_forward(reference.gathered(kv))[:2])
         return attnkit.attention_kvcache(*args, **kw)
 
 
@@ -197,3 +202,38 @@ def test_torch_tables_and_lengths_with_a_negative_bit_are_read_as_their_values(c
         for _ in range(2):
             got = attnkit.attention_kvcache(q, kp.clone(), vp.clone(), n, block_table=t, k_new=kn, v_new=vn)
             assert same((got,), (plain,))
+
+
+def test_each_thread_gathers_into_its_own_scratch(checked):
+    """Two threads decoding at once from caches of two sizes (large enough that their
+    compiled calls, which release the GIL, overlap), and one thread switching between
+    them (its scratch grows, then serves the smaller one): every call the full path's
+    bits. (A scratch shared by threads, or the values' half placed over the keys',
+    gives other numbers.)"""
+    import threading
+    rng = np.random.default_rng(12)
+    runs = []
+    for P, width, n in ((16, 16, 250), (8, 24, 180)):
+        N = 2 * width + 1
+        q, kn, vn = (rng.standard_normal(s).astype(np.float32) for s in ((2, 16, 1, 64), (2, 4, 1, 64), (2, 4, 1, 64)))
+        kp, vp = (rng.standard_normal((N, 4, P, 64)).astype(np.float32) for _ in range(2))
+        table = rng.permutation(N)[:2 * width].reshape(2, width)
+        want = full_path(q, kp.copy(), vp.copy(), n, block_table=table, k_new=kn, v_new=vn, causal=True)
+        runs.append((q, kp, vp, kn, vn, table, n, want))
+
+    def loop(i, times, bad):
+        q, kp, vp, kn, vn, table, n, want = runs[i]
+        for _ in range(times):
+            got = attnkit.attention_kvcache(q, kp.copy(), vp.copy(), n, block_table=table, k_new=kn, v_new=vn,
+                                            causal=True)
+            bad += [] if np.array_equal(got, want) else [i]
+    bad = []
+    for i in (0, 1, 0, 1):                               # one thread: the scratch grows, then serves both
+        loop(i, 3, bad)
+    threads = [threading.Thread(target=loop, args=(i, 200, bad)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad, f"{len(bad)} calls differ"
+    assert len(checked) == 2 + 2

@@ -373,7 +373,7 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_lengths: Any, *,
         return done if return_lse else done[0]
     kv = validate_kvcache(q, k_cache, v_cache, cache_lengths, block_table=block_table, k_new=k_new,
                           v_new=v_new, backend=backend, signature_key=key, **masking)
-    rung = cast(backends.CacheRung, backends.select(kv.spec, backend, need="paged" if kv.paged else "kvcache"))
+    rung = cast(backends.CacheRung, backends.select(kv.spec, backend, need="kvcache"))
     kvcache.append(kv)
     out, lse = rung.rung_kvcache(kv)
     if kv.memo is not None and STEP not in kv.memo:

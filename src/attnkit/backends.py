@@ -88,18 +88,13 @@ AUTO_SMALL = ("small", "flash", "reference")   # NumPy and torch CPU calls that 
 # the cache and gain from the flash rung's threads beyond that.
 SMALL_TOTAL = 1 << 20
 SMALL_KV = 1 << 21
-# A paged cache (attention_kvcache with a block table): the small rung first gathers
-# it into contiguous arrays, which the flash rung's decoding kernel does not (it reads
-# the pages in place). Measured (float32, 2 cores, pages of 16, a Zen 3 host) when the
-# small rung gathered with NumPy: it won up to ~100k key and value elements, lost from
-# 130k–250k on, and at 1M took 4.5 ms against the flash rung's 0.45. Since its calls
-# gather in the compiled call (the kept step; the torch op's first calls too), a
-# decoding loop of PagedCache.attend from 30 keys (Zen 5 host, torch tensors) ran
-# faster with the bound at 2¹⁸ than at 2¹⁷: B = 4, 8 heads on 2, D = 32, to 0.32M
-# elements 300 → 173–179 µs a step; B = 1, 32 on 8, D = 128, to 0.51M 296–298 →
-# 265–277. At 2¹⁹ the second shape's steps at 0.46–0.52M took 0.84–0.96 ms against
-# the flash rung's 0.22–0.26 (why was not found; a 2 MB gathered copy a call).
-SMALL_KV_PAGED = 1 << 18
+# A paged cache (attention_kvcache with a block table) takes the same bound: the small
+# rung gathers its pages in the compiled call (the kept step's, a signature's first
+# call's too) into a scratch kept between calls. Measured there (Zen 5 host, pages of
+# 16, steady calls at ~2M key and value elements, B = 1–8): 0.28–0.43 ms against the
+# flash rung's 0.36–0.96, which reads the pages in place. (It had its own bound, 2¹⁸,
+# while the gathered copy was a new array at every call: paging it in cost a call at
+# 0.5M elements 0.77 ms against 0.09.)
 
 
 def _per_key(spec: Spec) -> tuple[int, int]:
@@ -108,12 +103,12 @@ def _per_key(spec: Spec) -> tuple[int, int]:
     return n * spec.H * spec.L, n * spec.Hkv * (spec.D + spec.Dv)
 
 
-def _fits(per_key: tuple[int, int], S: int, paged: bool = False) -> bool:
-    return per_key[0] * S <= SMALL_TOTAL and per_key[1] * S <= (SMALL_KV_PAGED if paged else SMALL_KV)
+def _fits(per_key: tuple[int, int], S: int) -> bool:
+    return per_key[0] * S <= SMALL_TOTAL and per_key[1] * S <= SMALL_KV
 
 
-def _small(spec: Spec, paged: bool = False) -> bool:
-    return _fits(_per_key(spec), spec.S, paged)
+def _small(spec: Spec) -> bool:
+    return _fits(_per_key(spec), spec.S)
 
 
 def same_choice(spec: Spec, backend: str = "auto") -> Callable[[int], bool] | None:
@@ -131,9 +126,8 @@ def same_choice(spec: Spec, backend: str = "auto") -> Callable[[int], bool] | No
 
 def settings() -> tuple[Any, ...]:
     """What :func:`select` reads besides the call (AUTO, AUTO_SMALL, SMALL_TOTAL,
-    SMALL_KV, SMALL_KV_PAGED: replace them to change them, as a kept call compares these
-    objects)."""
-    return AUTO, AUTO_SMALL, SMALL_TOTAL, SMALL_KV, SMALL_KV_PAGED
+    SMALL_KV: replace them to change them, as a kept call compares these objects)."""
+    return AUTO, AUTO_SMALL, SMALL_TOTAL, SMALL_KV
 
 
 def key_range(ok: Callable[[int], bool], S: int, top: int = 1 << 40) -> tuple[int, int]:
@@ -193,19 +187,19 @@ def reasons(name: str, spec: Spec, need: str | None = None) -> list[str]:
     if mod is None:
         return [why or "not available"]
     r = list(mod.not_supported_reasons(spec))
-    if need in ("kvcache", "paged") and not hasattr(mod, "rung_kvcache"):
+    if need == "kvcache" and not hasattr(mod, "rung_kvcache"):
         r.append("has no KV-cache decoding")
     return r
 
 
-def _candidates(spec: Spec, backend: str, paged: bool = False) -> tuple[str, ...]:
+def _candidates(spec: Spec, backend: str) -> tuple[str, ...]:
     if backend == "torch":
         if not spec.torch:
             return ()
         backend = "auto"
     if backend != "auto":
         return (backend,)
-    return _auto_order(_kind(spec), _small(spec, paged))
+    return _auto_order(_kind(spec), _small(spec))
 
 
 def _kind(spec: Spec) -> str:
@@ -220,13 +214,11 @@ def _auto_order(kind: str, small: bool) -> tuple[str, ...]:
 def select(spec: Spec, backend: str = "auto", need: str | None = None) -> Rung:
     """The rung to run spec on (for torch tensors: the torch op bound to the chosen
     compute rung), or ValueError listing every rung's reasons. ``need="kvcache"``:
-    only rungs with KV-cache decoding (``rung_kvcache``); ``need="paged"`` the same
-    for a paged cache (the small rung, which gathers it, only up to SMALL_KV_PAGED key
-    and value elements). A NumPy rung chosen from
+    only rungs with KV-cache decoding (``rung_kvcache``). A NumPy rung chosen from
     some candidates is kept for later calls of the same kept check with the same
     candidates (``Spec.chosen``: NumPy rungs' reasons depend on nothing the check's
     signature leaves out; Triton's read the environment)."""
-    order = _candidates(spec, backend, need == "paged")
+    order = _candidates(spec, backend)
     memo = spec.chosen
     if memo is not None:
         kept = memo.get((order, need))

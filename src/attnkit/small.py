@@ -4,9 +4,8 @@ A decoding step of a small model (B=4, 8 heads, one query, 45 keys) or a short
 prefill holds a few thousand scores: there the flash rung's planning and thread
 hand-offs, and the reference's NumPy reductions over short rows, cost many times the
 arithmetic. ``backend="auto"`` runs this rung when all score matrices together hold
-at most ``backends.SMALL_TOTAL`` elements and the keys and values at most
-``backends.SMALL_KV`` (a paged cache, which this rung gathers first,
-``backends.SMALL_KV_PAGED``)::
+at most ``backends.SMALL_TOTAL`` elements and the keys and values (a paged cache's
+too, which this rung gathers first) at most ``backends.SMALL_KV``::
 
     s = q kᵀ · scale         one product for all heads: a GQA group's query heads are
                              stacked on their key-value head (no copy of k or v)
@@ -32,9 +31,10 @@ a call that repeats its signature (every layer, every step) runs without validat
 :func:`attnkit.api.attention` keeps :func:`direct`'s prepared call for it (torch
 tensors: :func:`direct_at`'s, on their memory). The
 backward is the flash rung's, the weights the reference's; KV-cache decoding reads
-the reference's gathered keys, and a float32 decoding loop on a contiguous cache runs
-its later calls whole, append included, as one compiled call (:func:`kvcache_step`;
-torch tensors: :func:`kvcache_at`'s, on their memory). No packed sequences or blocks
+the reference's gathered keys (a paged cache's float32 keys the compiled call
+gathers), and a float32 decoding loop runs its later calls whole, append included, as
+one compiled call (:func:`kvcache_step`; torch tensors: :func:`kvcache_at`'s, on their
+memory). No packed sequences or blocks
 of a larger problem: ``auto`` gives those to the flash rung.
 
 >>> import numpy as np
@@ -48,6 +48,7 @@ of a larger problem: ``auto`` gives those to the flash rung.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from math import prod
 from typing import Any
@@ -317,6 +318,23 @@ def direct_at(spec: Spec) -> Callable[..., bool] | None:
 
 # a band's bound no key reaches, for the relative bounds kvcache_at makes
 _FAR = 1 << 62
+# each thread's scratch for a paged cache's gathered keys (kvcache_at), kept up to
+# SCRATCH_MAX elements (a larger call gathers into a new array, as every call once did:
+# at 0.5M elements paging that in cost a step 772 µs against 87)
+_SCRATCH = threading.local()
+SCRATCH_MAX = 1 << 22
+_NO_SCRATCH = np.zeros(0, dtype=np.float32)
+
+
+def _scratch(n: int) -> np.ndarray:
+    """This thread's float32 scratch of n elements at least (an empty array past
+    SCRATCH_MAX: the kernel then makes its own)."""
+    buf = getattr(_SCRATCH, "buf", _NO_SCRATCH)
+    if buf.size < n:
+        if n > SCRATCH_MAX:
+            return _NO_SCRATCH
+        buf = _SCRATCH.buf = np.empty(n, dtype=np.float32)
+    return buf
 
 
 def kvcache_at(spec: Spec, pages: tuple[int, int, int] | None = None) -> Callable[..., bool] | None:
@@ -346,6 +364,7 @@ def kvcache_at(spec: Spec, pages: tuple[int, int, int] | None = None) -> Callabl
     kept, _, _, stamp = made
     run = _run_at(kept, reads, "kvcache_rows_at")
     N, P = pages[:2] if pages else (0, 0)
+    need = prod(kept.batch) * kept.Hkv * kept.S * (kept.D + kept.Dv) if pages else 0    # the gathered keys
     # the band's bounds of each row i for a sequence of no keys, unclamped: they move
     # with a sequence's n keys by n where its rows align bottom-right (dense_row_bounds'
     # diagonal i + n − L), and are then clamped to [0, n) in the kernel
@@ -363,7 +382,8 @@ def kvcache_at(spec: Spec, pages: tuple[int, int, int] | None = None) -> Callabl
         if _settings() != stamp or not held or (t_kind == 0) != (pages is None):
             return False
         return run(q, q_strides, k, k_strides, v, v_strides, kept.S, out, out_strides, lse, *at, sinks, lengths,
-                   kind, step, shift, L_new, k_new, kn_strides, v_new, vn_strides, table, t_kind, t_strides, N, P)
+                   kind, step, shift, L_new, k_new, kn_strides, v_new, vn_strides, table, t_kind, t_strides, N, P,
+                   _scratch(need) if need else _NO_SCRATCH)
     return call
 
 
@@ -457,8 +477,16 @@ def rung_weights(spec: Spec, lse: Any = None, rows: Any = None) -> np.ndarray:
 
 
 def rung_kvcache(kv: Any) -> tuple[np.ndarray, np.ndarray]:
-    """attention_kvcache: the reference's gathered call (a contiguous cache is read in
-    place), then the forward above."""
+    """attention_kvcache, its append done: a paged cache's call on float32 NumPy arrays
+    by :func:`kvcache_step`'s compiled call (the pages gathered there, not by NumPy:
+    at 2M key and value elements a copy of 8 MB; the same bits), else the reference's
+    gathered call (a contiguous cache is read in place), then the forward above."""
+    if kv.paged:
+        step = kvcache_step(kv)
+        done = None if step is None else step(kv.spec.q, kv.k_cache, kv.v_cache, kv.lengths, kv.block_table, None,
+                                              None, kv.spec.sinks, True)
+        if done is not None:
+            return done
     out, lse, _ = rung_forward(reference.gathered(kv))
     return out, lse
 

@@ -29,7 +29,7 @@ def auto_rung(request, monkeypatch):
     """backend="auto" under the op picks this rung for every call of the test."""
     rung = getattr(request, "param", None)
     if rung is not None:
-        for name in ("SMALL_TOTAL", "SMALL_KV", "SMALL_KV_PAGED"):
+        for name in ("SMALL_TOTAL", "SMALL_KV"):
             monkeypatch.setattr(backends, name, 0 if rung == "flash" else 1 << 62)
         if rung == "reference":
             monkeypatch.setattr(backends, "AUTO_SMALL", ("reference",))
