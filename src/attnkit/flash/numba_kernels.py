@@ -332,7 +332,7 @@ def _prefetch_next(kc, vc, page, slot, a, A, h, hk, jj, n_next, n_pages, n_slots
     # key jj's key and value rows for the next pass over the keys (the next head's in this
     # chunk, or the first head's in the next), which no hardware prefetcher predicts on
     # short pages: the value rows a whole pass ahead too, not during the scores just
-    # before them (pages of 16 from memory 1.07–1.12× faster; the same for pages of 64
+    # before them (pages of 16 from memory 1.04–1.15× faster; the same for pages of 64
     # and 128, whose runs fill a chunk, ran 0.93×: docs/decisions.md)
     if a + 1 < A:
         _prefetch_row(kc, page, h + 1, slot)
